@@ -10,22 +10,30 @@ import torch
 from torch import Tensor
 
 
+def _time_buffer(x: Tensor, cap: int) -> Tensor:
+    """An empty buffer shaped like x [B, T, ...] with `cap` time steps. Per-head tensors [B, T, H, D] are stored
+    head-major ([B, H, cap, D] seen through a transposed view), so attention reads each head's keys contiguously."""
+    if x.dim() == 4:
+        return x.new_empty(x.shape[0], x.shape[2], cap, x.shape[3]).transpose(1, 2)
+    return x.new_empty(x.shape[0], cap, *x.shape[2:])
+
+
 class KVCache:
     """Growing key/value buffers [B, S, H, D] with amortised doubling (no per-token reallocation)."""
 
-    def __init__(self):
+    def __init__(self, capacity: int = 0):
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.length = 0
+        self.capacity = capacity           # tokens to allocate at first use (the expected total, if known)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append k [B, T, Hk, D], v [B, T, Hk, Dv]; return all keys/values so far."""
         T = k.shape[1]
         need = self.length + T
         if self.k is None or need > self.k.shape[1]:
-            cap = max(need, 2 * (self.k.shape[1] if self.k is not None else 0), 16)
-            k_new = k.new_empty(k.shape[0], cap, *k.shape[2:])
-            v_new = v.new_empty(v.shape[0], cap, *v.shape[2:])
+            cap = max(need, 2 * (self.k.shape[1] if self.k is not None else 0), self.capacity, 16)
+            k_new, v_new = _time_buffer(k, cap), _time_buffer(v, cap)
             if self.length:
                 k_new[:, : self.length] = self.k[:, : self.length]
                 v_new[:, : self.length] = self.v[:, : self.length]
@@ -137,8 +145,9 @@ class InferenceCache:
     next_pos [B] long: position id of the next real token of each row.
     """
 
-    def __init__(self, batch_size: int, num_layers: int, device=None):
+    def __init__(self, batch_size: int, num_layers: int, device=None, max_tokens: int | None = None):
         self.batch_size = batch_size
+        self.max_tokens = max_tokens       # expected total tokens: growing K/V buffers are allocated once
         self.layers: list = [None] * num_layers
         self.seen = 0
         self.key_mask: Tensor | None = None
@@ -146,9 +155,12 @@ class InferenceCache:
 
     def layer(self, idx: int, factory):
         """The slot of layer `idx`, created by `factory()` on first use."""
-        if self.layers[idx] is None:
-            self.layers[idx] = factory()
-        return self.layers[idx]
+        slot = self.layers[idx]
+        if slot is None:
+            slot = self.layers[idx] = factory()
+            if self.max_tokens and isinstance(slot, KVCache):
+                slot.capacity = self.max_tokens
+        return slot
 
     @property
     def nbytes(self) -> int:

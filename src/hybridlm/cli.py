@@ -155,14 +155,14 @@ def add_train_args(p):
 
 # --- generate ------------------------------------------------------------------------------------------------
 def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8, top_k=None, top_p=None,
-                seed: int = 0, out=None) -> str:
+                seed: int = 0, out=None, compile: bool = False) -> str:
     """Write prompt + continuation to `out` (default stdout) as tokens arrive; returns the continuation."""
     import torch
     out = out or sys.stdout
     ids = tok.encode(prompt) or [tok.eos_id]
     gen = torch.Generator().manual_seed(seed)
     steps = model.stream(torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         eos_token_id=tok.eos_id, generator=gen)
+                         eos_token_id=tok.eos_id, generator=gen, compile=compile)
     new, shown = [], 0
     for i, nxt in enumerate(steps):
         if i == 0:  # the prompt passed the model's checks: show it
@@ -188,7 +188,7 @@ def cmd_generate(args) -> int:
     model, tok = load_pretrained(args.checkpoint)
     torch.manual_seed(args.seed)
     stream_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed)
+                top_p=args.top_p, seed=args.seed, compile=args.compile)
     return 0
 
 
@@ -200,6 +200,8 @@ def add_generate_args(p):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the one-token decode step (pays off for long outputs; needs a C++ compiler)")
 
 
 # --- eval ----------------------------------------------------------------------------------------------------

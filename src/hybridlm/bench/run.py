@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--latency-contexts", type=_ints, default=None,
                    help="contexts for per-token decode latency (default 128,8192; quick 16,256)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; quick 2)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip the torch.compile'd decode rows (compilation needs a C++ compiler and ~10 s)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
                    help="run a named suite instead (wm: CDMoE vs MLP and doge vs transformers Doge-MoE)")
@@ -79,6 +81,8 @@ def _settings(args) -> dict:
             s[key] = val
     if args.repeats is not None:
         s["decode_repeats"] = max(1, args.repeats)
+    if args.no_compile:
+        s["decode_compile"] = False
     return s
 
 
@@ -146,13 +150,15 @@ def format_table(res: dict) -> str:
                          f"{r['ours_tokens_per_s']:9.0f} {r['hf_tokens_per_s']:9.0f} {r['ratio']:6.2f} "
                          f"{r['ours_mfu']:9.3f} {r['hf_mfu']:7.3f}")
         lines.append("")
-        lines.append("greedy decode, batch 1 (first to last new token; prefill excluded)")
+        lines.append("greedy decode, batch 1 (first to last new token; prefill excluded); transformers eager")
         lines.append(f"{'arch':8s} {'context':>8s} {'new':>4s} {'ours tok/s':>11s} {'hf tok/s':>9s} {'ratio':>6s} "
-                     f"{'ours e2e s':>11s} {'hf e2e s':>9s}")
+                     f"{'ours e2e s':>11s} {'hf e2e s':>9s} {'compiled tok/s':>15s} {'ratio':>6s}")
         for r in res["decode"]:
+            comp = f"{r['ours_compiled_tokens_per_s']:15.1f} {r['ratio_compiled']:6.2f}" \
+                if "ratio_compiled" in r else f"{'-':>15s} {'-':>6s}"
             lines.append(f"{r['arch']:8s} {r['context']:8d} {r['new_tokens']:4d} {r['ours_tokens_per_s']:11.1f} "
                          f"{r['hf_tokens_per_s']:9.1f} {r['ratio']:6.2f} {r['ours_end_to_end_s']:11.3f} "
-                         f"{r['hf_end_to_end_s']:9.3f}")
+                         f"{r['hf_end_to_end_s']:9.3f} {comp}")
         if res["latency"]:
             lines.append("")
             lines.append("mamba2 (ours) per-token decode latency")

@@ -1,7 +1,6 @@
 """Multi-head / grouped-query / multi-query / shared-key softmax attention with RoPE and a KV cache."""
 from functools import partial
 
-import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, WindowKVCache
@@ -9,6 +8,18 @@ from ..context import SeqContext
 from ..ops.attention import attention
 from ..ops.rope import apply_rope
 from .norm import RMSNorm
+
+
+def norm_and_rope(attn: nn.Module, q: Tensor, k: Tensor, ctx: SeqContext) -> tuple[Tensor, Tensor]:
+    """q [B, T, H, D], k [B, T, Hk, D] -> the same after the optional per-head RMSNorm (`attn.q_norm`/`k_norm`,
+    applied before RoPE as in Doge/Qwen3) and RoPE on the first `attn.rope_dim` channels."""
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.rope_dim:
+        cos, sin = ctx.rope(attn.rope_dim, attn.rope_base)
+        q = apply_rope(q, cos, sin, interleaved=attn.rope_interleaved)
+        k = apply_rope(k, cos, sin, interleaved=attn.rope_interleaved)
+    return q, k
 
 
 class Attention(nn.Module):
@@ -47,13 +58,8 @@ class Attention(nn.Module):
             v = v.view(B, T, Hv, D)
         else:
             q, k, v = qkv.split((H * D, Hk * D, Hv * D), dim=-1)
-            q, k, v = q.view(B, T, H, D), k.view(B, T, Hk, D), v.view(B, T, Hv, D)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if self.rope_dim:
-                cos, sin = ctx.rope(self.rope_dim, self.rope_base)
-                q = apply_rope(q, cos, sin, interleaved=self.rope_interleaved)
-                k = apply_rope(k, cos, sin, interleaved=self.rope_interleaved)
+            q, k = norm_and_rope(self, q.view(B, T, H, D), k.view(B, T, Hk, D), ctx)
+            v = v.view(B, T, Hv, D)
         causal, window, order = True, self.window, None
         if cache is not None:
             slot = cache.layer(self.layer_idx, KVCache if window is None else partial(WindowKVCache, window))

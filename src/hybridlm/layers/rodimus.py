@@ -88,7 +88,7 @@ class Rodimus(nn.Module):
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
-        n, m = self.d_state, self.d_inner
+        n = self.d_state
         xi, z = self.fc(x).chunk(2, dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
         if mask is not None:  # padded positions must not reach the conv taps or the state

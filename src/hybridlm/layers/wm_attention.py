@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..context import SeqContext
 from ..ops.attention import attention, attention_mask
-from ..ops.rope import apply_rope
 from ..ops.wm import inner_function_values, topk_key_mask
+from .attention import norm_and_rope
 from .norm import RMSNorm
 
 
@@ -109,12 +109,7 @@ class WMAttention(nn.Module):
         parts = self.qkv(x).split(self.split, dim=-1)
         q, k = parts[0].view(B, T, H, D), parts[1].view(B, T, Hk, D)
         v = self._values(x, parts[2] if len(parts) == 3 else None)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_dim:
-            cos, sin = ctx.rope(self.rope_dim, self.rope_base)
-            q = apply_rope(q, cos, sin, interleaved=self.rope_interleaved)
-            k = apply_rope(k, cos, sin, interleaved=self.rope_interleaved)
+        q, k = norm_and_rope(self, q, k, ctx)
         b = None
         if self.dyn_mask == "position":
             v = v * self.pos_mask.t()[ctx.positions].unsqueeze(-1).to(v.dtype)   # l[h, position of the key]

@@ -1,6 +1,7 @@
 """The one model class: embedding -> residual blocks built from the layout -> norm -> lm_head."""
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ def _tree_changed(module, name, submodule):
 
 nn.modules.module.register_module_module_registration_hook(_tree_changed)
 
+
+_COMPILED = {}   # torch.compile'd functions, built on first use
 
 # builders for residual schemes, keyed by ("letter" | "hop"); other modules may register more
 BLOCKS = {}
@@ -116,12 +119,13 @@ class CausalLM(nn.Module):
                 n -= self.lm_head.weight.numel()
         return n
 
-    def make_cache(self, batch_size: int) -> InferenceCache:
-        return InferenceCache(batch_size, self.num_layers, device=self.embed.weight.device)
+    def make_cache(self, batch_size: int, max_tokens: int | None = None) -> InferenceCache:
+        """An empty cache; `max_tokens` (prompt + new tokens) lets K/V buffers be allocated once at that size."""
+        return InferenceCache(batch_size, self.num_layers, device=self.embed.weight.device, max_tokens=max_tokens)
 
     # ------------------------------------------------------------------------------------------------
-    def _context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: InferenceCache | None,
-                 resets: Tensor | None) -> SeqContext:
+    def _check_input(self, input_ids: Tensor, attention_mask: Tensor | None, cache: InferenceCache | None):
+        """One clear error for bad input, before anything runs (two host syncs: min/max token id)."""
         B, T = input_ids.shape
         cfg = self.config
         if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
@@ -137,28 +141,34 @@ class CausalLM(nn.Module):
             raise InputError(f"sequence length {seen + T} exceeds the model's max_seq_len {cfg.max_seq_len}")
         if cache is not None and cache.batch_size != B:
             raise InputError(f"cache was made for batch {cache.batch_size}, got batch {B}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise InputError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+
+    def _context(self, input_ids: Tensor, attention_mask: Tensor | None, cache: InferenceCache | None,
+                 resets: Tensor | None) -> SeqContext:
+        """Positions and masks of this call; advances the cache's bookkeeping (seen, next_pos, key_mask)."""
+        B, T = input_ids.shape
+        dev = input_ids.device
         pad = None
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise InputError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                                 f"{tuple(input_ids.shape)}")
             am = attention_mask.bool()
             pad = None if bool(am.all()) else am
-        start = cache.next_pos if cache is not None else torch.zeros(B, dtype=torch.long, device=input_ids.device)
+        start = cache.next_pos if cache is not None else torch.zeros(B, dtype=torch.long, device=dev)
         if pad is None:
-            positions = start[:, None] + torch.arange(T, device=input_ids.device)
+            positions = start[:, None] + torch.arange(T, device=dev)
         else:  # left padding: real tokens count positions from 0
             positions = start[:, None] + (pad.long().cumsum(1) - 1).clamp(min=0)
         key_mask = pad
         if cache is not None:
             if cache.key_mask is not None or pad is not None:
                 prev = cache.key_mask if cache.key_mask is not None else \
-                    torch.ones(B, seen, dtype=torch.bool, device=input_ids.device)
-                cur = pad if pad is not None else torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+                    torch.ones(B, cache.seen, dtype=torch.bool, device=dev)
+                cur = pad if pad is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
                 key_mask = torch.cat((prev, cur), 1)
                 cache.key_mask = key_mask
             cache.next_pos = start + (pad.sum(1) if pad is not None else T)
-            cache.seen = seen + T
+            cache.seen += T
         seg = None
         if resets is not None:
             if cache is not None:
@@ -167,15 +177,13 @@ class CausalLM(nn.Module):
             ids = resets.long().cumsum(1)
             seg = (ids, ids)
             # positions restart at every document start
-            idx = torch.arange(T, device=input_ids.device).expand(B, T)
+            idx = torch.arange(T, device=dev).expand(B, T)
             starts = torch.where(resets, idx, torch.zeros_like(idx)).cummax(1).values
             positions = idx - starts
         return SeqContext(positions=positions, pad_mask=pad, key_mask=key_mask, resets=resets, segment_ids=seg)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: InferenceCache | None = None,
-                labels: Tensor | None = None, *, resets: Tensor | None = None,
-                logits_to_keep: int | None = None, aux_loss_weight: float = 0.01) -> CausalLMOutput:
-        ctx = self._context(input_ids, attention_mask, cache, resets)
+    def _hidden(self, input_ids: Tensor, ctx: SeqContext, cache: InferenceCache | None) -> Tensor:
+        """Embedding -> blocks -> final norm: the last hidden states [B, T, d]."""
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             x = x + self.pos_embed(ctx.positions)
@@ -189,7 +197,13 @@ class CausalLM(nn.Module):
                 x = blk(x, ctx, cache)
         if self.hc_head is not None:
             x = self.hc_head(x)                   # collapse the streams before the final norm
-        x = self.norm(x)
+        return self.norm(x)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: InferenceCache | None = None,
+                labels: Tensor | None = None, *, resets: Tensor | None = None,
+                logits_to_keep: int | None = None, aux_loss_weight: float = 0.01) -> CausalLMOutput:
+        self._check_input(input_ids, attention_mask, cache)
+        x = self._hidden(input_ids, self._context(input_ids, attention_mask, cache, resets), cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(x)
@@ -202,6 +216,21 @@ class CausalLM(nn.Module):
             if aux is not None:
                 loss = loss + aux_loss_weight * aux
         return CausalLMOutput(logits=logits, loss=loss, cache=cache, aux_loss=aux)
+
+    def _decode_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
+        """One generated token per row, ids [B, 1] -> next-token logits [B, V]. No input checks (the ids come
+        from our own sampler and `stream` checked the length up front) and no host syncs, so that
+        `torch.compile` sees one graph. Generated tokens are real: a padded prompt's key mask just grows."""
+        return self.lm_head(self._hidden(ids, self._context(ids, None, cache, None), cache)[:, -1])
+
+    def compiled_decode_step(self):
+        """`_decode_step` under torch.compile (dynamic shapes: the cache grows every step). The first calls
+        compile (seconds to tens of seconds on a CPU); later ones run the fused graph. One compiled function is
+        shared by all models (a module global, so models stay picklable and collectable); dynamo keeps a graph
+        per model structure."""
+        if "decode" not in _COMPILED:
+            _COMPILED["decode"] = torch.compile(CausalLM._decode_step, dynamic=True)
+        return partial(_COMPILED["decode"], self)
 
     def _aux_loss(self) -> Tensor | None:
         """Sum of auxiliary losses that mixers left in `.aux_loss` during this forward."""
@@ -223,18 +252,20 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, attention_mask: Tensor | None = None, eos_token_id: int | None = None,
-               generator: torch.Generator | None = None):
-        """Yield the next token ids [B] one step at a time (prefill once, then one-token decode)."""
+               generator: torch.Generator | None = None, compile: bool = False):
+        """Yield the next token ids [B] one step at a time (prefill once, then one-token decode). The cache is
+        sized for prompt + max_new_tokens up front, so decode never reallocates it; `compile` runs the decode
+        step under torch.compile (see `compiled_decode_step`)."""
         from .generation import sample_next
         if max_new_tokens < 0:
             raise InputError("max_new_tokens must be >= 0")
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
             raise InputError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_seq_len {self.config.max_seq_len}")
-        cache = self.make_cache(input_ids.shape[0])
+        cache = self.make_cache(input_ids.shape[0], max_tokens=input_ids.shape[1] + max_new_tokens)
         logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+        step = self.compiled_decode_step() if compile else self._decode_step
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        step_mask = torch.ones_like(input_ids[:, :1]) if attention_mask is not None else None
         for i in range(max_new_tokens):
             nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             if eos_token_id is not None:
@@ -243,12 +274,14 @@ class CausalLM(nn.Module):
             yield nxt
             if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
                 return
-            logits = self(nxt[:, None], attention_mask=step_mask, cache=cache).logits[:, -1]
+            logits = step(nxt[:, None], cache)
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, *, attention_mask: Tensor | None = None,
-                 eos_token_id: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+                 eos_token_id: int | None = None, generator: torch.Generator | None = None,
+                 compile: bool = False) -> Tensor:
         """Prompt + new ids [B, T + n]. temperature 0 is greedy."""
         new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               attention_mask=attention_mask, eos_token_id=eos_token_id, generator=generator))
+                               attention_mask=attention_mask, eos_token_id=eos_token_id, generator=generator,
+                               compile=compile))
         return torch.cat([input_ids] + [t[:, None] for t in new], dim=1) if new else input_ids

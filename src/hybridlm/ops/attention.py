@@ -7,7 +7,6 @@ index p sees keys p - window < s <= p), `segment_ids` (q_seg [B, T], k_seg [B, S
 the same packed document) and an additive float `bias` broadcastable to [B, Hq, T, S].
 Rows with no visible key return 0.
 """
-import math
 
 import torch
 import torch.nn.functional as F
