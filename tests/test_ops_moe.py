@@ -21,7 +21,9 @@ DT = torch.float64  # reference comparisons in double so tolerances can be tight
 # --------------------------------------------------------------------------- product keys
 
 
-@pytest.mark.parametrize("n_keys,k", [(8, 1), (8, 5), (8, 8), (8, 13), (8, 64), (16, 64), (5, 24)])
+@pytest.mark.parametrize(
+    "n_keys,k", [(8, 1), (8, 5), (8, 8), (8, 13), (8, 64), (16, 64), (5, 24), (128, 64), (128, 200)]
+)
 def test_product_key_topk_matches_ref(n_keys, k):
     g = torch.Generator().manual_seed(n_keys * 100 + k)
     sx = torch.randn(7, 3, n_keys, generator=g, dtype=DT)
@@ -79,23 +81,52 @@ def _neuron_inputs(N=24, d=12, E=40, k=6, seed=0, unique=True):
 
 @pytest.mark.parametrize("unique", [True, False])
 @pytest.mark.parametrize("act", [F.silu, F.gelu, torch.relu])
-def test_expert_neurons_matches_ref(unique, act):
+@pytest.mark.parametrize("weighting", ["gates", "scale", "both"])
+def test_expert_neurons_matches_ref(unique, act, weighting):
     x, down, up, ids, gates = _neuron_inputs(unique=unique)
-    leaves = [t.requires_grad_() for t in (x, down, up, gates)]
+    scale = torch.randn(gates.shape, generator=torch.Generator().manual_seed(5), dtype=DT)
+    if weighting == "gates":
+        scale = None
+    elif weighting == "scale":
+        gates = None
+    leaves = [t.requires_grad_() for t in (x, down, up, gates, scale) if t is not None]
     gy = torch.randn(x.shape, dtype=DT)
-    y = expert_neurons(x, down, up, ids, gates, act=act)
+    y = expert_neurons(x, down, up, ids, gates, act=act, scale=scale)
     grads = torch.autograd.grad(y, leaves, gy)
-    y_ref = expert_neurons_ref(x, down, up, ids, gates, act=act)
+    y_ref = expert_neurons_ref(x, down, up, ids, gates, act=act, scale=scale)
     grads_ref = torch.autograd.grad(y_ref, leaves, gy)
     torch.testing.assert_close(y, y_ref)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b)
 
 
+def test_expert_neurons_ref_is_the_dense_formula():
+    # the gathered reference against every expert on every token with a dense selection mask
+    x, down, up, ids, gates = _neuron_inputs(unique=False)
+    w = torch.zeros(x.shape[0], down.shape[0], dtype=DT).scatter_add(1, ids, gates)  # repeats add up
+    dense = (F.silu(x @ down.t()) * w) @ up
+    torch.testing.assert_close(expert_neurons_ref(x, down, up, ids, gates), dense)
+
+
 def test_expert_neurons_gradcheck():
     x, down, up, ids, gates = _neuron_inputs(N=5, d=4, E=9, k=3)
-    inputs = tuple(t.requires_grad_() for t in (x, down, up, gates))
-    assert torch.autograd.gradcheck(lambda a, b, c, g: expert_neurons(a, b, c, ids, g), inputs)
+    scale = torch.randn(gates.shape, generator=torch.Generator().manual_seed(1), dtype=DT)
+    inputs = tuple(t.requires_grad_() for t in (x, down, up, gates, scale))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c, g, s: expert_neurons(a, b, c, ids, g, scale=s), inputs
+    )
+
+
+def test_expert_neurons_narrow_sort_keys():
+    # > 256 and > 32768 experts take the int16 and int32 sort keys; few tokens keep the dense ref cheap
+    for E in (300, 40000):
+        x, down, up, ids, gates = _neuron_inputs(N=4, d=3, E=E, k=5, seed=E)
+        leaves = [t.requires_grad_() for t in (x, down, up, gates)]
+        y = expert_neurons(x, down, up, ids, gates)
+        y_ref = expert_neurons_ref(x, down, up, ids, gates)
+        torch.testing.assert_close(y, y_ref)
+        for a, b in zip(torch.autograd.grad(y.sum(), leaves), torch.autograd.grad(y_ref.sum(), leaves)):
+            torch.testing.assert_close(a, b)
 
 
 def test_expert_neurons_grads_only_on_selected_rows():

@@ -15,14 +15,17 @@ import torch
 from . import throughput as tp
 from ..layers.cdmoe import CDMoE
 from ..layers.mlp import MLP
+from ..ops.moe import expert_neurons
 
 
 def bench_cdmoe_layer(d_model: int = 256, num_experts: int = 16384, top_k: int = 64, shared_hidden: int | None = None,
-                      tokens: int = 2048, repeats: int = 5) -> dict:
+                      tokens: int = 2048, repeats: int = 5, breakdown: bool = False) -> dict:
     """tokens/s of CDMoE vs gated MLPs with the same active parameter count on x [tokens, d_model], forward +
     backward. Active parameters: CDMoE 3·d·shared_hidden + 2·d·top_k (+ the router's 2·√N·d, which every
     token also multiplies); MLP 3·d·hidden. `ratio` compares with the MLP matching the count without the
-    router (the usual MoE accounting), `ratio_router_counted` with the one matching it router included."""
+    router (the usual MoE accounting), `ratio_router_counted` with the one matching it router included.
+    `breakdown` also times the layer's parts in the same interleaved rounds (medians, ms): the shared MLP,
+    the routing (router, product-key top-k, softmax gates) and the expert neurons (on fixed ids and gates)."""
     shared_hidden = shared_hidden or 2 * d_model               # Doge's intermediate_size = 2 × hidden_size
     active = 3 * d_model * shared_hidden + 2 * d_model * top_k
     router = 2 * math.isqrt(num_experts) * d_model
@@ -34,20 +37,37 @@ def bench_cdmoe_layer(d_model: int = 256, num_experts: int = 16384, top_k: int =
     mlp, mlp_r = MLP(d_model, hidden), MLP(d_model, hidden_r)
     x = torch.randn(1, tokens, d_model, requires_grad=True)
     gy = torch.randn(1, tokens, d_model)
+    xf, gyf = x.view(tokens, d_model), gy.view(tokens, d_model)
+    with torch.no_grad():                                      # fixed routing for timing the experts alone
+        scores, ids = moe.retrieve(xf)
+        gates = torch.softmax(scores.float(), dim=-1).flatten(1).requires_grad_()
 
-    def step(module):
+    def step(module, fn=None):
+        leaves = list(module.parameters())
+        fn = fn or (lambda: module(x).backward(gy))
+
         def run():
-            module(x).backward(gy)
-            for p in list(module.parameters()) + [x]:
+            fn()
+            for p in leaves + [x, gates]:
                 p.grad = None
         return run
 
-    times = tp.interleaved({"cdmoe": step(moe), "mlp": step(mlp), "mlp_r": step(mlp_r)}, repeats)
+    fns = {"cdmoe": step(moe), "mlp": step(mlp), "mlp_r": step(mlp_r)}
+    if breakdown:
+        g_gates = torch.randn_like(gates)
+        fns["shared"] = step(moe, lambda: moe.shared(xf).backward(gyf))
+        fns["routing"] = step(moe, lambda: torch.softmax(moe.retrieve(xf)[0].float(), -1).flatten(1).backward(g_gates))
+        fns["experts"] = step(moe, lambda: expert_neurons(xf, moe.down_embed.weight, moe.up_embed.weight, ids.flatten(1),
+                                                          gates, act=moe.act).backward(gyf))
+    times = tp.interleaved(fns, repeats)
     c, m, mr = (tp.summary(times[n], tokens)["per_s"] for n in ("cdmoe", "mlp", "mlp_r"))
-    return dict(d_model=d_model, num_experts=num_experts, top_k=top_k, tokens=tokens, shared_hidden=shared_hidden,
-                active_params_cdmoe=active, router_params=router, mlp_hidden=hidden, mlp_hidden_router_counted=hidden_r,
-                cdmoe_tokens_per_s=c, mlp_tokens_per_s=m, mlp_router_counted_tokens_per_s=mr, ratio=c / m,
-                ratio_router_counted=c / mr, target=0.5, met=c / m >= 0.5, threads=torch.get_num_threads())
+    out = dict(d_model=d_model, num_experts=num_experts, top_k=top_k, tokens=tokens, shared_hidden=shared_hidden,
+               active_params_cdmoe=active, router_params=router, mlp_hidden=hidden, mlp_hidden_router_counted=hidden_r,
+               cdmoe_tokens_per_s=c, mlp_tokens_per_s=m, mlp_router_counted_tokens_per_s=mr, ratio=c / m,
+               ratio_router_counted=c / mr, target=0.5, met=c / m >= 0.5, threads=torch.get_num_threads())
+    if breakdown:
+        out.update({f"{n}_ms": tp.median(times[n]) * 1e3 for n in fns})
+    return out
 
 
 def bench_doge_vs_hf(d_model: int = 256, n_layers: int = 4, vocab_size: int = 8192, batch: int = 4, seq_len: int = 512,

@@ -59,11 +59,10 @@ class CDMoE(nn.Module):
             scores, ids = self.retrieve(x)
             gates = torch.softmax(scores.float(), dim=-1).to(x.dtype)
             y = expert_neurons(x, self.down_embed.weight, self.up_embed.weight, ids.flatten(1), gates.flatten(1),
-                               self.act)
+                               act=self.act)
         else:
             z = x if self.form == "sum" else phi
-            scores, ids = self.retrieve(z)
-            down, up = self.down_embed(ids), self.up_embed(ids)                  # [N, heads, k, d] gathered rows
-            w = self.act(torch.einsum("nd,nhkd->nhk", z, down) * scores)
-            y = torch.einsum("nhk,nhkd->nd", w, up)
+            scores, ids = self.retrieve(z)                  # expert i: act(<z, down_i> · score_i) · up_i
+            y = expert_neurons(z, self.down_embed.weight, self.up_embed.weight, ids.flatten(1), act=self.act,
+                               scale=scores.flatten(1))
         return (y + phi).view(shape)

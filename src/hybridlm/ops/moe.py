@@ -99,25 +99,41 @@ def product_key_topk_ref(scores_x: Tensor, scores_y: Tensor, k: int) -> tuple[Te
 # CDMoE private experts: gathered single-neuron experts
 # ---------------------------------------------------------------------------------------------
 #
-# With (token, slot) pairs p = n*k + i and expert e = ids[p], the two halves of an expert neuron are
-#   gather-dot:  h[p] = <down[e], x[n]>        (SDDMM: dense×dense sampled at the sparse pattern)
-#   gather-sum:  y[n] = Σ_i s[p] · up[e]       (SpMM: sparse [N, E] × dense [E, d])
-# Materialising the gathered rows [N, k, d] costs 128 MB per tensor at N=2048, k=64, d=256 and is
-# memory-bound on CPU (~30 ms per gather here). Instead every product is an embedding_bag (weighted
-# row sums, never materialised) or its per-sample-weight backward kernel (a batch of row dots).
+# With (token, slot) pairs p and expert e = ids[p], every product here is a partial derivative of
+#   F(table, rows, c) = Σ_p c[p] · <table[e_p], rows[token(p)]>
+#   ∂F/∂c     (a "dot"):           h[p]   = <table[e_p], rows[token(p)]>     [P]
+#   ∂F/∂rows  (a per-token sum):   out[n] = Σ_{p of n} c[p] · table[e_p]     [N, d]
+#   ∂F/∂table (a per-expert sum):  out[e] = Σ_{p: e_p=e} c[p] · rows[token(p)]   [E, d]
+# The expert neurons are h = ∂F(down, x, ·)/∂c, then y = ∂F(up, ·, s)/∂rows, and each backward is
+# made of the other two partials. Materialising the gathered rows [P, d] costs 128 MB per tensor
+# at N=2048, k=64, d=256 and is memory-bound on CPU (~30 ms per gather). Instead every partial is
+# an embedding_bag (weighted row sums, never materialised) or its per-sample-weight backward
+# kernel (a batch of row dots).
 #
 # Pairs are sorted by expert once ("expert-major" order). Every product that can be written with
 # one bag per expert runs in that order: each table row is then read or written once, while the
-# per-token rows it meets (x or dy, N×d, a few MB) stay in cache. That covers h, ds and both table
-# gradients. Only y and dx need one bag per token and read table rows in token order. The small
-# per-pair vectors (h, s, gates: [P]) stay token-major; only they are permuted, never rows.
+# per-token rows it meets (x or dy, N×d, a few MB) stay in cache. That covers both dots and both
+# table gradients. Only the per-token sums need one bag per token and read table rows in token
+# order. The small per-pair vectors (h, s, gates: [P]) stay token-major; only they are permuted.
+# (Per-token sums over (expert block, token) bags, with cache-sized blocks of table rows, were
+# ~30% faster in isolation but slower inside the layer, once the second sort and the partial sums
+# were paid for.)
+
+
+def _sort_key(v: Tensor, bound: int) -> Tensor:
+    """v (values in [0, bound)) in the narrowest integer dtype that holds them: CPU sort time grows
+    with the key width (int16 keys sort ~2x faster than int32, ~4x faster than int64)."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if bound <= torch.iinfo(dtype).max + 1:
+            return v.to(dtype)
+    return v
 
 
 class _Pairs:
     """(token, slot) pairs sorted by expert. ids: [N, k] -> all fields [P] except starts [E].
 
-    The products below are only called inside the autograd Functions, which supply gradients
-    themselves; inputs are detached so embedding_bag takes its inference path (no bookkeeping).
+    The products run inside the autograd Function, which supplies gradients itself: inputs are
+    detached so embedding_bag takes its inference path (no bookkeeping).
     """
 
     def __init__(self, ids: Tensor, num_experts: int):
@@ -125,71 +141,60 @@ class _Pairs:
         flat = ids.reshape(-1)
         self.ids = flat  # token-major expert ids
         self.offsets = torch.arange(0, N * k, k, device=ids.device)  # token bags
-        # int32 keys sort ~2x faster than int64 on CPU; stable keeps tokens ascending per expert
-        e_sorted, self.perm = torch.sort(flat.to(torch.int32), stable=True)
+        # stable: tokens stay ascending within each expert
+        e_sorted, self.perm = torch.sort(_sort_key(flat, num_experts), stable=True)
         self.expert = e_sorted.long()  # expert of each sorted pair (its bag)
         self.tok = self.perm // k  # token of each sorted pair
         counts = torch.bincount(flat, minlength=num_experts)
         self.starts = counts.cumsum(0) - counts  # [E] expert bags (empty bags allowed)
 
     def dot(self, table: Tensor, rows: Tensor) -> Tensor:
-        """out[p] = <table[ids[p]], rows[token(p)]>: [P] token-major, computed expert-major."""
+        """∂F/∂c: out[p] = <table[ids[p]], rows[token(p)]>: [P] token-major, computed expert-major."""
         out = torch.ops.aten._embedding_bag_per_sample_weights_backward(
             table, rows, self.tok, self.starts, self.expert, _SUM, -1
         )
         return torch.empty_like(out).index_put_((self.perm,), out)
 
-    def per_expert_sum(self, rows: Tensor, coef: Tensor) -> Tensor:
-        """out[e] = Σ_{p: ids[p]=e} coef[p] · rows[token(p)]: [E, d], a table-shaped gradient."""
-        return F.embedding_bag(
-            self.tok, rows.detach(), self.starts, mode="sum", per_sample_weights=coef[self.perm]
-        )
-
     def per_token_sum(self, table: Tensor, coef: Tensor) -> Tensor:
-        """out[n] = Σ_i coef[n*k+i] · table[ids[n, i]]: [N, d]."""
+        """∂F/∂rows: out[n] = Σ_i coef[n*k+i] · table[ids[n, i]]: [N, d]."""
         return F.embedding_bag(
-            self.ids, table.detach(), self.offsets, mode="sum", per_sample_weights=coef
+            self.ids, table.detach(), self.offsets, mode="sum", per_sample_weights=coef.detach()
+        )
+
+    def per_expert_sum(self, rows: Tensor, coef: Tensor) -> Tensor:
+        """∂F/∂table: out[e] = Σ_{p: ids[p]=e} coef[p] · rows[token(p)]: [E, d]."""
+        return F.embedding_bag(
+            self.tok, rows.detach(), self.starts, mode="sum",
+            per_sample_weights=coef.detach()[self.perm],
         )
 
 
-class _GatherDot(torch.autograd.Function):
-    """h[n, i] = <down[ids[n, i]], x[n]>. x [N, d], down [E, d] -> h [P] (token-major)."""
+class _PairProduct(torch.autograd.Function):
+    """One partial of F(table, rows, c) = Σ_p c[p]·<table[e_p], rows[tok_p]> (see above).
+
+    wrt="c":    other = rows [N, d] -> h [P]      (a dot per pair)
+    wrt="rows": other = c [P]       -> y [N, d]   (a weighted sum of table rows per token)
+    The backward is the two remaining partials, with the incoming gradient in the output's slot.
+    """
 
     @staticmethod
-    def forward(ctx, x, down, pairs):
-        ctx.save_for_backward(x, down)
-        ctx.pairs = pairs
-        return pairs.dot(down, x)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gh):
-        x, down = ctx.saved_tensors
-        pairs = ctx.pairs
-        gh = gh.contiguous()
-        gx = pairs.per_token_sum(down, gh) if ctx.needs_input_grad[0] else None
-        gdown = pairs.per_expert_sum(x, gh) if ctx.needs_input_grad[1] else None
-        return gx, gdown, None
-
-
-class _GatherSum(torch.autograd.Function):
-    """y[n] = Σ_i s[n, i] · up[ids[n, i]]. s [P] (token-major), up [E, d] -> y [N, d]."""
-
-    @staticmethod
-    def forward(ctx, s, up, pairs):
-        ctx.save_for_backward(s, up)
-        ctx.pairs = pairs
-        return pairs.per_token_sum(up, s)
+    def forward(ctx, table, other, pairs, wrt):
+        ctx.save_for_backward(table, other)
+        ctx.pairs, ctx.wrt = pairs, wrt
+        return pairs.dot(table, other) if wrt == "c" else pairs.per_token_sum(table, other)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, gy):
-        s, up = ctx.saved_tensors
+    def backward(ctx, grad):
+        table, other = ctx.saved_tensors
         pairs = ctx.pairs
-        gy = gy.contiguous()
-        gs = pairs.dot(up, gy) if ctx.needs_input_grad[0] else None
-        gup = pairs.per_expert_sum(gy, s) if ctx.needs_input_grad[1] else None
-        return gs, gup, None
+        grad = grad.contiguous()
+        rows, c = (other, grad) if ctx.wrt == "c" else (grad, other)
+        g_table = pairs.per_expert_sum(rows, c) if ctx.needs_input_grad[0] else None
+        g_other = None
+        if ctx.needs_input_grad[1]:
+            g_other = pairs.per_token_sum(table, c) if ctx.wrt == "c" else pairs.dot(table, rows)
+        return g_table, g_other, None, None
 
 
 def expert_neurons(
@@ -197,21 +202,27 @@ def expert_neurons(
     down_weight: Tensor,
     up_weight: Tensor,
     expert_ids: Tensor,
-    gates: Tensor,
+    gates: Tensor | None = None,
     act: Callable[[Tensor], Tensor] = F.silu,
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """CDMoE private experts: y[n] = Σ_i act(<down[id_ni], x[n]>) · gate_ni · up[id_ni].
+    """CDMoE private experts: y[n] = Σ_i act(<down[id_ni], x[n]> · scale_ni) · gate_ni · up[id_ni].
 
     x: [N, d]; down_weight, up_weight: [E, d] (embedding tables); expert_ids: [N, k] long;
-    gates: [N, k] routing weights. Returns [N, d].
+    gates, scale: [N, k] or None (= 1). Doge weights the neurons after the activation (gates);
+    the paper's listing 8 scales the pre-activation by the retrieval scores (scale). Returns [N, d].
 
-    Gradients reach x, gates and both tables; the table grads are dense [E, d] tensors that are
-    zero outside the selected rows. Never builds an [N, k, d] tensor (see the block comment above).
+    Gradients reach x, gates, scale and both tables; the table grads are dense [E, d] tensors that
+    are zero outside the selected rows. Never builds an [N, k, d] tensor (see the comment above).
     """
     pairs = _Pairs(expert_ids, down_weight.shape[0])
-    h = _GatherDot.apply(x.contiguous(), down_weight, pairs)  # [P]
-    s = act(h) * gates.reshape(-1).to(h.dtype)  # small [P] ops: plain autograd handles act
-    return _GatherSum.apply(s, up_weight, pairs)
+    h = _PairProduct.apply(down_weight, x.contiguous(), pairs, "c")  # [P]
+    if scale is not None:
+        h = h * scale.reshape(-1).to(h.dtype)
+    s = act(h)  # small [P] ops: plain autograd handles them
+    if gates is not None:
+        s = s * gates.reshape(-1).to(h.dtype)
+    return _PairProduct.apply(up_weight, s, pairs, "rows")
 
 
 def expert_neurons_ref(
@@ -219,16 +230,17 @@ def expert_neurons_ref(
     down_weight: Tensor,
     up_weight: Tensor,
     expert_ids: Tensor,
-    gates: Tensor,
+    gates: Tensor | None = None,
     act: Callable[[Tensor], Tensor] = F.silu,
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """Reference: act(x @ down.T) for ALL E experts, then a dense [N, E] mask of the selection."""
-    N, E = x.shape[0], down_weight.shape[0]
-    h = act(x @ down_weight.t())  # [N, E]
-    # scatter_add so repeated ids in a row count once per occurrence, like the sparse version
-    w = torch.zeros(N, E, dtype=x.dtype, device=x.device)
-    w = w.scatter_add(1, expert_ids, gates.to(x.dtype))
-    return (h * w) @ up_weight  # [N, d]
+    """Reference: gather the [N, k, d] rows and compute the formula as written."""
+    down, up = down_weight[expert_ids], up_weight[expert_ids]  # [N, k, d]
+    h = torch.einsum("nd,nkd->nk", x, down)
+    if scale is not None:
+        h = h * scale
+    s = act(h) if gates is None else act(h) * gates
+    return torch.einsum("nk,nkd->nd", s, up)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +276,7 @@ def routed_experts(
     E = w_gate.shape[0]
     k = ids.shape[1]
     flat = ids.reshape(-1)  # [P], pair p = n*k + i
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    order = torch.argsort(_sort_key(flat, E), stable=True)  # pairs grouped by expert
     counts = torch.bincount(flat, minlength=E)
     C = int(counts.max())  # host sync; dropless capacity
     e_sorted = flat[order]
