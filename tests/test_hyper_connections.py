@@ -4,7 +4,7 @@ forward, padding, training) on any layout."""
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, assert_trains, decode_logits, padded_logits
 from hybridlm import CausalLM, ModelConfig
 from hybridlm.errors import ConfigError
 from hybridlm.layers.hyper_connections import HyperConnection
@@ -70,22 +70,9 @@ def test_streams_keep_decode_padding_and_training_contracts(layout, manifold):
     m = scramble(model(layout, hyper_connections=3, hc_manifold=manifold), scale=0.3)
     ids = torch.randint(0, 97, (2, 21))
     full = m(ids).logits
-    cache = m.make_cache(2)
-    parts = [m(ids[:, :8], cache=cache).logits] + [m(ids[:, t:t + 1], cache=cache).logits for t in range(8, 21)]
-    assert_close(torch.cat(parts, 1), full, atol=2e-5)
-    left = torch.cat([torch.randint(0, 97, (1, 4)), ids[:1]], 1)
-    mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 21)], 1).long()
-    assert_close(m(left, attention_mask=mask).logits[:, 4:], full[:1], atol=2e-5)
-    m.train()
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = m(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.3
+    assert_close(decode_logits(m, ids, 8), full, atol=2e-5)
+    assert_close(padded_logits(m, ids[:1], torch.randint(0, 97, (1, 4))), full[:1], atol=2e-5)
+    assert_trains(m, ids, 8, drop=0.3)
     assert all(p.grad is not None for n, p in m.named_parameters() if ".mix." in n)
     m2 = CausalLM(ModelConfig.from_dict(m.config.to_dict())).eval()
     m2.load_state_dict(m.state_dict())

@@ -4,7 +4,7 @@ top-k of its eq. 70 scores and masks the main attention with it, bad options fai
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, assert_trains, decode_logits, padded_logits
 from hybridlm import CausalLM, InferenceCache, ModelConfig, presets
 from hybridlm.context import SeqContext
 from hybridlm.errors import ConfigError
@@ -183,22 +183,9 @@ def test_sparse_model_decode_padding_and_training():
     m = CausalLM(cfg).eval()
     ids = torch.randint(0, 97, (2, 24))
     full = m(ids).logits
-    cache = m.make_cache(2)
-    parts = [m(ids[:, :10], cache=cache).logits] + [m(ids[:, t:t + 1], cache=cache).logits for t in range(10, 24)]
-    assert_close(torch.cat(parts, 1), full, atol=2e-5)
-    pad = torch.cat([torch.randint(0, 97, (1, 5)), ids[:1]], 1)
-    mask = torch.cat([torch.zeros(1, 5), torch.ones(1, 24)], 1).long()
-    assert_close(m(pad, attention_mask=mask).logits[:, 5:], full[:1], atol=2e-5)
-    m.train()
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = m(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.3
+    assert_close(decode_logits(m, ids, 10), full, atol=2e-5)
+    assert_close(padded_logits(m, ids[:1], torch.randint(0, 97, (1, 5))), full[:1], atol=2e-5)
+    assert_trains(m, ids, 8, drop=0.3)
 
 
 @pytest.mark.parametrize("bad, match", [

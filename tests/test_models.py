@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_batch_generates_like_single, assert_close, assert_trains, decode_logits, padded_logits
 from hybridlm import CausalLM, ModelConfig, presets
 from hybridlm.errors import ConfigError, InputError
 
@@ -27,9 +27,7 @@ def test_prefill_then_decode_equals_full_forward(name):
     ids = torch.randint(0, 97, (2, 29))
     full = m(ids).logits
     cache = m.make_cache(2)
-    parts = [m(ids[:, :11], cache=cache).logits]
-    parts += [m(ids[:, t:t + 1], cache=cache).logits for t in range(11, 29)]
-    assert_close(torch.cat(parts, 1), full, atol=2e-5, msg=name)
+    assert_close(decode_logits(m, ids, 11, cache=cache), full, atol=2e-5, msg=name)
     assert cache.nbytes > 0
 
 
@@ -51,13 +49,8 @@ def test_padding_leaves_real_positions_unchanged(name):
     ids = torch.randint(0, 97, (1, 15))
     ref = m(ids).logits
     pad = torch.randint(0, 97, (1, 6))
-    # left padding: real tokens at the end, positions restart at 0
-    left = torch.cat([pad, ids], 1)
-    lmask = torch.cat([torch.zeros(1, 6), torch.ones(1, 15)], 1).long()
-    assert_close(m(left, attention_mask=lmask).logits[:, 6:], ref, atol=2e-5, msg=f"{name} left")
-    right = torch.cat([ids, pad], 1)
-    rmask = torch.cat([torch.ones(1, 15), torch.zeros(1, 6)], 1).long()
-    assert_close(m(right, attention_mask=rmask).logits[:, :15], ref, atol=2e-5, msg=f"{name} right")
+    assert_close(padded_logits(m, ids, pad), ref, atol=2e-5, msg=f"{name} left")
+    assert_close(padded_logits(m, ids, pad, "right"), ref, atol=2e-5, msg=f"{name} right")
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -65,28 +58,15 @@ def test_left_padded_batch_generation_matches_single(name):
     m = tiny(name)
     a = torch.randint(0, 97, (1, 9))
     b = torch.randint(0, 97, (1, 5))
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], 1)], 0)
-    mask = torch.ones_like(batch)
-    mask[1, :4] = 0
-    out = m.generate(batch, 6, temperature=0, attention_mask=mask)
-    assert torch.equal(out[0, 9:], m.generate(a, 6, temperature=0)[0, 9:])
-    assert torch.equal(out[1, 9:], m.generate(b, 6, temperature=0)[0, 5:])
+    assert_batch_generates_like_single(m, a, b, 6)
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_trains_with_falling_loss_and_round_trips(name):
     torch.manual_seed(0)
-    m = tiny(name).train()
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    m = tiny(name)
     ids = torch.randint(0, 97, (4, 32))
-    losses = []
-    for _ in range(15):
-        loss = m(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert_trains(m, ids, 15, drop=0.5)
     m.eval()
     m2 = CausalLM(ModelConfig.from_dict(m.config.to_dict())).eval()
     m2.load_state_dict(m.state_dict())

@@ -80,12 +80,15 @@ def test_resets_gradients_finite():
         assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_step_chain_equals_recurrent():
+@pytest.mark.parametrize("inplace", [False, True])
+def test_step_chain_equals_recurrent(inplace):
     x, dt, A, B, C, h0 = make(T=9, grad=False)
     y_ref, s_ref = ssd_recurrent(x, dt, A, B, C, initial_state=h0)
-    s = h0
+    s = h0.clone()
     for t in range(9):
-        y, s = ssd_step(x[:, t], dt[:, t], A, B[:, t], C[:, t], s)
+        y, s2 = ssd_step(x[:, t], dt[:, t], A, B[:, t], C[:, t], s, inplace=inplace)
+        assert (s2.data_ptr() == s.data_ptr()) == inplace          # in place: the state buffer is reused
+        s = s2
         assert_close(y, y_ref[:, t])
     assert_close(s, s_ref)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close
+from conftest import assert_batch_generates_like_single, assert_close, assert_trains, decode_logits, padded_logits
 from hybridlm import CausalLM, InferenceCache, ModelConfig, presets
 from hybridlm.cache import WindowKVCache
 from hybridlm.context import SeqContext
@@ -137,28 +137,13 @@ def test_rodimus_variants_decode_chunks_padding(kw):
     m = model("RR", rodimus_chunk_size=8, **kw)
     ids = torch.randint(0, 61, (2, 27))
     full = m(ids).logits
-    cache = m.make_cache(2)
-    parts = [m(ids[:, :10], cache=cache).logits, m(ids[:, 10:20], cache=cache).logits]
-    parts += [m(ids[:, t:t + 1], cache=cache).logits for t in range(20, 27)]
-    assert_close(torch.cat(parts, 1), full, atol=2e-5, msg=str(kw))
-    pad = torch.cat([torch.randint(0, 61, (2, 5)), ids], 1)
-    mask = torch.cat([torch.zeros(2, 5), torch.ones(2, 27)], 1).long()
-    assert_close(m(pad, attention_mask=mask).logits[:, 5:], full, atol=2e-5, msg=f"{kw} left pad")
+    assert_close(decode_logits(m, ids, 10, 20), full, atol=2e-5, msg=str(kw))
+    assert_close(padded_logits(m, ids, torch.randint(0, 61, (2, 5))), full, atol=2e-5, msg=f"{kw} left pad")
 
 
 @pytest.mark.parametrize("kw", VARIANTS[1:], ids=lambda kw: ",".join(kw))
 def test_rodimus_ablations_train(kw):
-    m = model("RR", **kw).train()
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    ids = torch.randint(0, 61, (4, 24))
-    losses = []
-    for _ in range(10):
-        loss = m(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.3, losses
+    assert_trains(model("RR", **kw), torch.randint(0, 61, (4, 24)), 10, drop=0.3)
 
 
 def test_rodimus_state_half_of_mamba2():
@@ -219,9 +204,7 @@ def test_sliding_window_decode_equals_full_forward(shared_key):
     ids = torch.randint(0, 61, (2, 31))
     full = m(ids).logits
     cache = m.make_cache(2)
-    parts = [m(ids[:, :4], cache=cache).logits, m(ids[:, 4:19], cache=cache).logits]
-    parts += [m(ids[:, t:t + 1], cache=cache).logits for t in range(19, 31)]
-    assert_close(torch.cat(parts, 1), full, atol=2e-5)
+    assert_close(decode_logits(m, ids, 4, 19, cache=cache), full, atol=2e-5)
     assert all(c.k.shape[1] == 6 for c in cache.layers if c is not None)
     # the window really limits attention: a full-causal model with the same weights differs
     wide = model("WM WM", swa_window=100, attn_shared_key=shared_key)
@@ -233,12 +216,7 @@ def test_sliding_window_decode_equals_full_forward(shared_key):
 def test_sliding_window_left_padded_generation():
     m = model("[RWM]*2", swa_window=4, attn_shared_key=True)
     a, b = torch.randint(0, 61, (1, 9)), torch.randint(0, 61, (1, 5))
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], 1)], 0)
-    mask = torch.ones_like(batch)
-    mask[1, :4] = 0
-    out = m.generate(batch, 7, temperature=0, attention_mask=mask)
-    assert torch.equal(out[0, 9:], m.generate(a, 7, temperature=0)[0, 9:])
-    assert torch.equal(out[1, 9:], m.generate(b, 7, temperature=0)[0, 5:])
+    assert_batch_generates_like_single(m, a, b, 7)
 
 
 # ---------------------------------------------------------------------------------------------------- two-hop

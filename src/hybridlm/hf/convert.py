@@ -13,7 +13,7 @@ transformers is an optional dependency: nothing here imports it.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -81,15 +81,43 @@ def _tied(hf_cfg) -> bool:
     return bool(_get(hf_cfg, "tie_word_embeddings", False))
 
 
-def _head(sd: dict[str, Tensor], embed_key: str, cfg: ModelConfig) -> dict[str, Tensor]:
-    """Embedding / lm_head entries; with tied embeddings our state dict still names lm_head.weight."""
+class _Tensors(dict):
+    """A checkpoint's tensors under `prefix`, keyed without it. Reading an absent one is a ConfigError naming its
+    full key: a plain KeyError would name only the stripped tail (e.g. 'mlp.up_proj.weight', but which layer?)."""
+
+    def __init__(self, sd: dict[str, Tensor], prefix: str = ""):
+        super().__init__((k[len(prefix):], v) for k, v in sd.items() if k.startswith(prefix))
+        self.prefix = getattr(sd, "prefix", "") + prefix
+
+    def __missing__(self, key: str):
+        raise ConfigError(f"cannot convert: the checkpoint has no weight {self.prefix + key!r}")
+
+
+def _copy(out: dict[str, Tensor], prefix: str, s: _Tensors, table: dict[str, str], optional: bool = False):
+    """out[prefix + ours] = s[theirs] for each `ours: theirs` of `table` (renames only). With `optional` (biases,
+    parameters only some variants have) a tensor `s` lacks is skipped; otherwise it is a ConfigError."""
+    for ours, theirs in table.items():
+        if not optional or theirs in s:
+            out[prefix + ours] = s[theirs]
+
+
+def _head(sd: _Tensors, cfg: ModelConfig, embed_key: str, norm_key: str) -> dict[str, Tensor]:
+    """Embedding, final norm and lm_head entries; with tied embeddings our state dict still names lm_head.weight."""
     emb = sd[embed_key]
     head = emb if cfg.tie_embeddings else sd["lm_head.weight"]
-    return {"embed.weight": emb, "lm_head.weight": head}
+    return {"embed.weight": emb, "norm.weight": sd[norm_key], "lm_head.weight": head}
 
 
-def _pop_prefixed(sd: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+def _decoder_layers(sd: _Tensors, out: dict[str, Tensor]) -> Iterator[tuple[_Tensors, str, str]]:
+    """Llama-style decoder layers `model.layers.{i}.*` (Llama, Doge, DeepSeek): layer i is our attention block 2i
+    and MLP block 2i+1. Copies the two pre-norms, then yields (layer i's tensors, "blocks.{2i}.", "blocks.{2i+1}.")."""
+    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
+    for i in range(n_layers):
+        s = _Tensors(sd, f"model.layers.{i}.")
+        a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
+        _copy(out, a, s, {"norm.weight": "input_layernorm.weight"})
+        _copy(out, m, s, {"norm.weight": "post_attention_layernorm.weight"})
+        yield s, a, m
 
 
 def _maybe_bias(out: dict, name: str, *tensors: Tensor | None):
@@ -99,6 +127,22 @@ def _maybe_bias(out: dict, name: str, *tensors: Tensor | None):
         if not all(present):
             raise ConfigError(f"cannot convert: {name} has bias on only some of its fused parts")
         out[name] = torch.cat(tensors, 0)
+
+
+def _fused_attention(out: dict[str, Tensor], prefix: str, s: _Tensors):
+    """self_attn q/k/v projections -> our fused `qkv` (rows [q; k; v]), o_proj -> `out`; biases where present."""
+    out[prefix + "qkv.weight"] = torch.cat([s[f"self_attn.{p}_proj.weight"] for p in "qkv"], 0)
+    _maybe_bias(out, prefix + "qkv.bias", *(s.get(f"self_attn.{p}_proj.bias") for p in "qkv"))
+    _copy(out, prefix, s, {"out.weight": "self_attn.o_proj.weight"})
+    _copy(out, prefix, s, {"out.bias": "self_attn.o_proj.bias"}, optional=True)
+
+
+def _gated_mlp(out: dict[str, Tensor], prefix: str, s: _Tensors):
+    """mlp gate/up projections -> our fused `w_in` (rows [gate; up]), down_proj -> `w_out`; biases where present."""
+    out[prefix + "w_in.weight"] = torch.cat((s["mlp.gate_proj.weight"], s["mlp.up_proj.weight"]), 0)
+    _maybe_bias(out, prefix + "w_in.bias", s.get("mlp.gate_proj.bias"), s.get("mlp.up_proj.bias"))
+    _copy(out, prefix, s, {"w_out.weight": "mlp.down_proj.weight"})
+    _copy(out, prefix, s, {"w_out.bias": "mlp.down_proj.bias"}, optional=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,25 +165,11 @@ def llama_config(hf) -> dict:
     )
 
 
-def llama_weights(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, "model.embed_tokens.weight", cfg)
-    out["norm.weight"] = sd["model.norm.weight"]
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
-    for i in range(n_layers):
-        s = _pop_prefixed(sd, f"model.layers.{i}.")
-        a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."   # attention block, then MLP block
-        out[a + "norm.weight"] = s["input_layernorm.weight"]
-        out[a + "mixer.qkv.weight"] = torch.cat([s[f"self_attn.{p}_proj.weight"] for p in "qkv"], 0)
-        _maybe_bias(out, a + "mixer.qkv.bias", *(s.get(f"self_attn.{p}_proj.bias") for p in "qkv"))
-        out[a + "mixer.out.weight"] = s["self_attn.o_proj.weight"]
-        if "self_attn.o_proj.bias" in s:
-            out[a + "mixer.out.bias"] = s["self_attn.o_proj.bias"]
-        out[m + "norm.weight"] = s["post_attention_layernorm.weight"]
-        out[m + "mixer.w_in.weight"] = torch.cat((s["mlp.gate_proj.weight"], s["mlp.up_proj.weight"]), 0)
-        _maybe_bias(out, m + "mixer.w_in.bias", s.get("mlp.gate_proj.bias"), s.get("mlp.up_proj.bias"))
-        out[m + "mixer.w_out.weight"] = s["mlp.down_proj.weight"]
-        if "mlp.down_proj.bias" in s:
-            out[m + "mixer.w_out.bias"] = s["mlp.down_proj.bias"]
+def llama_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
+    for s, a, m in _decoder_layers(sd, out):
+        _fused_attention(out, a + "mixer.", s)
+        _gated_mlp(out, m + "mixer.", s)
     return out
 
 
@@ -168,25 +198,22 @@ def mamba2_config(hf) -> dict:
     )
 
 
-def mamba2_weights(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, "backbone.embeddings.weight", cfg)
-    out["norm.weight"] = sd["backbone.norm_f.weight"]
+# ours (under blocks.{i}.) -> theirs (under backbone.layers.{i}.); in_proj keeps the same [z, xBC, dt] row order
+_MAMBA2 = {"norm.weight": "norm.weight", "mixer.in_proj.weight": "mixer.in_proj.weight",
+           "mixer.dt_bias": "mixer.dt_bias", "mixer.A_log": "mixer.A_log", "mixer.D": "mixer.D",
+           "mixer.norm_weight": "mixer.norm.weight", "mixer.out_proj.weight": "mixer.out_proj.weight"}
+_MAMBA2_BIASES = {"mixer.in_proj.bias": "mixer.in_proj.bias", "mixer.out_proj.bias": "mixer.out_proj.bias",
+                  "mixer.conv_bias": "mixer.conv1d.bias"}
+
+
+def mamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = _head(sd, cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
     n_layers = sum(1 for k in sd if k.startswith("backbone.layers.") and k.endswith(".mixer.A_log"))
     for i in range(n_layers):
-        s = _pop_prefixed(sd, f"backbone.layers.{i}.")
-        b = f"blocks.{i}."
-        out[b + "norm.weight"] = s["norm.weight"]
-        out[b + "mixer.in_proj.weight"] = s["mixer.in_proj.weight"]     # same [z, xBC, dt] row order
-        out[b + "mixer.conv_weight"] = s["mixer.conv1d.weight"].squeeze(1)
-        for name in ("in_proj.bias", "out_proj.bias"):
-            if "mixer." + name in s:
-                out[b + "mixer." + name] = s["mixer." + name]
-        if "mixer.conv1d.bias" in s:
-            out[b + "mixer.conv_bias"] = s["mixer.conv1d.bias"]
-        for name in ("dt_bias", "A_log", "D"):
-            out[b + "mixer." + name] = s["mixer." + name]
-        out[b + "mixer.norm_weight"] = s["mixer.norm.weight"]
-        out[b + "mixer.out_proj.weight"] = s["mixer.out_proj.weight"]
+        s, b = _Tensors(sd, f"backbone.layers.{i}."), f"blocks.{i}."
+        _copy(out, b, s, _MAMBA2)
+        _copy(out, b, s, _MAMBA2_BIASES, optional=True)
+        out[b + "mixer.conv_weight"] = s["mixer.conv1d.weight"].squeeze(1)     # [C, 1, K] -> [C, K]
     return out
 
 
@@ -228,7 +255,7 @@ def to_state_dict(hf_model, **overrides) -> tuple[ModelConfig, dict[str, Tensor]
     share storage with the transformers model (detach/clone before changing either)."""
     conv = _converter(hf_model)
     cfg = config_from_transformers(hf_model.config, **overrides)
-    sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    sd = _Tensors({k: v.detach() for k, v in hf_model.state_dict().items()})
     return cfg, conv.weights(sd, cfg)
 
 

@@ -3,11 +3,11 @@
 layers are refused. Our MLA keeps transformers' row layouts (q_b rows [head, (nope, rope)], kv_a rows
 [latent, rope], kv_b rows [head, (k_nope, v)]), so every weight is copied as is.
 """
-import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .convert import _activation, _get, _head, _need, _pop_prefixed, _rope_base, _tied, register
+from .convert import (_activation, _decoder_layers, _gated_mlp, _get, _head, _need, _rope_base, _Tensors, _tied,
+                      register)
 
 _ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
@@ -39,28 +39,21 @@ def deepseek_config(hf) -> dict:
     return fields
 
 
-def deepseek_weights(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, "model.embed_tokens.weight", cfg)
-    out["norm.weight"] = sd["model.norm.weight"]
+def deepseek_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
     indexed = cfg.layout.startswith("(I")
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
     names = {"q_a_proj": "q_a", "q_a_layernorm": "q_norm", "q_b_proj": "q_b", "q_proj": "q_proj",
              "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "kv_b", "o_proj": "out",
              "indexer.wq_b": "indexer.wq", "indexer.wk": "indexer.wk", "indexer.k_norm": "indexer.k_norm",
              "indexer.weights_proj": "indexer.w"}
-    for i in range(n_layers):
-        s = _pop_prefixed(sd, f"model.layers.{i}.")
-        a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."   # attention block, then MLP block
-        out[a + "norm.weight"] = s["input_layernorm.weight"]
-        for key, t in _pop_prefixed(s, "self_attn.").items():
+    for s, a, m in _decoder_layers(sd, out):                 # attention block, then MLP block
+        for key, t in _Tensors(s, "self_attn.").items():
             module, param = key.rsplit(".", 1)
             ours = names[module]
             if indexed and not ours.startswith("indexer."):
                 ours = "attn." + ours                       # I wraps the MLA as `attn`
             out[f"{a}mixer.{ours}.{param}"] = t
-        out[m + "norm.weight"] = s["post_attention_layernorm.weight"]
-        out[m + "mixer.w_in.weight"] = torch.cat((s["mlp.gate_proj.weight"], s["mlp.up_proj.weight"]), 0)
-        out[m + "mixer.w_out.weight"] = s["mlp.down_proj.weight"]
+        _gated_mlp(out, m + "mixer.", s)
     return out
 
 

@@ -7,13 +7,18 @@ even later, tokens); our CDMoE splits each token's own logits, so the two agree 
 """
 import math
 
-import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .convert import _activation, _get, _head, _maybe_bias, _need, _pop_prefixed, _rope_base, _tied, register
+from .convert import (_activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need,
+                      _rope_base, _Tensors, _tied, register)
 
 ARCH = "DogeForCausalLM"
+# ours (under the attention block's mixer) -> theirs; the names match, only the self_attn. prefix differs
+_DOGE_ATTN = {n: "self_attn." + n for n in ("q_norm.weight", "k_norm.weight", "dt_proj.weight", "dt_proj.bias", "A")}
+# ours (under the CDMoE block's mixer) -> theirs: the router and expert embeddings
+_DOGE_MOE = {"router.weight": "mlp.router_gate.weight", "down_embed.weight": "mlp.down_embed.weight",
+             "up_embed.weight": "mlp.up_embed.weight"}
 
 
 def doge_config(hf) -> dict:
@@ -41,34 +46,17 @@ def doge_config(hf) -> dict:
     return fields
 
 
-def doge_weights(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, "model.embed_tokens.weight", cfg)
-    out["norm.weight"] = sd["model.norm.weight"]
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
-    for i in range(n_layers):
-        s = _pop_prefixed(sd, f"model.layers.{i}.")
-        a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."        # attention block, then MLP / CDMoE block
-        out[a + "norm.weight"], out[a + "res_weight"] = s["input_layernorm.weight"], s["input_residual"]
-        out[a + "mixer.qkv.weight"] = torch.cat([s[f"self_attn.{p}_proj.weight"] for p in "qkv"], 0)
-        _maybe_bias(out, a + "mixer.qkv.bias", *(s.get(f"self_attn.{p}_proj.bias") for p in "qkv"))
-        for name in ("q_norm.weight", "k_norm.weight", "dt_proj.weight", "dt_proj.bias", "A"):
-            if "self_attn." + name in s:
-                out[a + "mixer." + name] = s["self_attn." + name]
-        out[a + "mixer.out.weight"] = s["self_attn.o_proj.weight"]
-        if "self_attn.o_proj.bias" in s:
-            out[a + "mixer.out.bias"] = s["self_attn.o_proj.bias"]
-        out[m + "norm.weight"] = s["post_attention_layernorm.weight"]
-        out[m + "res_weight"] = s["post_attention_residual"]
-        mlp = m + ("mixer.shared." if "mlp.router_gate.weight" in s else "mixer.")
-        out[mlp + "w_in.weight"] = torch.cat((s["mlp.gate_proj.weight"], s["mlp.up_proj.weight"]), 0)
-        _maybe_bias(out, mlp + "w_in.bias", s.get("mlp.gate_proj.bias"), s.get("mlp.up_proj.bias"))
-        out[mlp + "w_out.weight"] = s["mlp.down_proj.weight"]
-        if "mlp.down_proj.bias" in s:
-            out[mlp + "w_out.bias"] = s["mlp.down_proj.bias"]
-        if "mlp.router_gate.weight" in s:
-            out[m + "mixer.router.weight"] = s["mlp.router_gate.weight"]
-            out[m + "mixer.down_embed.weight"] = s["mlp.down_embed.weight"]
-            out[m + "mixer.up_embed.weight"] = s["mlp.up_embed.weight"]
+def doge_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
+    for s, a, m in _decoder_layers(sd, out):                 # attention block, then MLP / CDMoE block
+        _copy(out, a, s, {"res_weight": "input_residual"})
+        _copy(out, m, s, {"res_weight": "post_attention_residual"})
+        _fused_attention(out, a + "mixer.", s)
+        _copy(out, a + "mixer.", s, _DOGE_ATTN, optional=True)
+        moe = "mlp.router_gate.weight" in s
+        _gated_mlp(out, m + ("mixer.shared." if moe else "mixer."), s)   # the CDMoE's shared expert is Doge's MLP
+        if moe:
+            _copy(out, m + "mixer.", s, _DOGE_MOE)
     return out
 
 

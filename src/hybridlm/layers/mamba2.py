@@ -72,7 +72,8 @@ class Mamba2(nn.Module):
         A = -torch.exp(self.A_log.float())
         xs = xs.view(B, T, h, p)
         if slot is not None and T == 1 and slot.state is not None:
-            y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state)
+            y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state,
+                                     inplace=not torch.is_grad_enabled())
             y = y.unsqueeze(1)
         else:
             y, final = ssd_chunked(xs, dt, A, Bm.view(B, T, g, n), Cm.view(B, T, g, n), chunk_size=self.chunk_size,

@@ -53,7 +53,8 @@ class RopeSSD(nn.Module):
         xs = xs.view(Bsz, T, h, p)
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         if slot is not None and T == 1 and slot.state is not None:
-            y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], slot.state)
+            y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], slot.state,
+                                     inplace=not torch.is_grad_enabled())
             y = y.unsqueeze(1)
         else:
             y, final = ssd_chunked(xs, dt, A, Bm, Cm, chunk_size=self.chunk_size,

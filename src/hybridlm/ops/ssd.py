@@ -128,15 +128,19 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int = 64, initial_state=None, res
     return y.to(x.dtype), prev
 
 
-def ssd_step(x, dt, A, B, C, state):
+def ssd_step(x, dt, A, B, C, state, *, inplace: bool = False):
     """One decode step. x [b, h, p]; dt [b, h]; B, C [b, g, n]; state [b, h, p, n] (float32).
-    Returns (y [b, h, p], new_state)."""
+    Returns (y [b, h, p], new_state). `inplace` updates `state` itself (a decode cache owns its state: this
+    saves writing two state-sized temporaries per step) and returns it as new_state."""
     b, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
     dtf = dt.float()
     decay = torch.exp(dtf * A.float()).view(b, h, 1, 1)
     xdt = (x.float() * dtf.unsqueeze(-1)).view(b, g, h // g, p, 1)
-    # groups broadcast over their heads: no repeated B / C
-    new = torch.addcmul((state * decay).view(b, g, h // g, p, n), xdt, B.float().view(b, g, 1, 1, n))
+    Bg = B.float().view(b, g, 1, 1, n)                              # groups broadcast over their heads
+    if inplace:
+        new = state.mul_(decay).view(b, g, h // g, p, n).addcmul_(xdt, Bg)
+    else:
+        new = torch.addcmul((state * decay).view(b, g, h // g, p, n), xdt, Bg)
     y = new @ C.float().view(b, g, 1, n, 1)                       # [b, g, h/g, p, 1]
     return y.view(b, h, p).to(x.dtype), new.view(b, h, p, n)
