@@ -13,6 +13,7 @@ from ..context import SeqContext
 from ..errors import ConfigError, InputError
 from ..layers.norm import make_norm
 from ..layers.residual import Residual
+from ..ops.loss import cross_entropy
 from .config import ModelConfig
 from .layout import parse_layout
 from .registry import LETTERS
@@ -212,7 +213,7 @@ class CausalLM(nn.Module):
         if labels is not None:
             # shift the labels, not the logits: slicing [B, T, V] logits would copy them (and their gradient)
             shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
+            loss = cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
             if aux is not None:
                 loss = loss + aux_loss_weight * aux
         return CausalLMOutput(logits=logits, loss=loss, cache=cache, aux_loss=aux)

@@ -21,17 +21,19 @@ def rope_cos_sin(positions: Tensor, dim: int, base: float = 10000.0) -> tuple[Te
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> Tensor:
     """Rotate the first 2*cos.shape[-1] channels of x [B, T, H, D] by cos/sin [B, T, R/2].
     Channels past the rotary dim pass through unchanged (partial rotary)."""
-    r = 2 * cos.shape[-1]
-    xr, xp = x[..., :r].float(), x[..., r:]
+    r, D = 2 * cos.shape[-1], x.shape[-1]
+    # split/chunk/unbind, not slicing: their backward concatenates the grads, slicing's zero-fills a full copy each
+    xr, xp = x.split((r, D - r), dim=-1) if r < D else (x, None)
+    xr = xr.float()
     c, s = cos.unsqueeze(2), sin.unsqueeze(2)
     if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        x1, x2 = xr.unflatten(-1, (r // 2, 2)).unbind(-1)
         out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
     else:
-        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        x1, x2 = xr.chunk(2, dim=-1)
         out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     out = out.to(x.dtype)
-    return out if xp.shape[-1] == 0 else torch.cat((out, xp), dim=-1)
+    return out if xp is None else torch.cat((out, xp), dim=-1)
 
 
 def apply_rope_ref(x: Tensor, positions: Tensor, dim: int, base: float = 10000.0, *,
