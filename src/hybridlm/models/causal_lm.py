@@ -24,17 +24,7 @@ class CausalLMOutput:
     logits: Tensor                   # [B, T, vocab] (or the last `logits_to_keep` positions)
     loss: Tensor | None = None       # mean next-token cross-entropy (+ weighted auxiliary losses)
     cache: InferenceCache | None = None
-    aux_loss: Tensor | None = None   # sum of the mixers' auxiliary losses (MoE load balancing)
-
-
-_TREE_VERSION = [0]   # bumped whenever a submodule is registered on any module (see CausalLM._aux_loss)
-
-
-def _tree_changed(module, name, submodule):
-    _TREE_VERSION[0] += 1
-
-
-nn.modules.module.register_module_module_registration_hook(_tree_changed)
+    aux_loss: Tensor | None = None   # sum of the mixers' auxiliary losses (MoE load balancing); training/labels only
 
 
 _COMPILED = {}   # torch.compile'd functions, built on first use
@@ -208,7 +198,8 @@ class CausalLM(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(x)
-        aux = self._aux_loss()
+        # auxiliary losses matter to training and scoring; a plain inference call skips the module walk
+        aux = self._aux_loss() if self.training or labels is not None else None
         loss = None
         if labels is not None:
             # shift the labels, not the logits: slicing [B, T, V] logits would copy them (and their gradient)
@@ -235,16 +226,9 @@ class CausalLM(nn.Module):
 
     def _aux_loss(self) -> Tensor | None:
         """Sum of auxiliary losses that mixers left in `.aux_loss` during this forward."""
-        if getattr(self, "_flat_version", None) != _TREE_VERSION[0]:
-            # walking the module tree costs about as much as a whole one-token decode step of a small
-            # model: keep a flat list, rebuilt whenever any module anywhere gains a submodule
-            self._flat_modules = list(self.modules())
-            self._flat_version = _TREE_VERSION[0]
         total = None
-        for m in self._flat_modules:
+        for m in self.modules():
             a = m.__dict__.get("aux_loss")
-            if a is None:
-                a = m._buffers.get("aux_loss")
             if isinstance(a, Tensor):
                 total = a if total is None else total + a
         return total
