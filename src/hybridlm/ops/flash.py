@@ -77,6 +77,24 @@ def _bias_tile(bias: Tensor | None, t0: int, t1: int, s0: int, s1: int, dtype: t
     return None if bias is None else bias[..., t0:t1, s0:s1].to(dtype)
 
 
+def _score_tile(q_blk: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, key_mask: Tensor | None,
+                t0: int, t1: int, s0: int, s1: int, T: int, causal: bool, window: int | None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Masked, biased scores of queries [t0, t1) of T (q_blk: scaled, in the compute dtype) against keys
+    [s0, s1) of k, v [B, Hk, S, D]: (s [B, Hk, G, bq, bk], k_blk, v_blk [B, Hk, 1, bk, D], broadcast over the
+    G query heads). The forward and the backward's recompute share it, so both see exactly the same tile."""
+    k_blk = k[:, :, None, s0:s1].to(q_blk.dtype)
+    v_blk = v[:, :, None, s0:s1].to(q_blk.dtype)
+    s = q_blk @ k_blk.transpose(-1, -2)
+    b = _bias_tile(bias, t0, t1, s0, s1, q_blk.dtype)
+    if b is not None:
+        s = s + b
+    mask = _tile_mask(t0, t1, s0, s1, T, k.shape[2], causal, window, key_mask, q_blk.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    return s, k_blk, v_blk
+
+
 class _FlashAttention(torch.autograd.Function):
     """Inputs are pre-arranged by flash_attention():
 
@@ -102,15 +120,7 @@ class _FlashAttention(torch.autograd.Function):
             lo, hi = _key_range(t0, t1, T, S, causal, window)
             for s0 in range(lo, hi, block_size):
                 s1 = min(hi, s0 + block_size)
-                k_blk = k[:, :, None, s0:s1].to(cdt)  # [B, Hk, 1, bk, D]: broadcast over the G query heads
-                v_blk = v[:, :, None, s0:s1].to(cdt)
-                s = q_blk @ k_blk.transpose(-1, -2)  # [B, Hk, G, bq, bk]
-                b = _bias_tile(bias, t0, t1, s0, s1, cdt)
-                if b is not None:
-                    s = s + b
-                mask = _tile_mask(t0, t1, s0, s1, T, S, causal, window, key_mask, q.device)
-                if mask is not None:
-                    s = s.masked_fill(~mask, -math.inf)
+                s, k_blk, v_blk = _score_tile(q_blk, k, v, bias, key_mask, t0, t1, s0, s1, T, causal, window)
                 m_new = torch.maximum(m, s.amax(dim=-1))
                 # A row that has seen no visible key yet keeps m = -inf; shift by 0 there so that
                 # exp(-inf - (-inf)) never produces NaN (p and alpha come out as 0 instead).
@@ -157,15 +167,7 @@ class _FlashAttention(torch.autograd.Function):
             lo, hi = _key_range(t0, t1, T, S, causal, window)
             for s0 in range(lo, hi, block_size):
                 s1 = min(hi, s0 + block_size)
-                k_blk = k[:, :, None, s0:s1].to(cdt)
-                v_blk = v[:, :, None, s0:s1].to(cdt)
-                s = q_blk @ k_blk.transpose(-1, -2)
-                b = _bias_tile(bias, t0, t1, s0, s1, cdt)
-                if b is not None:
-                    s = s + b
-                mask = _tile_mask(t0, t1, s0, s1, T, S, causal, window, key_mask, q.device)
-                if mask is not None:
-                    s = s.masked_fill(~mask, -math.inf)
+                s, k_blk, v_blk = _score_tile(q_blk, k, v, bias, key_mask, t0, t1, s0, s1, T, causal, window)
                 p = torch.exp(s - lse_blk)  # the exact softmax probabilities of this tile
                 dp = do_blk @ v_blk.transpose(-1, -2)
                 ds = p * (dp - delta_blk)  # gradient wrt the (scaled, biased) scores
