@@ -61,3 +61,11 @@ def test_compiled_decode_matches_eager_every_preset(name):
     m = tiny(name)
     ids = torch.randint(0, 97, (2, 9))
     assert torch.equal(m.generate(ids, 6, temperature=0), m.generate(ids, 6, temperature=0, compile=True))
+
+
+def test_compile_without_a_compiler_is_one_clear_error(monkeypatch):
+    from hybridlm.errors import ConfigError
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    m = tiny("transformer++")
+    with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
+        m.generate(torch.randint(0, 97, (1, 4)), 2, temperature=0, compile=True)

@@ -1,5 +1,7 @@
 """The one model class: embedding -> residual blocks built from the layout -> norm -> lm_head."""
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from functools import partial
 
@@ -220,6 +222,10 @@ class CausalLM(nn.Module):
         compile (seconds to tens of seconds on a CPU); later ones run the fused graph. One compiled function is
         shared by all models (a module global, so models stay picklable and collectable); dynamo keeps a graph
         per model structure."""
+        if self.embed.weight.device.type == "cpu" and not any(
+                shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+            raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile generates C++ kernels): "
+                              "install g++ or clang++, or decode without compiling")
         if "decode" not in _COMPILED:
             _COMPILED["decode"] = torch.compile(CausalLM._decode_step, dynamic=True)
         return partial(_COMPILED["decode"], self)
