@@ -1,14 +1,11 @@
 """The decode loop of `stream`: a cache sized once for the whole generation, and the torch.compile'd step."""
-import os
-import shutil
-
 import pytest
 import torch
 
+from hybridlm.models.causal_lm import cxx_compiler
 from test_models import ALL, tiny
 
-needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                    reason="torch.compile on CPU needs a C++ compiler")
+needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="torch.compile on CPU needs a C++ compiler")
 
 
 def test_stream_allocates_kv_once():

@@ -31,6 +31,11 @@ class CausalLMOutput:
 
 _COMPILED = {}   # torch.compile'd functions, built on first use
 
+
+def cxx_compiler() -> str | None:
+    """A C++ compiler on PATH ($CXX first), which torch.compile needs to build CPU kernels; None if there is none."""
+    return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+
 # builders for residual schemes, keyed by ("letter" | "hop"); other modules may register more
 BLOCKS = {}
 
@@ -222,8 +227,7 @@ class CausalLM(nn.Module):
         compile (seconds to tens of seconds on a CPU); later ones run the fused graph. One compiled function is
         shared by all models (a module global, so models stay picklable and collectable); dynamo keeps a graph
         per model structure."""
-        if self.embed.weight.device.type == "cpu" and not any(
-                shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        if self.embed.weight.device.type == "cpu" and cxx_compiler() is None:
             raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile generates C++ kernels): "
                               "install g++ or clang++, or decode without compiling")
         if "decode" not in _COMPILED:
