@@ -16,8 +16,11 @@ No Python loop runs over experts or tokens: everything is gathers, sorts and bat
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -55,6 +58,34 @@ def _candidate_pairs(kk: int, k: int, device: torch.device) -> tuple[Tensor, Ten
     return a, b
 
 
+def _argsort_rows(a: np.ndarray) -> np.ndarray:
+    """np.argsort(a, axis=-1), with the rows split across torch's intra-op thread count."""
+    global _POOL
+    parts = min(torch.get_num_threads(), a.shape[0] // 512)
+    if parts <= 1:
+        return np.argsort(a, axis=-1)
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < parts - 1:
+        _POOL = (os.getpid(), ThreadPoolExecutor(parts - 1))  # fresh after a fork: threads do not survive it
+    chunks = np.array_split(a, parts)
+    rest = [_POOL[1].submit(np.argsort, c, axis=-1) for c in chunks[1:]]  # numpy sorts without the GIL
+    return np.concatenate([np.argsort(chunks[0], axis=-1)] + [f.result() for f in rest])
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _ranked_keys(s: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of each row, largest first. s: [R, n] -> [R, k] long.
+
+    On CPU, numpy's argsort of short rows (a vectorised sorting network, x86-simd-sort) is ~3x faster
+    than torch.topk, which selects and sorts each row in scalar code; elsewhere torch.topk.
+    """
+    if s.device.type != "cpu" or s.shape[-1] > 256:
+        return s.topk(k, dim=-1).indices
+    order = _argsort_rows(np.negative(s.float().numpy()))[:, :k]  # descending = ascending of the negation
+    return torch.from_numpy(np.ascontiguousarray(order))
+
+
 def product_key_topk(scores_x: Tensor, scores_y: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k over all n_keys² sums scores_x[..., i] + scores_y[..., j], computed cheaply.
 
@@ -74,15 +105,15 @@ def product_key_topk(scores_x: Tensor, scores_y: Tensor, k: int) -> tuple[Tensor
     # inputs so the backward is two cheap scatters instead of a chain of topk/index backwards.
     lead = scores_x.shape[:-1]
     with torch.no_grad():
-        # 2-D rows: index_select along dim 1 of a 2-D tensor is several times faster than along
-        # the last dim of an N-D one
-        sx, ix = scores_x.reshape(-1, n_keys).topk(kk, dim=-1)  # [R, kk], sorted descending
-        sy, iy = scores_y.reshape(-1, n_keys).topk(kk, dim=-1)
+        both = torch.stack((scores_x.reshape(-1, n_keys), scores_y.reshape(-1, n_keys)))  # [2, R, n_keys]
+        order = _ranked_keys(both.view(-1, n_keys), kk).view(2, -1, kk).to(both.device)  # [2, R, kk]
+        # rank-major [2, kk, R]: forming the candidates then copies whole rows instead of scattered floats
+        ranked = both.gather(2, order).transpose(1, 2).contiguous()
         a, b = _candidate_pairs(kk, k, scores_x.device)  # [C] rank pairs
-        cand = sx.index_select(1, a) + sy.index_select(1, b)  # [R, C]
-        pos = cand.topk(k, dim=-1, sorted=False).indices  # [R, k]; sorting would cost ~2x
-        i = ix.gather(1, a[pos]).view(*lead, k)  # key index on each side
-        j = iy.gather(1, b[pos]).view(*lead, k)
+        cand = ranked[0].index_select(0, a) + ranked[1].index_select(0, b)  # [C, R]
+        pos = cand.t().topk(k, dim=-1, sorted=False).indices  # [R, k]; sorting would cost ~2x
+        i = order[0].gather(1, a[pos]).view(*lead, k)  # key index on each side
+        j = order[1].gather(1, b[pos]).view(*lead, k)
     # same float additions as in cand, so these equal the selected candidate sums exactly
     scores = scores_x.gather(-1, i) + scores_y.gather(-1, j)
     ids = i * n_keys + j
