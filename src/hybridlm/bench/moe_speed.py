@@ -5,7 +5,7 @@ count, forward + backward, with a breakdown of the CDMoE time into its parts.
 
 Defaults: d_model 256, 16384 experts, 64 per token, shared hidden 2·d_model (Doge's intermediate size), 2048
 tokens, torch's current thread count. The measurement is `wm_speed.bench_cdmoe_layer` (same accounting:
-active parameters 3·d·shared_hidden + 2·d·k for CDMoE, router excluded as usual for MoE; 3·d·hidden for
+active parameters 3·d·shared_hidden + 2·d·k for CDMoE without its router, + 2·√E·d with it; 3·d·hidden for
 the MLP); `ratio` = CDMoE tokens/s / MLP tokens/s, target >= 0.5. The layer runs ~100 small ops to the MLP's
 ~15, so on a machine shared with other jobs multi-threaded runs understate its ratio: compare on a quiet one.
 """

@@ -23,7 +23,8 @@ def bench_cdmoe_layer(d_model: int = 256, num_experts: int = 16384, top_k: int =
     """tokens/s of CDMoE vs gated MLPs with the same active parameter count on x [tokens, d_model], forward +
     backward. Active parameters: CDMoE 3·d·shared_hidden + 2·d·top_k (+ the router's 2·√N·d, which every
     token also multiplies); MLP 3·d·hidden. `ratio` compares with the MLP matching the count without the
-    router (the usual MoE accounting), `ratio_router_counted` with the one matching it router included.
+    router (the stricter figure), `ratio_router_counted` with the one matching every weight a token uses,
+    router included (how MoE "activated parameters" are usually counted).
     `breakdown` also times the layer's parts in the same interleaved rounds (medians, ms): the shared MLP,
     the routing (router, product-key top-k, softmax gates) and the expert neurons (on fixed ids and gates)."""
     shared_hidden = shared_hidden or 2 * d_model               # Doge's intermediate_size = 2 × hidden_size

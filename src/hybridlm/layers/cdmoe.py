@@ -65,4 +65,4 @@ class CDMoE(nn.Module):
             scores, ids = self.retrieve(z)                  # expert i: act(<z, down_i> · score_i) · up_i
             y = expert_neurons(z, self.down_embed.weight, self.up_embed.weight, ids.flatten(1), act=self.act,
                                scale=scores.flatten(1))
-        return (y + phi).view(shape)
+        return y.add_(phi).view(shape)                     # in place: y is a fresh buffer no one saved
