@@ -78,9 +78,10 @@ def _ranked_keys(s: Tensor, k: int) -> Tensor:
     """Indices of the k largest entries of each row, largest first. s: [R, n] -> [R, k] long.
 
     On CPU, numpy's argsort of short rows (a vectorised sorting network, x86-simd-sort) is ~3x faster
-    than torch.topk, which selects and sorts each row in scalar code; elsewhere torch.topk.
+    than torch.topk, which selects and sorts each row in scalar code; elsewhere (and under torch.compile,
+    which cannot trace the thread pool) torch.topk.
     """
-    if s.device.type != "cpu" or s.shape[-1] > 256:
+    if s.device.type != "cpu" or s.shape[-1] > 256 or torch.compiler.is_compiling():
         return s.topk(k, dim=-1).indices
     order = _argsort_rows(np.negative(s.float().numpy()))[:, :k]  # descending = ascending of the negation
     return torch.from_numpy(np.ascontiguousarray(order))
