@@ -58,20 +58,20 @@ def _candidate_pairs(kk: int, k: int, device: torch.device) -> tuple[Tensor, Ten
     return a, b
 
 
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool) for _argsort_rows
+
+
 def _argsort_rows(a: np.ndarray) -> np.ndarray:
     """np.argsort(a, axis=-1), with the rows split across torch's intra-op thread count."""
     global _POOL
     parts = min(torch.get_num_threads(), a.shape[0] // 512)
     if parts <= 1:
         return np.argsort(a, axis=-1)
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < parts - 1:
-        _POOL = (os.getpid(), ThreadPoolExecutor(parts - 1))  # fresh after a fork: threads do not survive it
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < parts - 1:
+        _POOL = (os.getpid(), parts - 1, ThreadPoolExecutor(parts - 1))  # new after a fork: threads don't survive it
     chunks = np.array_split(a, parts)
-    rest = [_POOL[1].submit(np.argsort, c, axis=-1) for c in chunks[1:]]  # numpy sorts without the GIL
+    rest = [_POOL[2].submit(np.argsort, c, axis=-1) for c in chunks[1:]]  # numpy sorts without the GIL
     return np.concatenate([np.argsort(chunks[0], axis=-1)] + [f.result() for f in rest])
-
-
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _ranked_keys(s: Tensor, k: int) -> Tensor:
@@ -107,7 +107,7 @@ def product_key_topk(scores_x: Tensor, scores_y: Tensor, k: int) -> tuple[Tensor
     lead = scores_x.shape[:-1]
     with torch.no_grad():
         both = torch.stack((scores_x.reshape(-1, n_keys), scores_y.reshape(-1, n_keys)))  # [2, R, n_keys]
-        order = _ranked_keys(both.view(-1, n_keys), kk).view(2, -1, kk).to(both.device)  # [2, R, kk]
+        order = _ranked_keys(both.view(-1, n_keys), kk).view(2, -1, kk)  # [2, R, kk]
         # rank-major [2, kk, R]: forming the candidates then copies whole rows instead of scattered floats
         ranked = both.gather(2, order).transpose(1, 2).contiguous()
         a, b = _candidate_pairs(kk, k, scores_x.device)  # [C] rank pairs
