@@ -66,3 +66,15 @@ def test_compile_without_a_compiler_is_one_clear_error(monkeypatch):
     m = tiny("transformer++")
     with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
         m.generate(torch.randint(0, 97, (1, 4)), 2, temperature=0, compile=True)
+
+
+@pytest.mark.parametrize("name", ["doge", "cheems", "transformer++"])
+def test_decode_step_traces_as_one_graph(name):
+    """No data-dependent shapes in the decode step (CDMoE included): torch.compile sees one graph."""
+    m = tiny(name).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.inference_mode():
+        cache = m.make_cache(2, max_tokens=16)
+        m(ids, cache=cache)
+        ex = torch._dynamo.explain(type(m)._decode_step)(m, torch.randint(0, 97, (2, 1)), cache)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons

@@ -52,10 +52,10 @@ def _candidate_pairs(kk: int, k: int, device: torch.device) -> tuple[Tensor, Ten
     If the pair at ranks (a, b) is in the top-k, every pair (a' <= a, b' <= b) scores at least as
     much, and there are (a+1)(b+1) of them; so (a+1)(b+1) <= k. That keeps ~k·ln(k) candidates
     (280 for k=64) instead of the full kk×kk grid (4096), and the result is still exact.
+    Built from Python ints (not a data-dependent `nonzero`), so under torch.compile it is a constant.
     """
-    r = torch.arange(1, kk + 1, device=device)
-    a, b = ((r[:, None] * r[None, :]) <= k).nonzero(as_tuple=True)
-    return a, b
+    pairs = [(a, b) for a in range(kk) for b in range(min(kk, k // (a + 1)))]
+    return torch.tensor(pairs, device=device).unbind(1)
 
 
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool) for _argsort_rows
@@ -110,7 +110,9 @@ def product_key_topk(scores_x: Tensor, scores_y: Tensor, k: int) -> tuple[Tensor
         order = _ranked_keys(both.view(-1, n_keys), kk).view(2, -1, kk)  # [2, R, kk]
         # rank-major [2, kk, R]: forming the candidates then copies whole rows instead of scattered floats
         ranked = both.gather(2, order).transpose(1, 2).contiguous()
-        a, b = _candidate_pairs(kk, k, scores_x.device)  # [C] rank pairs
+        # traced by torch.compile, the uncached function is a constant; dynamo warns on lru_cache wrappers
+        pairs_of = _candidate_pairs.__wrapped__ if torch.compiler.is_compiling() else _candidate_pairs
+        a, b = pairs_of(kk, k, scores_x.device)  # [C] rank pairs
         cand = ranked[0].index_select(0, a) + ranked[1].index_select(0, b)  # [C, R]
         pos = cand.t().topk(k, dim=-1, sorted=False).indices  # [R, k]; sorting would cost ~2x
         i = order[0].gather(1, a[pos]).view(*lead, k)  # key index on each side
@@ -177,7 +179,8 @@ class _Pairs:
         e_sorted, self.perm = torch.sort(_sort_key(flat, num_experts), stable=True)
         self.expert = e_sorted.long()  # expert of each sorted pair (its bag)
         self.tok = self.perm // k  # token of each sorted pair
-        counts = torch.bincount(flat, minlength=num_experts)
+        # index_add, not bincount: a fixed [E] shape, so torch.compile keeps the layer in one graph
+        counts = flat.new_zeros(num_experts).index_add_(0, flat, flat.new_ones(1).expand_as(flat))
         self.starts = counts.cumsum(0) - counts  # [E] expert bags (empty bags allowed)
 
     def dot(self, table: Tensor, rows: Tensor) -> Tensor:
