@@ -108,7 +108,9 @@ CASES = {
     "A-dt": ("(AM)*2", dict(wm_dyn_mask="dt", qk_norm=True, residual_scale=True)),
     "A-dt-keep-gqa": ("(AM)*2", dict(wm_dyn_mask="dt", wm_keep_window=4, n_kv_heads=2)),
     "A-dt-keep-window": ("(AM)*2", dict(wm_dyn_mask="dt", wm_keep_window=3, window=6)),
+    "A-dt-window": ("(AM)*2", dict(wm_dyn_mask="dt", window=5, n_kv_heads=2)),
     "A-position": ("(AM)*2", dict(wm_dyn_mask="position", n_kv_heads=2)),
+    "F-position-window": ("(FM)*2", dict(wm_dyn_mask="position", window=4)),
     "F": ("(FM)*2", dict()),
     "F-position": ("(FM)*2", dict(wm_dyn_mask="position")),
     "F-dt-keep": ("(FM)*2", dict(wm_dyn_mask="dt", wm_keep_window=5, wm_inner_topk=1)),
@@ -137,6 +139,24 @@ def test_decode_chunked_prefill_and_padding(case):
     rmask = torch.cat([torch.ones(2, 21), torch.zeros(2, 5)], 1).long()
     assert_close(m(torch.cat([ids, pad], 1), attention_mask=rmask).logits[:, :21], full, atol=2e-5,
                  msg=f"{case} right")
+    # decode after a left-padded prompt: the cache's key mask hides the padding as the full forward does
+    seq, cache = torch.cat([pad, ids], 1), m.make_cache(2)
+    parts = [m(seq[:, :11], attention_mask=lmask[:, :11], cache=cache).logits]
+    parts += [m(seq[:, t:t + 1], attention_mask=lmask[:, t:t + 1], cache=cache).logits for t in range(11, 26)]
+    assert_close(torch.cat(parts, 1)[:, 5:], full, atol=2e-5, msg=f"{case} padded decode")
+
+
+def test_windowed_wm_attention_caches_a_ring():
+    """With a window, WM attention keeps only the last `window` keys (and dt biases), as plain attention does."""
+    m = model("(AM)*2", wm_dyn_mask="dt", window=5, n_kv_heads=2)
+    cache = m.make_cache(2)
+    m(torch.randint(0, 97, (2, 9)), cache=cache)
+    before = cache.nbytes
+    for _ in range(12):
+        m(torch.randint(0, 97, (2, 1)), cache=cache)
+    ring = [c for c in cache.layers if c is not None]
+    assert cache.nbytes == before and all(c.k.shape[1] == 5 for c in ring)
+    assert ring[0].v.shape[-1] == ring[0].k.shape[-1] + 1           # the dt bias rides as one more value channel
 
 
 def test_keep_window_one_attends_to_the_top_bias_key():

@@ -22,6 +22,29 @@ def norm_and_rope(attn: nn.Module, q: Tensor, k: Tensor, ctx: SeqContext) -> tup
     return q, k
 
 
+def cache_keys_values(attn: nn.Module, cache, k: Tensor, v: Tensor, ctx: SeqContext, *, ring_step: bool = True):
+    """Append k [B, T, Hk, D], v [B, T, Hv, Dv] to layer `attn.layer_idx`'s slot of `cache` (a ring, WindowKVCache,
+    when `attn.window` is set) and return what attention needs: (k, v, causal, window, key_mask) over the S keys
+    returned. A one-token decode on a ring reads it in slot order without a copy (`ring_step`): one query sees all
+    of it, so causal/window masking is dropped and the key mask is permuted into slot order instead. Callers whose
+    extra inputs are in chronological key order (a bias over keys) pass ring_step=False."""
+    window = attn.window
+    if cache is None:
+        return k, v, True, window, ctx.key_mask
+    slot = cache.layer(attn.layer_idx, KVCache if window is None else partial(WindowKVCache, window))
+    causal, order = True, None
+    if window is not None and k.shape[1] == 1 and ring_step:
+        k, v, order = slot.step(k, v)
+        causal, window = False, None
+    else:
+        k, v = slot.update(k, v)
+    # a window cache returns only the last S keys: the key mask covers every token seen
+    key_mask = ctx.key_mask[:, -k.shape[1]:] if ctx.key_mask is not None else None
+    if key_mask is not None and order is not None:
+        key_mask = key_mask[:, order]                      # into the ring's slot order
+    return k, v, causal, window, key_mask
+
+
 class Attention(nn.Module):
     """x [B, T, d] -> [B, T, d]. n_kv_heads < n_heads gives GQA (1 = MQA). rope_dim=0 disables RoPE
     (for models with learned absolute positions); window limits each query to its last `window` keys and
@@ -60,20 +83,9 @@ class Attention(nn.Module):
             q, k, v = qkv.split((H * D, Hk * D, Hv * D), dim=-1)
             q, k = norm_and_rope(self, q.view(B, T, H, D), k.view(B, T, Hk, D), ctx)
             v = v.view(B, T, Hv, D)
-        causal, window, order = True, self.window, None
-        if cache is not None:
-            slot = cache.layer(self.layer_idx, KVCache if window is None else partial(WindowKVCache, window))
-            if window is not None and T == 1 and bias is None:  # decode: the ring holds exactly the visible keys
-                k, v, order = slot.step(k, v)
-                causal, window = False, None
-            else:
-                k, v = slot.update(k, v)
+        k, v, causal, window, key_mask = cache_keys_values(self, cache, k, v, ctx, ring_step=bias is None)
         if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
             k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)
-        # a window cache returns only the last S keys: the key mask covers every token seen
-        key_mask = ctx.key_mask[:, -k.shape[1]:] if ctx.key_mask is not None else None
-        if key_mask is not None and order is not None:
-            key_mask = key_mask[:, order]                      # into the ring's slot order
         y = attention(q, k, v, causal=causal, key_mask=key_mask, window=window,
                       segment_ids=ctx.segment_ids, bias=bias)
         return self.drop(self.out(y.reshape(B, T, H * D)))

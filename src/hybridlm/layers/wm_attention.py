@@ -7,41 +7,19 @@ Dynamic masks:
               are scaled before caching and attention itself is unchanged.
   "dt"        the published / Doge form: a per-key bias exp(A · softplus(dt_proj(V))) (A init 0, sized by
               key/value heads) added to QKᵀ/√d; optionally each query keeps only its `keep_window` keys
-              with the largest bias. The bias depends only on its key's value, so it is cached beside K/V.
+              with the largest bias. The bias depends only on its key's value, so it is cached with it: it
+              rides along as one more value channel, in whatever slot (growing or, with `window`, a ring)
+              plain attention would use.
 """
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache import KVCache
 from ..context import SeqContext
 from ..ops.attention import attention, attention_mask
 from ..ops.wm import inner_function_values, topk_key_mask
-from .attention import norm_and_rope
+from .attention import cache_keys_values, norm_and_rope
 from .norm import RMSNorm
-
-
-class BiasKVCache(KVCache):
-    """KVCache that also keeps each key's dynamic-mask bias [B, S, Hk], grown with the same doubling."""
-
-    def __init__(self):
-        super().__init__()
-        self.bias: Tensor | None = None
-
-    def update_with_bias(self, k: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        start = self.length
-        k, v = self.update(k, v)
-        if self.bias is None or self.bias.shape[1] < self.k.shape[1]:
-            grown = b.new_empty(b.shape[0], self.k.shape[1], b.shape[2])
-            if start:
-                grown[:, :start] = self.bias[:, :start]
-            self.bias = grown
-        self.bias[:, start: self.length] = b
-        return k, v, self.bias[:, : self.length]
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + (self.length * self.bias[:, :1].nbytes if self.bias is not None else 0)
 
 
 class WMAttention(nn.Module):
@@ -90,14 +68,18 @@ class WMAttention(nn.Module):
         g = torch.einsum("bthr,hnr->bthn", self.v_query(x).view(B, T, self.n_kv_heads, -1), self.v_keys)
         return inner_function_values(x.view(B, T, self.n_kv_heads, self.head_dim), g, self.v_table, self.inner_topk)
 
-    def _bias(self, b: Tensor, T: int, ctx: SeqContext) -> Tensor:
-        """Per-key bias b [B, S, Hk] -> additive scores bias [B, Hq, 1 | T, S] (top-k selection applied)."""
+    def _bias(self, b: Tensor, T: int, causal: bool, window: int | None, key_mask: Tensor | None,
+              ctx: SeqContext) -> Tensor:
+        """Per-key bias b [B, S, Hk] -> additive scores bias [B, Hq, 1 | T, S] (top-k selection applied over the
+        keys the attention call will see: same causal/window/key mask)."""
         B, S, Hk = b.shape
         rep = self.n_heads // Hk
         bias = b.transpose(1, 2)                                             # [B, Hk, S]
         if self.keep_window is not None and S > self.keep_window:
-            visible = attention_mask(T, S, causal=True, window=self.window, key_mask=ctx.key_mask,
+            visible = attention_mask(T, S, causal=causal, window=window, key_mask=key_mask,
                                      segment_ids=ctx.segment_ids, device=b.device)
+            if visible is None:
+                visible = torch.ones(1, 1, T, S, dtype=torch.bool, device=b.device)
             keep = topk_key_mask(bias, visible, self.keep_window) | ~visible  # leave masked keys to the op
             full = bias[:, :, None, :].masked_fill(~keep, float("-inf"))     # [B, Hk, T, S]
             return full.repeat_interleave(rep, dim=1)
@@ -115,11 +97,14 @@ class WMAttention(nn.Module):
             v = v * self.pos_mask.t()[ctx.positions].unsqueeze(-1).to(v.dtype)   # l[h, position of the key]
         elif self.dyn_mask == "dt":
             b = torch.exp(self.A * F.softplus(self.dt_proj(v.reshape(B, T, Hk * D))))   # [B, T, Hk]
-        if cache is not None:
-            if b is None:
-                k, v = cache.layer(self.layer_idx, KVCache).update(k, v)
-            else:
-                k, v, b = cache.layer(self.layer_idx, BiasKVCache).update_with_bias(k, v, b)
-        y = attention(q, k, v, causal=True, key_mask=ctx.key_mask, window=self.window,
-                      segment_ids=ctx.segment_ids, bias=None if b is None else self._bias(b, T, ctx))
+        if cache is not None and b is not None:
+            v = torch.cat((v, b.unsqueeze(-1).to(v.dtype)), -1)              # the bias as value channel D
+        # top-k key selection breaks ties by chronological order: it must not see a ring in slot order
+        k, v, causal, window, key_mask = cache_keys_values(self, cache, k, v, ctx,
+                                                           ring_step=self.keep_window is None)
+        if cache is not None and b is not None:
+            v, b = v[..., :D], v[..., D]
+        bias = None if b is None else self._bias(b, T, causal, window, key_mask, ctx)
+        y = attention(q, k, v, causal=causal, key_mask=key_mask, window=window, segment_ids=ctx.segment_ids,
+                      bias=bias)
         return self.drop(self.out(y.reshape(B, T, H * D)))
