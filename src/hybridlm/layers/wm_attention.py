@@ -78,8 +78,6 @@ class WMAttention(nn.Module):
         if self.keep_window is not None and S > self.keep_window:
             visible = attention_mask(T, S, causal=causal, window=window, key_mask=key_mask,
                                      segment_ids=ctx.segment_ids, device=b.device)
-            if visible is None:
-                visible = torch.ones(1, 1, T, S, dtype=torch.bool, device=b.device)
             keep = topk_key_mask(bias, visible, self.keep_window) | ~visible  # leave masked keys to the op
             full = bias[:, :, None, :].masked_fill(~keep, float("-inf"))     # [B, Hk, T, S]
             return full.repeat_interleave(rep, dim=1)
