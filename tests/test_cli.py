@@ -76,7 +76,7 @@ def test_info_and_eval(run):
     assert "ppl" in r.stdout
 
 
-@pytest.mark.parametrize("cmd", ["train", "generate", "eval", "info", "demo"])
+@pytest.mark.parametrize("cmd", sorted(__import__("hybridlm.cli").cli.COMMANDS))
 def test_help(cmd):
     from hybridlm.cli import build_parser
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,52 @@
+"""`hybridlm generate`: stream text from a checkpoint."""
+import sys
+
+
+def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8, top_k=None, top_p=None,
+                seed: int = 0, out=None, compile: bool = False) -> str:
+    """Write prompt + continuation to `out` (default stdout) as tokens arrive; returns the continuation."""
+    import torch
+    out = out or sys.stdout
+    ids = tok.encode(prompt) or [tok.eos_id]
+    gen = torch.Generator().manual_seed(seed)
+    steps = model.stream(torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         eos_token_id=tok.eos_id, generator=gen, compile=compile)
+    new, shown = [], 0
+    for i, nxt in enumerate(steps):
+        if i == 0:  # the prompt passed the model's checks: show it
+            out.write(prompt)
+        t = int(nxt[0])
+        if t == tok.eos_id:
+            break
+        new.append(t)
+        text = tok.decode(new)
+        if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
+            out.write(text[shown:])
+            out.flush()
+            shown = len(text)
+    text = tok.decode(new)
+    out.write(text[shown:] + "\n")
+    out.flush()
+    return text
+
+
+def main(args) -> int:
+    import torch
+    from ..train import load_pretrained
+    model, tok = load_pretrained(args.checkpoint)
+    torch.manual_seed(args.seed)
+    stream_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, compile=args.compile)
+    return 0
+
+
+def add_arguments(p):
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    p.add_argument("--prompt", default="", help="text to continue (default: start of a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the one-token decode step (pays off for long outputs; needs a C++ compiler)")
