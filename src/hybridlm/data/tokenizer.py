@@ -7,6 +7,8 @@ so a checkpoint carries its tokenizer.
     load_tokenizer("byte")                      # 256 byte ids + eos 256
     load_tokenizer("bpe:4096", texts=docs)      # train a BPE of 4096 ids on `docs`
     load_tokenizer("path/to/tokenizer.json")    # or a directory holding one
+    tokenizer_from_dir("a transformers tokenizer directory")   # tokenizer.json + tokenizer_config.json (eos_token,
+                                                               # chat_template) as released checkpoints ship them
 """
 import json
 import os
@@ -40,16 +42,17 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as the document separator."""
+    """A `tokenizers` tokenizer (byte-level BPE, GPT-2 style) with `eos_token` (ours: `<|endoftext|>`) as the
+    document separator and, for chat models, a jinja `chat_template`."""
 
     kind = "bpe"
 
-    def __init__(self, tok):
+    def __init__(self, tok, eos_token: str = EOS_TOKEN, chat_template: str | None = None):
         self.tok = tok
-        eos = tok.token_to_id(EOS_TOKEN)
+        eos = tok.token_to_id(eos_token)
         if eos is None:
-            raise InputError(f"BPE tokenizer has no {EOS_TOKEN!r} token")
-        self.eos_id = eos
+            raise InputError(f"BPE tokenizer has no {eos_token!r} token")
+        self.eos_id, self.eos_token, self.chat_template = eos, eos_token, chat_template
         self.vocab_size = tok.get_vocab_size()
 
     @classmethod
@@ -66,12 +69,26 @@ class BPETokenizer:
         return cls(tok)
 
     @classmethod
-    def from_file(cls, path: str) -> "BPETokenizer":
+    def from_file(cls, path: str, eos_token: str = EOS_TOKEN, chat_template: str | None = None) -> "BPETokenizer":
         from tokenizers import Tokenizer
         try:
-            return cls(Tokenizer.from_file(path))
+            tok = Tokenizer.from_file(path)
         except Exception as e:  # the Rust side raises plain Exceptions
             raise InputError(f"cannot load tokenizer {path}: {e}") from None
+        return cls(tok, eos_token, chat_template)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text of `messages` ([{"role": ..., "content": ...}]) ending with the assistant's turn,
+        rendered by the chat template with transformers' jinja renderer."""
+        if not self.chat_template:
+            raise InputError("this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+        except ImportError:
+            raise InputError("chat templates are rendered by transformers: pip install 'hybridlm[hf]'") from None
+        rendered, _ = render_jinja_template([messages], chat_template=self.chat_template, add_generation_prompt=True,
+                                            eos_token=self.eos_token)
+        return rendered[0]
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -83,7 +100,9 @@ class BPETokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def to_dict(self) -> dict:
-        return {"type": "bpe", "vocab_size": self.vocab_size, "eos_id": self.eos_id, "file": BPE_FILE}
+        d = {"type": "bpe", "vocab_size": self.vocab_size, "eos_id": self.eos_id, "file": BPE_FILE,
+             "eos_token": self.eos_token}
+        return d | ({"chat_template": self.chat_template} if self.chat_template else {})
 
     def save(self, directory: str):
         self.tok.save(os.path.join(directory, BPE_FILE))
@@ -111,8 +130,28 @@ def tokenizer_from_dir(directory: str):
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        return BPETokenizer.from_file(os.path.join(directory, cfg.get("file", BPE_FILE)))
+        return BPETokenizer.from_file(os.path.join(directory, cfg.get("file", BPE_FILE)),
+                                      cfg.get("eos_token", EOS_TOKEN), cfg.get("chat_template"))
+    if kind is None and os.path.exists(os.path.join(directory, BPE_FILE)):
+        return _transformers_tokenizer(directory, cfg, cfg_path)
     raise InputError(f"{cfg_path}: unknown tokenizer type {kind!r}")
+
+
+def _transformers_tokenizer(directory: str, cfg: dict, cfg_path: str) -> BPETokenizer:
+    """A tokenizer directory as transformers saves it: tokenizer.json, its eos token named in tokenizer_config.json
+    (a string or an AddedToken dict), the chat template there or in chat_template.jinja."""
+    eos = cfg.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        raise InputError(f"{cfg_path} names no eos_token")
+    template = cfg.get("chat_template")
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if template is None and os.path.exists(jinja):
+        with open(jinja) as f:
+            template = f.read()
+    if not (template is None or isinstance(template, str)):  # a list of named templates: take the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return BPETokenizer.from_file(os.path.join(directory, BPE_FILE), eos, template)
 
 
 def load_tokenizer(spec: str = "byte", texts: Iterable[str] | None = None):

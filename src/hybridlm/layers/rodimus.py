@@ -43,12 +43,13 @@ def _gate_linear(d_in: int, d_out: int, bias: bool = False) -> nn.Linear:
 class Rodimus(nn.Module):
     """x [B, T, d_model] -> [B, T, d_model]. Cache slot: RecurrentCache(conv [B, d_conv-1, m], state [B, 1, n, m])."""
 
-    def __init__(self, d_model: int, *, layer_idx: int, d_state: int = 64, expand: int = 2, d_conv: int = 4,
+    def __init__(self, d_model: int, *, layer_idx: int, d_state: int = 64, expand: int = 2,
+                 d_inner: int | None = None, d_conv: int = 4,
                  rank: int | None = None, chunk_size: int = 64, use_g: bool = True, use_tau: bool = True,
                  use_beta_hat: bool = True, product_decay: bool = False, norm_eps: float = 1e-5,
                  dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4):
         super().__init__()
-        m, n = expand * d_model, d_state
+        m, n = d_inner or expand * d_model, d_state
         self.layer_idx, self.d_inner, self.d_state, self.chunk_size = layer_idx, m, n, chunk_size
         self.use_g, self.use_tau, self.use_beta_hat, self.product_decay = use_g, use_tau, use_beta_hat, product_decay
         self.norm_eps = norm_eps
@@ -83,8 +84,9 @@ class Rodimus(nn.Module):
         if not self.use_tau:
             return -g, g
         tau = torch.sigmoid(raw[..., -n:] + self.tau_bias.to(f32))
-        # g^τ as exp(τ log g); the floor keeps log finite where softplus underflows
-        return -g * tau, torch.exp(tau * torch.log(g.clamp(min=1e-6)))
+        # g^τ exactly (decay near 1 means g ~ 1e-9 and below: a coarse floor such as 1e-6 changes the logits); the
+        # floor at the smallest normal only keeps log g, hence the gradient in τ, finite where softplus underflows
+        return -g * tau, torch.pow(g.clamp(min=torch.finfo(g.dtype).tiny), tau)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape

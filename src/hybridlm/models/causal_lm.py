@@ -63,6 +63,7 @@ class CausalLM(nn.Module):
         self.config = config
         items = parse_layout(config.layout, LETTERS.keys())
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_norm = make_norm(config.norm, config.d_model, config.norm_eps) if config.embed_norm else None
         self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_embedding == "learned" \
             else None
         self.drop = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
@@ -183,6 +184,10 @@ class CausalLM(nn.Module):
     def _hidden(self, input_ids: Tensor, ctx: SeqContext, cache: InferenceCache | None) -> Tensor:
         """Embedding -> blocks -> final norm: the last hidden states [B, T, d]."""
         x = self.embed(input_ids)
+        if self.config.embed_scale != 1.0:
+            x = x * self.config.embed_scale
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         if self.pos_embed is not None:
             x = x + self.pos_embed(ctx.positions)
         x = self.drop(x)

@@ -24,6 +24,8 @@ class ModelConfig:
     dropout: float = 0.0
     residual_scale: bool = False          # Doge: learnable per-channel residual weight (init 1)
     pos_embedding: str = "rope"           # rope | learned (GPT-2 style absolute positions) | none
+    embed_scale: float = 1.0              # token embeddings × embed_scale (Rodimus' use_scale_embedding: √n)
+    embed_norm: bool = False              # RMSNorm right after the (scaled) embedding (Rodimus' use_norm_embedding)
     # attention (A)
     n_heads: int = 8
     n_kv_heads: int | None = None         # None = n_heads (MHA); fewer = GQA; 1 = MQA
@@ -54,6 +56,8 @@ class ModelConfig:
     # Rodimus (R), sliding-window attention (W), shared-key attention (001_53f5bc9ef3e67888.txt)
     rodimus_d_state: int = 64             # n: state expansion; the state is n × (expand · d_model) per layer
     rodimus_expand: int = 2               # GLU width m = expand · d_model
+    rodimus_d_inner: int | None = None    # m set directly (None = expand · d_model); the released code's
+                                          # non-integer expand_ratio gives m = align8(int(d_model · expand_ratio))
     rodimus_d_conv: int = 4               # ShortConv kernel
     rodimus_rank: int | None = None       # ℓ: rank of β̂'s projection; None = max(d_model // 64, 16)
     rodimus_chunk_size: int = 64
@@ -63,6 +67,8 @@ class ModelConfig:
     rodimus_product_decay: bool = False   # table 12: also decay the value dim by β_t = 1 - β̂_t
     swa_window: int = 1024                # W layers: each query sees its last swa_window keys (itself included)
     attn_shared_key: bool = False         # A and W layers: one key head shared by all query and value heads
+    n_k_heads: int | None = None          # A and W layers: key heads, each shared by a group of value heads
+                                          # (None = 1 with attn_shared_key, else n_kv_heads)
     # Wonderful Matrices: Cheems, Doge, CDMoE (E), routed MoE (O) (000_4348bfb066d62081.txt; models/mixers_wm.py)
     wm_ssd_rope: bool = False             # S layers: RoPE on C and B, own X/B/C/dt projections, no conv/gate/norm/D
     wm_dyn_mask: str = "none"             # A and F layers: none | position (eq. 4: learned weight per head and key

@@ -1,8 +1,9 @@
 """Rodimus* letters and blocks (001_53f5bc9ef3e67888.txt):
 
     R  the Rodimus block (DDTS gated linear attention inside a GLU)
-    W  sliding-window attention (each query sees its last `swa_window` keys); with attn_shared_key it is
-       Rodimus++'s SW-SKA. Its cache is a ring buffer of `swa_window` tokens.
+    W  sliding-window attention (each query sees its last `swa_window` keys, itself included); with
+       attn_shared_key it is Rodimus++'s SW-SKA. Its cache is a ring buffer of `swa_window` tokens. The released
+       code's `attn_cfg.window_size = W` is flash-attn's window (W // 2, 0): swa_window = W // 2 + 1.
     [R W M]  two-hop residual block of Rodimus++ (eq. 13), built by BLOCKS["hop"]
 """
 import copy
@@ -18,14 +19,16 @@ ATTENTION_LETTERS = {"A", "W", "F", "L", "I"}
 
 
 def _validate_rodimus(cfg):
-    m = cfg.rodimus_expand * cfg.d_model
+    m = cfg.rodimus_d_inner or cfg.rodimus_expand * cfg.d_model
+    need(cfg.rodimus_d_inner is None or cfg.rodimus_d_inner >= 1,
+         f"rodimus_d_inner (m) must be >= 1, got {cfg.rodimus_d_inner}")
     need(cfg.rodimus_d_state >= 1, f"rodimus_d_state (n) must be >= 1, got {cfg.rodimus_d_state}")
     need(cfg.rodimus_expand >= 1, f"rodimus_expand must be >= 1, got {cfg.rodimus_expand}")
     need(cfg.rodimus_d_conv >= 1 and cfg.rodimus_chunk_size >= 1,
          "rodimus_d_conv and rodimus_chunk_size must be >= 1")
     if cfg.rodimus_rank is not None:
         need(1 <= cfg.rodimus_rank <= m, f"rodimus_rank (ℓ = {cfg.rodimus_rank}) must be between 1 and the Rodimus "
-             f"width m = rodimus_expand · d_model = {m}")
+             f"width m = {m}")
     need(not cfg.rodimus_product_decay or cfg.rodimus_use_beta_hat,
          "rodimus_product_decay (β_t = 1 - β̂_t) needs rodimus_use_beta_hat=True")
 
@@ -39,7 +42,7 @@ def _validate_window_attention(cfg):
 def _rodimus(cfg, idx):
     from ..layers.rodimus import Rodimus
     return Rodimus(cfg.d_model, layer_idx=idx, d_state=cfg.rodimus_d_state, expand=cfg.rodimus_expand,
-                   d_conv=cfg.rodimus_d_conv, rank=cfg.rodimus_rank, chunk_size=cfg.rodimus_chunk_size,
+                   d_inner=cfg.rodimus_d_inner, d_conv=cfg.rodimus_d_conv, rank=cfg.rodimus_rank, chunk_size=cfg.rodimus_chunk_size,
                    use_g=cfg.rodimus_use_g, use_tau=cfg.rodimus_use_tau, use_beta_hat=cfg.rodimus_use_beta_hat,
                    product_decay=cfg.rodimus_product_decay, norm_eps=cfg.norm_eps)
 

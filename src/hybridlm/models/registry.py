@@ -45,6 +45,9 @@ def _validate_attention(cfg):
     need(rd % 2 == 0 and 0 <= rd <= cfg.attn_head_dim,
          f"rope_dim ({rd}) must be even and at most head_dim ({cfg.attn_head_dim})")
     need(cfg.window is None or cfg.window >= 1, f"window must be >= 1, got {cfg.window}")
+    if cfg.n_k_heads is not None:
+        need(cfg.n_k_heads >= 1 and cfg.kv_heads % cfg.n_k_heads == 0,
+             f"n_k_heads ({cfg.n_k_heads}) must be >= 1 and divide the value heads n_kv_heads ({cfg.kv_heads})")
 
 
 def _validate_ssd(cfg):
@@ -63,7 +66,7 @@ def _attention(cfg, idx):
                      if cfg.pos_embedding == "rope" else 0,
                      rope_base=cfg.rope_base, rope_interleaved=cfg.rope_interleaved, window=cfg.window,
                      qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, dropout=cfg.dropout,
-                     n_k_heads=1 if cfg.attn_shared_key else None)
+                     n_k_heads=cfg.n_k_heads or (1 if cfg.attn_shared_key else None))
 
 
 def _mlp(cfg, idx):

@@ -92,11 +92,8 @@ def _finish_files(directory: str):
 def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     state: dict | None = None, tokenizer=None, name: str = "checkpoint") -> str:
     """Write `directory/name` atomically; returns its path. `model` must be the unwrapped module."""
-    os.makedirs(directory, exist_ok=True)
-    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):  # left by a killed process
-        shutil.rmtree(stale, ignore_errors=True)
     final = os.path.join(directory, name)
-    tmp = tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+    tmp = staging_dir(directory, name)
     try:
         _save_model(model, os.path.join(tmp, MODEL_FILE))
         if optimizer is not None:
@@ -105,18 +102,31 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
         _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
         if tokenizer is not None:
             tokenizer.save(tmp)
-        _finish_files(tmp)
-        old = None
-        if os.path.exists(final):  # a directory cannot be replaced while non-empty: move it aside first
-            old = tempfile.mkdtemp(prefix=f"{name}-old-", dir=directory)
-            os.replace(final, os.path.join(old, name))
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_dir(tmp, directory, name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def staging_dir(directory: str, name: str = "checkpoint") -> str:
+    """A fresh temporary directory beside `directory/name` (stale ones a killed process left are removed)."""
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+
+
+def commit_dir(tmp: str, directory: str, name: str = "checkpoint"):
+    """fsync the files of `tmp` and rename it to `directory/name`, replacing what was there."""
+    _finish_files(tmp)
+    final, old = os.path.join(directory, name), None
+    if os.path.exists(final):  # a directory cannot be replaced while non-empty: move it aside first
+        old = tempfile.mkdtemp(prefix=f"{name}-old-", dir=directory)
+        os.replace(final, os.path.join(old, name))
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # --- reading ---------------------------------------------------------------------------------------------
@@ -159,14 +169,18 @@ def _read_safetensors(path: str) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def load_model_weights(model: nn.Module, path: str):
+def load_model_weights(model: nn.Module, path: str, assign: bool = False):
+    """Copy the weights of `path` into `model`; with `assign` the model (built on the meta device) takes the loaded
+    tensors themselves, in their stored dtype, so no second copy is made."""
     tensors, meta = _read_safetensors(path)
     try:
         for name, target in json.loads(meta.get("aliases", "{}")).items():
             tensors[name] = tensors[target]
-        model.load_state_dict(tensors, strict=True)
+        model.load_state_dict(tensors, strict=True, assign=assign)
     except (KeyError, RuntimeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} does not match the model in config.json ({str(e).splitlines()[0]})") from None
+    if assign and getattr(model.config, "tie_embeddings", False):
+        model.lm_head.weight = model.embed.weight  # assign made two Parameters of one storage: tie them again
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, checkpoint_dir: str):
@@ -199,11 +213,13 @@ def load_config(path: str):
 
 
 def load_checkpoint(path: str, device: str | torch.device = "cpu"):
-    """-> (CausalLM with the saved weights, trainer state dict ({} if none was saved))."""
+    """-> (CausalLM with the saved weights in their saved dtype, trainer state dict ({} if none was saved))."""
     from ..models import CausalLM
     ckpt = find_checkpoint(path)
-    model = CausalLM(load_config(ckpt))
-    load_model_weights(model, os.path.join(ckpt, MODEL_FILE))
+    cfg = load_config(ckpt)
+    with torch.device("meta"):  # no random init: the weights (in the dtype they were saved in) replace it
+        model = CausalLM(cfg)
+    load_model_weights(model, os.path.join(ckpt, MODEL_FILE), assign=True)
     state_path = os.path.join(ckpt, STATE_FILE)
     state = _read_json(state_path) if os.path.exists(state_path) else {}
     state["checkpoint_dir"] = ckpt
