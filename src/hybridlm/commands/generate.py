@@ -34,8 +34,14 @@ def main(args) -> int:
     import torch
     from ..train import load_pretrained
     model, tok = load_pretrained(args.checkpoint)
+    if args.dtype:
+        model = model.to(getattr(torch, args.dtype))
+    prompt = args.prompt
+    if args.chat:  # the tokenizer's chat template around one user turn, ending where the assistant speaks
+        from ..data.tokenizer import apply_chat_template
+        prompt = apply_chat_template(tok, [{"role": "user", "content": args.prompt}])
     torch.manual_seed(args.seed)
-    stream_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    stream_text(model, tok, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, compile=args.compile)
     return 0
 
@@ -48,5 +54,8 @@ def add_arguments(p):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (a user turn)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="run in this dtype (default: the checkpoint's)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the one-token decode step (pays off for long outputs; needs a C++ compiler)")

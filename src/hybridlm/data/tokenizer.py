@@ -77,19 +77,6 @@ class BPETokenizer:
             raise InputError(f"cannot load tokenizer {path}: {e}") from None
         return cls(tok, eos_token, chat_template)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text of `messages` ([{"role": ..., "content": ...}]) ending with the assistant's turn,
-        rendered by the chat template with transformers' jinja renderer."""
-        if not self.chat_template:
-            raise InputError("this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
-        try:
-            from transformers.utils.chat_template_utils import render_jinja_template
-        except ImportError:
-            raise InputError("chat templates are rendered by transformers: pip install 'hybridlm[hf]'") from None
-        rendered, _ = render_jinja_template([messages], chat_template=self.chat_template, add_generation_prompt=True,
-                                            eos_token=self.eos_token)
-        return rendered[0]
-
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
@@ -107,6 +94,22 @@ class BPETokenizer:
     def save(self, directory: str):
         self.tok.save(os.path.join(directory, BPE_FILE))
         _write_json(os.path.join(directory, CONFIG_FILE), self.to_dict())
+
+
+def apply_chat_template(tok, messages: list[dict]) -> str:
+    """The prompt text of `messages` ([{"role": ..., "content": ...}]) ending where the assistant speaks, rendered
+    from the tokenizer's jinja chat template by transformers' renderer."""
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        raise InputError("this tokenizer has no chat template (none in its tokenizer_config.json)")
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+        rendered, _ = render_jinja_template([messages], chat_template=template, add_generation_prompt=True,
+                                            eos_token=tok.eos_token)
+    except ImportError:  # transformers, or the jinja2 it renders with, is missing
+        raise InputError("chat templates are rendered by transformers with jinja2: pip install 'hybridlm[hf]' jinja2") \
+            from None
+    return rendered[0]
 
 
 def _write_json(path: str, obj: dict):
