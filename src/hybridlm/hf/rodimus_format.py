@@ -181,6 +181,31 @@ class _Shards:
 
 
 # --- the tensor plan: our name -> a function reading theirs ---------------------------------------------------------
+def release_shapes(hf: dict, cfg: ModelConfig | None = None) -> dict[str, tuple]:
+    """{their tensor name: shape} that config `hf` implies (`cfg` = model_config(hf), when already built)."""
+    cfg = cfg or model_config(hf)
+    d, V, n, m = cfg.d_model, cfg.vocab_size, cfg.rodimus_d_state, cfg.rodimus_d_inner
+    r, K = cfg.rodimus_rank, cfg.rodimus_d_conv
+    s = {"model.embeddings.weight": (V, d), "model.norm_f.weight": (d,), "lm_head.weight": (V, d)}
+    if cfg.embed_norm:
+        s["model.embed_norm.weight"] = (d,)
+    for i in range(int(hf.get("n_layer", 24))):
+        t, mi = f"model.layers.{i}.", f"model.layers.{i}.mixer.inner_mixer."
+        s.update({t + "mixer_norm.weight": (d,), t + "mixer.fc.weight": (2 * m, d),
+                  mi + "short_conv.conv1d.weight": (m, 1, K), mi + "short_conv.conv1d.bias": (m,),
+                  mi + "in_proj.weight": (2 * n, m), mi + "mem_gate_proj.weight": (2 * n, m),
+                  mi + "mem_gate_proj.bias": (2 * n,), mi + "ch_gate_proj.0.weight": (r, m),
+                  mi + "ch_gate_proj.1.weight": (m, r), mi + "ch_gate_proj.1.bias": (m,), mi + "residual_weight": (m,),
+                  t + "mixer.act_norm.weight": (m,), t + "mixer.out_proj.weight": (d, m)})
+        if hf.get("block_type") == "rodimus_plus":
+            H, Hk, Hv, hd, f = cfg.n_heads, cfg.n_k_heads, cfg.kv_heads, cfg.attn_head_dim, cfg.mlp_hidden
+            s.update({t + "attn_norm.weight": (d,), t + "ffn_norm.weight": (d,), t + "attn.q_proj.weight": (H * hd, d),
+                      t + "attn.k_proj.weight": (Hk * hd, d), t + "attn.v_proj.weight": (Hv * hd, d),
+                      t + "attn.out_proj.weight": (d, H * hd), t + "ffn.fc.weight": (2 * f, d),
+                      t + "ffn.out_proj.weight": (d, f)})
+    return s
+
+
 def _head_orders(H: int, Hk: int, Hv: int) -> tuple[list[int], list[int]]:
     """(their query head for each of ours, their value head for each of ours). Theirs: query j reads value j % Hv and
     key j % Hk. Ours: query j' reads value j' // (H/Hv), value i' reads key i' // (Hv/Hk)."""
@@ -193,66 +218,62 @@ def _head_orders(H: int, Hk: int, Hv: int) -> tuple[list[int], list[int]]:
 
 def _plan(cfg: ModelConfig, hf: dict, src: _Shards) -> dict:
     """{our tensor name: () -> tensor}, reading (and shape-checking) their tensors lazily."""
-    d, V, n, m = cfg.d_model, cfg.vocab_size, cfg.rodimus_d_state, cfg.rodimus_d_inner
-    r, K = cfg.rodimus_rank, cfg.rodimus_d_conv
-    plus = hf.get("block_type", "rodimus") == "rodimus_plus"
+    shapes = release_shapes(hf, cfg)
+    n, plus = cfg.rodimus_d_state, hf.get("block_type", "rodimus") == "rodimus_plus"
 
-    def get(name, *shape):
-        return lambda: src.get(name, shape)
+    def get(name):
+        return lambda: src.get(name, shapes[name])
 
-    plan = {"embed.weight": get("model.embeddings.weight", V, d), "norm.weight": get("model.norm_f.weight", d)}
+    plan = {"embed.weight": get("model.embeddings.weight"), "norm.weight": get("model.norm_f.weight")}
     if cfg.embed_norm:
-        plan["embed_norm.weight"] = get("model.embed_norm.weight", d)
+        plan["embed_norm.weight"] = get("model.embed_norm.weight")
     if not cfg.tie_embeddings:
-        plan["lm_head.weight"] = get("lm_head.weight", V, d)
+        plan["lm_head.weight"] = get("lm_head.weight")
     elif "lm_head.weight" in src:  # a tied head saved anyway: it must be the embedding
-        src.get("lm_head.weight", (V, d))
+        get("lm_head.weight")()
     for i in range(int(hf.get("n_layer", 24))):
         t, b = f"model.layers.{i}.", f"blocks.{i}."
         x, mi = b + "mixer.", t + "mixer.inner_mixer."
-        gate_b = get(mi + "mem_gate_proj.bias", 2 * n)
+        gate_b = get(mi + "mem_gate_proj.bias")
         plan.update({
-            b + ("norm1.weight" if plus else "norm.weight"): get(t + "mixer_norm.weight", d),
-            x + "fc.weight": get(t + "mixer.fc.weight", 2 * m, d),
-            x + "conv_weight": lambda k=mi + "short_conv.conv1d.weight": src.get(k, (m, 1, K))[:, 0],
-            x + "conv_bias": get(mi + "short_conv.conv1d.bias", m),
-            x + "qk_proj.weight": get(mi + "in_proj.weight", 2 * n, m),
-            x + "gate_proj.weight": get(mi + "mem_gate_proj.weight", 2 * n, m),
+            b + ("norm1.weight" if plus else "norm.weight"): get(t + "mixer_norm.weight"),
+            x + "fc.weight": get(t + "mixer.fc.weight"),
+            x + "conv_weight": lambda f=get(mi + "short_conv.conv1d.weight"): f()[:, 0],
+            x + "conv_bias": get(mi + "short_conv.conv1d.bias"),
+            x + "qk_proj.weight": get(mi + "in_proj.weight"),
+            x + "gate_proj.weight": get(mi + "mem_gate_proj.weight"),
             x + "g_bias": lambda f=gate_b: f()[:n],
             x + "tau_bias": lambda f=gate_b: f()[n:],
-            x + "beta_down.weight": get(mi + "ch_gate_proj.0.weight", r, m),
-            x + "beta_up.weight": get(mi + "ch_gate_proj.1.weight", m, r),
-            x + "beta_up.bias": get(mi + "ch_gate_proj.1.bias", m),
-            x + "residual_weight": get(mi + "residual_weight", m),
-            x + "norm_weight": get(t + "mixer.act_norm.weight", m),
-            x + "out_proj.weight": get(t + "mixer.out_proj.weight", d, m),
+            x + "beta_down.weight": get(mi + "ch_gate_proj.0.weight"),
+            x + "beta_up.weight": get(mi + "ch_gate_proj.1.weight"),
+            x + "beta_up.bias": get(mi + "ch_gate_proj.1.bias"),
+            x + "residual_weight": get(mi + "residual_weight"),
+            x + "norm_weight": get(t + "mixer.act_norm.weight"),
+            x + "out_proj.weight": get(t + "mixer.out_proj.weight"),
         })
         if plus:
-            plan.update(_plus_block(cfg, src, t, b))
+            plan.update(_plus_block(cfg, get, t, b))
     return plan
 
 
-def _plus_block(cfg: ModelConfig, src: _Shards, t: str, b: str) -> dict:
+def _plus_block(cfg: ModelConfig, get, t: str, b: str) -> dict:
     """SW-SKA and GLU of a Rodimus+ block: heads permuted from their `(n h)` tiling to our contiguous groups."""
-    d, H, Hk, Hv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_k_heads, cfg.kv_heads, cfg.attn_head_dim, cfg.mlp_hidden
-    q_order, v_order = _head_orders(H, Hk, Hv)
+    d, H, Hv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.attn_head_dim
+    q_order, v_order = _head_orders(H, cfg.n_k_heads, Hv)
 
     def qkv():
-        q = src.get(t + "attn.q_proj.weight", (H * hd, d)).view(H, hd, d)[q_order].flatten(0, 1)
-        v = src.get(t + "attn.v_proj.weight", (Hv * hd, d)).view(Hv, hd, d)[v_order].flatten(0, 1)
-        return torch.cat((q, src.get(t + "attn.k_proj.weight", (Hk * hd, d)), v))
+        q = get(t + "attn.q_proj.weight")().view(H, hd, d)[q_order].flatten(0, 1)
+        v = get(t + "attn.v_proj.weight")().view(Hv, hd, d)[v_order].flatten(0, 1)
+        return torch.cat((q, get(t + "attn.k_proj.weight")(), v))
 
     def glu():  # theirs [x | gate], ours [gate | up]
-        x, gate = src.get(t + "ffn.fc.weight", (2 * f, d)).chunk(2)
+        x, gate = get(t + "ffn.fc.weight")().chunk(2)
         return torch.cat((gate, x))
 
-    return {b + "norm2.weight": lambda: src.get(t + "attn_norm.weight", (d,)),
-            b + "norm3.weight": lambda: src.get(t + "ffn_norm.weight", (d,)),
+    return {b + "norm2.weight": get(t + "attn_norm.weight"), b + "norm3.weight": get(t + "ffn_norm.weight"),
             b + "attn.qkv.weight": qkv,
-            b + "attn.out.weight": lambda: src.get(t + "attn.out_proj.weight", (d, H * hd)).view(d, H, hd)[:, q_order]
-            .flatten(1),
-            b + "ffn.w_in.weight": glu,
-            b + "ffn.w_out.weight": lambda: src.get(t + "ffn.out_proj.weight", (d, f))}
+            b + "attn.out.weight": lambda: get(t + "attn.out_proj.weight")().view(d, H, hd)[:, q_order].flatten(1),
+            b + "ffn.w_in.weight": glu, b + "ffn.w_out.weight": get(t + "ffn.out_proj.weight")}
 
 
 # --- writing: a safetensors file streamed one tensor at a time -------------------------------------------------------
