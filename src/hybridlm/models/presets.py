@@ -2,8 +2,10 @@
 
     get("transformer++", n_layers=12, d_model=768) -> ModelConfig
 `n_layers` counts the preset's repeating unit (a Transformer block = attention + MLP); every other
-keyword overrides a ModelConfig field.
+keyword overrides a ModelConfig field. A field given as a function of the other fields (e.g. heads from the width)
+is resolved after the overrides, so `--d-model` moves it too.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +49,8 @@ def get(name: str, **overrides) -> ModelConfig:
         raise ConfigError(f"n_layers must be >= 1, got {n}")
     fields = p.fields(n)
     fields.update(overrides)
+    seen = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | fields   # what the functions read
+    fields = {k: v(seen) if callable(v) else v for k, v in fields.items()}
     try:
         return ModelConfig(**fields)
     except TypeError as e:  # unknown keyword
@@ -100,13 +104,22 @@ _rodimus = dict(rodimus_d_state=64, tie_embeddings=True, norm_eps=1e-5)
 _rodimus_pp = dict(attn_shared_key=True, **_rodimus)
 
 
+def _released_heads(f: dict) -> int:
+    """The released code's SW-SKA default: heads of 128."""
+    return max(1, f["d_model"] // 128)
+
+
+def _released_glu(f: dict) -> int:
+    """The released code's GLU width: 4/3 · d rounded up to a multiple of 8."""
+    return 8 * -(-int(f["d_model"] * 4 / 3) // 8)
+
+
 def _rodimus_size(d: int, vocab: int, ctx: int, plus: bool, n: int = 64) -> Callable[[int], dict]:
     """Fields of a Rodimus (R*k) or Rodimus++ ([RWM]*k) size preset of width d."""
     def fields(k: int) -> dict:
         f = dict(_rodimus_pp if plus else _rodimus, d_model=d, vocab_size=vocab, max_seq_len=ctx, rodimus_d_state=n)
         if plus:
-            f.update(layout=f"[RWM]*{k}", n_heads=max(1, d // 128), swa_window=ctx // 2,
-                     mlp_hidden=8 * -(-int(d * 4 / 3) // 8))
+            f.update(layout=f"[RWM]*{k}", n_heads=_released_heads, swa_window=ctx // 2, mlp_hidden=_released_glu)
         else:
             f.update(layout=f"R*{k}")
         return f
@@ -115,8 +128,10 @@ def _rodimus_size(d: int, vocab: int, ctx: int, plus: bool, n: int = 64) -> Call
 
 register("rodimus", "Rodimus: Rodimus blocks only (DDTS gated linear attention in a GLU), state n × 2d", 8,
          lambda n: dict(layout=f"R*{n}", **_rodimus))
-register("rodimus++", "Rodimus++: two-hop blocks [Rodimus, sliding-window shared-key attention, gated MLP]", 4,
-         lambda n: dict(layout=f"[RWM]*{n}", n_heads=2, swa_window=1024, **_rodimus_pp))
+register("rodimus++", "Rodimus++: two-hop blocks [Rodimus, sliding-window shared-key attention, gated MLP]; as "
+         "released: SW-SKA heads of 128 (d/128), GLU 4/3·d", 4,
+         lambda n: dict(layout=f"[RWM]*{n}", n_heads=_released_heads, mlp_hidden=_released_glu, swa_window=1024,
+                        **_rodimus_pp))
 # appendix E.1 (WikiText-103, table 1: n = 32, ~47M parameters, context 512) and E.2 (table 6, GPT-3 sizes on the
 # Pile, context 2048, GPT-NeoX vocabulary; Rodimus doubles the GPT-3 layer count)
 register("rodimus-wt103", "Rodimus on WikiText-103 (appendix E.1): d 512, n 32, 12 blocks, ≈46.7M parameters", 12,
