@@ -5,6 +5,7 @@ parameter count at two context lengths (tokens/s, inference-cache bytes, peak RS
 process of its own, so each peak RSS is its own.
 
     python -m hybridlm.bench.rodimus_release --dir /tmp/rodimus-release [--quick]
+    hybridlm generate --checkpoint /tmp/rodimus-release/run --chat --prompt hi --max-new-tokens 8 [--dtype float32]
 """
 import argparse
 import json
@@ -50,7 +51,21 @@ def write_release(directory: str, size: dict, shards: int = 4) -> str:
         del part
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": wmap}, f)
+    _write_tokenizer(directory)
     return directory
+
+
+def _write_tokenizer(directory: str):
+    """A small BPE in transformers' layout (tokenizer.json + tokenizer_config.json with eos and a chat template), so
+    `hybridlm generate --chat` runs on the converted model."""
+    from ..data.tokenizer import BPETokenizer
+    with open(__file__) as f:
+        tok = BPETokenizer.train([f.read()], 1024)
+    tok.tok.save(os.path.join(directory, "tokenizer.json"))
+    template = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}{% endfor %}" \
+               "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": tok.eos_token, "chat_template": template}, f)
 
 
 def _peak_rss_mib() -> float:
