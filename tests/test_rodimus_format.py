@@ -204,7 +204,8 @@ def test_converted_logits_equal_their_equations(tmp_path, block_type, shards):
 
 
 def test_full_attention_tied_and_plain_options(tmp_path):
-    """window_size None -> full causal attention (letter A); tied head; integer expand; explicit low rank; MQA."""
+    """window_size None -> full causal attention (letter A); tied head; integer expand; explicit low rank; one key
+    head shared by 2 value heads and 4 query heads."""
     attn = dict(PLUS_ATTN, window_size=None, num_heads_k=1, num_heads_v=2, ffn_expand_ratio=2.0)
     cfg = their_config(attn_cfg=attn, tie_word_embeddings=True, use_scale_embedding=False, use_norm_embedding=False,
                        mixer_cfg=dict(d_conv=3, expand_ratio=2, mem_size=N, input_gate_low_rank=6))
