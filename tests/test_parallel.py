@@ -109,3 +109,85 @@ def _context_parallel(rank, preset_names):
 def test_context_parallel_equals_one_rank():
     assert tiny("mamba2-attention", n_layers=3).layout.replace(" ", "").count("A") == 1
     spawn(_context_parallel, ["mamba2", "rodimus", "mamba2-attention"])
+
+
+# --- distributed checkpoints --------------------------------------------------------------------------------
+def _data(text_path):
+    from hybridlm.data.corpus import load_corpus
+    from hybridlm.data.loader import TokenData
+    from hybridlm.data.tokenizer import ByteTokenizer
+    return TokenData.from_corpus(load_corpus(text_path), ByteTokenizer())
+
+
+def _train_cfg(**kw):
+    from hybridlm.train import TrainConfig
+    base = dict(steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup=1, eval_every=0, eval_batches=1, save_every=0,
+                log_every=1, seed=3, parallel="fsdp")
+    return TrainConfig(**{**base, **kw})
+
+
+def _fsdp_runs(rank, tmp, text_path):
+    from hybridlm.train import train
+    from hybridlm.train.dist_checkpoint import load_training_state
+    from hybridlm.train.optim import make_optimizer
+    from hybridlm.train.parallel import parallelize
+    data, cfg = _data(text_path), tiny("mamba2-attention", vocab_size=257)
+    train(cfg, _train_cfg(), data, f"{tmp}/whole", progress=False)
+    train(cfg, _train_cfg(steps=2), data, f"{tmp}/cut", progress=False)
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(f"{tmp}/cut", f"{tmp}/cut1")       # resumed on one rank by the test itself
+    dist.barrier()
+    train(cfg, _train_cfg(), data, f"{tmp}/cut", resume=True, progress=False)
+    # the sharded model, loaded from the shards on 2 ranks: its logits must equal a one-process load's
+    model = parallelize(CausalLM(cfg), "fsdp", world=WORLD).module
+    load_training_state(model, make_optimizer(model, 1e-3), f"{tmp}/whole/checkpoint")
+    with torch.no_grad():
+        logits = model(torch.arange(16)[None] * 7 % 257).logits
+    if rank == 0:
+        from safetensors.torch import save_file
+        save_file({"logits": logits}, f"{tmp}/fsdp_logits.safetensors")
+
+
+def _losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    from hybridlm.train import load_checkpoint, train
+    from hybridlm.train.dist_checkpoint import consolidate, load_training_state
+    from hybridlm.train.optim import make_optimizer
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(300)))
+    spawn(_fsdp_runs, str(tmp_path), str(text))
+    whole, cut = _losses(tmp_path / "whole"), _losses(tmp_path / "cut")
+    assert len(whole) == 4 and cut == whole                 # 2 steps, killed, 2 more on 2 ranks = 4 steps
+    ckpt = tmp_path / "whole" / "checkpoint"
+    assert (ckpt / "dcp" / ".metadata").exists() and (ckpt / "model.safetensors").exists()
+
+    # one process: the consolidated weights, the shards read directly, and the sharded model agree exactly
+    ids = torch.arange(16)[None] * 7 % 257
+    consolidated = load_checkpoint(str(ckpt))[0].eval()
+    shutil.copytree(ckpt, tmp_path / "shards_only")
+    os.remove(tmp_path / "shards_only" / "model.safetensors")
+    from_shards = load_checkpoint(str(tmp_path / "shards_only"))[0].eval()
+    with torch.no_grad():
+        want = consolidated(ids).logits
+        assert torch.equal(from_shards(ids).logits, want)
+    assert torch.equal(load_file(tmp_path / "fsdp_logits.safetensors")["logits"], want)
+    assert consolidate(str(tmp_path / "shards_only")).endswith("model.safetensors")
+    assert torch.equal(load_checkpoint(str(tmp_path / "shards_only"))[0].eval()(ids).logits, want)
+
+    # a 2-rank FSDP checkpoint at step 2 resumes in one process: model and AdamW state come from the shards
+    cut1 = tmp_path / "cut1"
+    model = CausalLM(tiny("mamba2-attention", vocab_size=257))
+    opt = make_optimizer(model, 1e-3)
+    load_training_state(model, opt, str(cut1 / "checkpoint"))
+    assert all(int(s["step"]) == 2 for s in opt.state.values())
+    assert torch.equal(model.embed.weight, load_checkpoint(str(cut1))[0].embed.weight)
+    s = train(tiny("mamba2-attention", vocab_size=257), _train_cfg(steps=3, parallel="auto"),
+              _data(str(text)), str(cut1), resume=True, progress=False)
+    assert s["start_step"] == 2 and s["steps"] == 3 and _losses(cut1)[:2] == whole[:2]
