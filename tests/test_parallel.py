@@ -60,24 +60,35 @@ def full_grads(model) -> dict:
 # --- DDP and FSDP2 ------------------------------------------------------------------------------------------
 def _data_parallel(rank):
     from hybridlm.train.parallel import parallelize
-    torch.manual_seed(0)
-    ref = CausalLM(tiny("mamba2-attention"))
-    ids = torch.randint(0, 64, (4, 24))
-    loss = ref(ids, labels=ids).loss
-    loss.backward()
-    want = {n: p.grad for n, p in ref.named_parameters()}
-    mine = ids[2 * rank: 2 * rank + 2]               # this rank's half of the global batch
-    for mode, ckpt in (("ddp", False), ("fsdp", True)):
-        model = CausalLM(tiny("mamba2-attention"))
-        model.load_state_dict(ref.state_dict())
-        par = parallelize(model, mode, world=WORLD, checkpointing=ckpt)
-        part = par.module(mine, labels=mine).loss
-        part.backward()
-        dist.all_reduce(part := part.detach())
-        assert_close(part / WORLD, loss, msg=f"{mode} loss")
-        got = full_grads(model)
-        for n, g in want.items():
-            assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=f"{mode} grad {n}")
+    for tied in (True, False):       # a tied lm_head stays in the root FSDP unit; an untied one gets its own
+        torch.manual_seed(0)
+        cfg = tiny("mamba2-attention", tie_embeddings=tied)
+        ref = CausalLM(cfg)
+        ids = torch.randint(0, 64, (4, 24))
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        want = {n: p.grad for n, p in ref.named_parameters()}
+        mine = ids[2 * rank: 2 * rank + 2]               # this rank's half of the global batch
+        for mode, ckpt in (("ddp", False), ("fsdp", True)):
+            model = CausalLM(cfg)
+            model.load_state_dict(ref.state_dict())
+            par = parallelize(model, mode, world=WORLD, checkpointing=ckpt)
+            part = par.module(mine, labels=mine).loss
+            part.backward()
+            dist.all_reduce(part := part.detach())
+            assert_close(part / WORLD, loss, msg=f"{mode} loss")
+            got = full_grads(model)
+            for n, g in want.items():
+                assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=f"{mode} grad {n}")
+    # bf16 under FSDP2: bf16 compute from float32 master weights, gradients reduced in float32
+    model = CausalLM(cfg)
+    model.load_state_dict(ref.state_dict())
+    par = parallelize(model, "fsdp", world=WORLD, dtype="bfloat16")
+    part = par.module(mine, labels=mine).loss
+    part.backward()
+    dist.all_reduce(part := part.detach())
+    assert par.mixed_precision and abs(part.item() / WORLD - loss.item()) < 0.05
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_ddp_and_fsdp_match_one_process():
