@@ -169,7 +169,8 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
     from safetensors.torch import load_file
 
     from hybridlm.train import load_checkpoint, train
-    from hybridlm.train.dist_checkpoint import consolidate, load_training_state
+    from hybridlm.cli import main
+    from hybridlm.train.dist_checkpoint import load_training_state
     from hybridlm.train.optim import make_optimizer
     text = tmp_path / "text.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(300)))
@@ -189,9 +190,10 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
         want = consolidated(ids).logits
         assert torch.equal(from_shards(ids).logits, want)
     assert torch.equal(load_file(tmp_path / "fsdp_logits.safetensors")["logits"], want)
-    assert consolidate(str(tmp_path / "shards_only")).endswith("model.safetensors")
+    assert main(["consolidate", str(tmp_path / "shards_only")]) == 0
     assert torch.equal(load_checkpoint(str(tmp_path / "shards_only"))[0].eval()(ids).logits, want)
 
+    assert main(["consolidate", str(tmp_path / "whole" / "metrics.jsonl")]) == 2        # one-line error
     # a 2-rank FSDP checkpoint at step 2 resumes in one process: model and AdamW state come from the shards
     cut1 = tmp_path / "cut1"
     model = CausalLM(tiny("mamba2-attention", vocab_size=257))

@@ -45,8 +45,8 @@ def _full_weights(model: nn.Module) -> dict:
 
 def save_sharded_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
                             tokenizer=None, *, consolidate: bool = False, name: str = "checkpoint") -> str:
-    """Every rank calls this. Writes `directory/name` with DCP shards of model + optimizer (and
-    model.safetensors when `consolidate`); returns its path."""
+    """Every rank calls this with the (FSDP2-sharded) CausalLM. Writes `directory/name` with DCP shards of
+    model + optimizer (and model.safetensors when `consolidate`); returns its path."""
     box = [None]
     if _rank0():
         os.makedirs(directory, exist_ok=True)
@@ -63,8 +63,7 @@ def save_sharded_checkpoint(directory: str, model: nn.Module, optimizer: torch.o
         if _rank0():
             if full is not None:
                 _save_model(full, os.path.join(tmp, MODEL_FILE))
-            config = getattr(model, "config", None) or model.module.config
-            _write_json(os.path.join(tmp, CONFIG_FILE), config.to_dict())
+            _write_json(os.path.join(tmp, CONFIG_FILE), model.config.to_dict())
             _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
             if tokenizer is not None:
                 tokenizer.save(tmp)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..data.loader import TokenData, batch_generator
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..models import CausalLM, ModelConfig
 from .checkpoint import find_checkpoint, load_checkpoint, load_optimizer, save_checkpoint, set_rng_state
 from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
@@ -172,6 +172,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
     if resume:
         if has_dcp(ckpt):
             load_training_state(model, opt, ckpt)
+        elif par.sharded:
+            raise CheckpointError(f"{ckpt} was saved without --parallel fsdp (no dcp/ shards); resume it with "
+                                  "--parallel ddp")
         else:
             load_optimizer(opt, ckpt)
         set_rng_state(state.get("rng", {}))
