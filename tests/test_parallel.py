@@ -5,12 +5,11 @@ import os
 import shutil
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import assert_close
+
 from hybridlm import CausalLM, presets
 
 WORLD = 2
@@ -168,8 +167,8 @@ def _losses(out):
 def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(tmp_path):
     from safetensors.torch import load_file
 
-    from hybridlm.train import load_checkpoint, train
     from hybridlm.cli import main
+    from hybridlm.train import load_checkpoint, train
     from hybridlm.train.dist_checkpoint import load_training_state
     from hybridlm.train.optim import make_optimizer
     text = tmp_path / "text.txt"

@@ -96,24 +96,34 @@ def _finish_files(directory: str):
 def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     state: dict | None = None, tokenizer=None, name: str = "checkpoint") -> str:
     """Write `directory/name` atomically; returns its path. `model` must be the unwrapped module."""
-    os.makedirs(directory, exist_ok=True)
-    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):  # left by a killed process
-        shutil.rmtree(stale, ignore_errors=True)
     final = os.path.join(directory, name)
-    tmp = tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+    tmp = new_tmp_dir(directory, name)
     try:
         _save_model(model, os.path.join(tmp, MODEL_FILE))
         if optimizer is not None:
             _save_optimizer(optimizer, os.path.join(tmp, OPTIM_FILE))
-        _write_json(os.path.join(tmp, CONFIG_FILE), model.config.to_dict())
-        _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
-        if tokenizer is not None:
-            tokenizer.save(tmp)
+        write_metadata(tmp, model.config, state, tokenizer)
         publish(tmp, directory, name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def new_tmp_dir(directory: str, name: str) -> str:
+    """A fresh temporary directory to write `directory/name` into (removing those a killed process left)."""
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+
+
+def write_metadata(tmp: str, config, state: dict | None, tokenizer=None):
+    """config.json, trainer_state.json (+ this process's RNG state) and the tokenizer files."""
+    _write_json(os.path.join(tmp, CONFIG_FILE), config.to_dict())
+    _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
+    if tokenizer is not None:
+        tokenizer.save(tmp)
 
 
 def publish(tmp: str, directory: str, name: str) -> str:

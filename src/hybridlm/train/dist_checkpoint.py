@@ -11,10 +11,8 @@ are those of `get_state_dict` (plain parameter names, whatever wraps the model),
 ranks resumes on M ranks, under DDP, or in one process, and `load_checkpoint` reads the weights without
 a process group when no consolidated file exists.
 """
-import glob
 import os
 import shutil
-import tempfile
 import warnings
 
 import torch
@@ -25,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ..errors import CheckpointError
-from .checkpoint import CONFIG_FILE, MODEL_FILE, STATE_FILE, _save_model, _write_json, publish, rng_state
+from .checkpoint import MODEL_FILE, _save_model, new_tmp_dir, publish, write_metadata
 
 DCP_DIR = "dcp"
 
@@ -47,12 +45,7 @@ def save_sharded_checkpoint(directory: str, model: nn.Module, optimizer: torch.o
                             tokenizer=None, *, consolidate: bool = False, name: str = "checkpoint") -> str:
     """Every rank calls this with the (FSDP2-sharded) CausalLM. Writes `directory/name` with DCP shards of
     model + optimizer (and model.safetensors when `consolidate`); returns its path."""
-    box = [None]
-    if _rank0():
-        os.makedirs(directory, exist_ok=True)
-        for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):  # left by a killed run
-            shutil.rmtree(stale, ignore_errors=True)
-        box[0] = tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+    box = [new_tmp_dir(directory, name) if _rank0() else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     tmp = box[0]
@@ -63,10 +56,7 @@ def save_sharded_checkpoint(directory: str, model: nn.Module, optimizer: torch.o
         if _rank0():
             if full is not None:
                 _save_model(full, os.path.join(tmp, MODEL_FILE))
-            _write_json(os.path.join(tmp, CONFIG_FILE), model.config.to_dict())
-            _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
-            if tokenizer is not None:
-                tokenizer.save(tmp)
+            write_metadata(tmp, model.config, state, tokenizer)
             publish(tmp, directory, name)
     except BaseException:
         if _rank0():
