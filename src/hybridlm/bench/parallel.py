@@ -5,7 +5,8 @@
 
 `--batch` is the global batch (split over the ranks), so every run does the same work per step. Prints one
 JSON line on rank 0: median tokens/s over the timed steps, and per rank the peak resident memory (CPU:
-ru_maxrss) or peak allocated CUDA memory, with the same measure taken before the model was built.
+ru_maxrss) or peak allocated CUDA memory, the peak of the training steps alone (after the model was built and
+sharded; CPU: VmHWM reset through /proc/self/clear_refs), and the memory in use before the model was built.
 """
 import argparse
 import json
@@ -22,6 +23,28 @@ def _peak_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # Linux: KiB
+
+
+def _reset_peak(device: torch.device):
+    """Start a new peak (CUDA: the allocator's; Linux CPU: VmHWM, through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_since_reset_mb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return None
 
 
 def main(argv=None) -> int:
@@ -59,6 +82,8 @@ def main(argv=None) -> int:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=args.dtype == "bfloat16" and not par.mixed_precision)
     g = torch.Generator().manual_seed(rank)
+    # a full model was built on every rank before sharding: the training peak is measured from here on
+    _reset_peak(device)
     times = []
     for step in range(args.warmup_steps + args.steps):
         ids = torch.randint(0, cfg.vocab_size, (args.batch // world, args.seq_len), generator=g).to(device)
@@ -76,10 +101,11 @@ def main(argv=None) -> int:
             dist.barrier()
         if step >= args.warmup_steps:
             times.append(time.perf_counter() - t0)
-    peaks = [(before, _peak_mb(device))]
+    mine = (before, _peak_mb(device), _peak_since_reset_mb(device))
+    peaks = [mine]
     if world > 1:
         peaks = [None] * world
-        dist.all_gather_object(peaks, (before, _peak_mb(device)))
+        dist.all_gather_object(peaks, mine)
         dist.destroy_process_group()
     if rank == 0:
         print(json.dumps({"preset": args.preset, "d_model": args.d_model, "n_layers": args.n_layers,
@@ -87,8 +113,9 @@ def main(argv=None) -> int:
                           "compile": args.compile, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
                           "tokens_per_s": round(args.batch * args.seq_len / statistics.median(times)),
                           "step_s": [round(t, 3) for t in times],
-                          "peak_mb_per_rank": [round(b) for _, b in peaks],
-                          "before_model_mb_per_rank": [round(a) for a, _ in peaks]}))
+                          "peak_mb_per_rank": [round(b) for _, b, _ in peaks],
+                          "train_peak_mb_per_rank": [c and round(c) for _, _, c in peaks],
+                          "before_model_mb_per_rank": [round(a) for a, _, _ in peaks]}))
     return 0
 
 
