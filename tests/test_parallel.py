@@ -5,12 +5,13 @@ import os
 import shutil
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import assert_close
 
-from hybridlm import CausalLM, presets
+from hybridlm import CausalLM, ConfigError, InputError, presets
 
 WORLD = 2
 
@@ -114,6 +115,10 @@ def _context_parallel(rank, preset_names):
         assert_close(total, out.loss, msg=f"{name} loss")
         for n, p in model.named_parameters():
             assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=f"{name} grad {n}")
+    with pytest.raises(InputError, match="divisible"):
+        context_parallel_forward(model, ids[:, :39])
+    with pytest.raises(ConfigError, match="does not support"):     # MLA's latent cache cannot be split this way
+        context_parallel_forward(CausalLM(tiny("deepseek-mla", n_layers=1)), ids)
 
 
 def test_context_parallel_equals_one_rank():
