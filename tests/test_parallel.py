@@ -102,7 +102,7 @@ def _context_parallel(rank, preset_names):
         torch.manual_seed(0)
         model = CausalLM(tiny(name, n_layers=3) if name == "mamba2-attention" else tiny(name))
         ids = torch.randint(0, 64, (2, 40))          # 20 tokens per rank: not a multiple of the chunk size
-        out = model(ids, labels=ids)
+        out = model(ids, labels=ids, return_logits=True)
         out.loss.backward()
         want = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
@@ -136,7 +136,7 @@ def _data(text_path):
 
 def _train_cfg(**kw):
     from hybridlm.train import TrainConfig
-    base = dict(steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup=1, eval_every=0, eval_batches=1, save_every=0,
+    base = dict(steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup=1, eval_every=0, eval_tokens=256, save_every=0,
                 log_every=1, seed=3, parallel="fsdp")
     return TrainConfig(**{**base, **kw})
 
