@@ -68,7 +68,7 @@ class TokenData:
     def from_token_files(cls, path: str, tokenizer) -> "TokenData":
         """Token ids from `path` (see data/token_files.py), memory-mapped; ids must fit the tokenizer."""
         from .token_files import check_ids, load_token_splits
-        train, val, meta = load_token_splits(path)
+        train, val, meta = load_token_splits(path, tokenizer.eos_id)
         if meta.get("eos_id") is not None and int(meta["eos_id"]) != tokenizer.eos_id:
             raise InputError(f"{path}: its documents end with id {meta['eos_id']} but the tokenizer's eos id is "
                              f"{tokenizer.eos_id} (pass the tokenizer that made the file with --tokenizer)")

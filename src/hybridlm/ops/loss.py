@@ -57,15 +57,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = valid.sum().clamp(min=1)
         # needs_input_grad ignores no_grad/inference mode, hence the caller's grad_enabled
         gx = torch.empty_like(x) if grad_enabled and ctx.needs_input_grad[0] else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+        gw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device) \
             if grad_enabled and ctx.needs_input_grad[1] else None
         need_grad = gx is not None or gw is not None
         w = weight.to(cdtype)
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        acc = torch.promote_types(cdtype, torch.float32)           # softmax in float32 (float64 stays)
+        total = torch.zeros((), dtype=acc, device=x.device)
         for i in range(0, x.shape[0], chunk):
             xc, tc, vc = x[i: i + chunk].to(cdtype), target[i: i + chunk], valid[i: i + chunk]
             tgt = torch.where(vc, tc, 0)
-            e = (xc @ w.T).float()                                # [c, V] logits
+            e = (xc @ w.T).to(acc)                                # [c, V] logits
             e -= e.amax(-1, keepdim=True)
             picked = e.gather(1, tgt[:, None]).squeeze(1)
             e.exp_()
@@ -73,12 +74,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += torch.where(vc, s.log() - picked, 0).sum()
             if need_grad:                                         # d(sum of losses)/d logits, unscaled by n
                 e *= (vc / s)[:, None]
-                e.scatter_add_(1, tgt[:, None], -vc[:, None].float())
+                e.scatter_add_(1, tgt[:, None], -vc[:, None].to(acc))
                 g = e.to(cdtype)
                 if gx is not None:
                     gx[i: i + chunk] = g @ w
                 if gw is not None:
-                    gw += (g.T @ xc).float()
+                    gw += g.T @ xc
         ctx.save_for_backward(gx, gw, n)
         ctx.weight_dtype = weight.dtype
         return total / n
