@@ -34,12 +34,13 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 12        # per tensor: ndim (0 = none), dtype code, 4 sizes
 
 
-def _header(tensors) -> Tensor:
-    h = torch.zeros(_HEADER, dtype=torch.long)
+def _header(tensors, device) -> Tensor:
+    """Shapes and dtypes of the tensors about to be sent, on `device` (nccl sends device tensors only)."""
+    h = [0] * _HEADER
     for i, t in enumerate(tensors):
         if t is not None:
-            h[6 * i: 6 * i + 2 + t.dim()] = torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape])
-    return h
+            h[6 * i: 6 * i + 2 + t.dim()] = [t.dim(), _DTYPES.index(t.dtype), *t.shape]
+    return torch.tensor(h, dtype=torch.long, device=device)
 
 
 def _empty_from(h: Tensor, i: int, device) -> Tensor | None:
@@ -52,8 +53,9 @@ class _RecvState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token, src, group):
-        h = torch.empty(_HEADER, dtype=torch.long)
+        h = torch.empty(_HEADER, dtype=torch.long, device=token.device)
         dist.recv(h, group=group, group_src=src)
+        h = h.cpu()
         got = [_empty_from(h, i, token.device) for i in range(2)]
         for t in got:
             if t is not None:
@@ -76,7 +78,7 @@ class _SendState(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, conv, state, dst, group):
         sent = [conv, state]
-        dist.send(_header(sent), group=group, group_dst=dst)
+        dist.send(_header(sent, token.device), group=group, group_dst=dst)
         for t in sent:
             if t is not None:
                 dist.send(t.detach().contiguous(), group=group, group_dst=dst)
