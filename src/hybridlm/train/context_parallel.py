@@ -18,7 +18,9 @@ cache's `next_pos`. Every message is an autograd function whose backward sends t
 over the ranks that attended to it). Messages are chained through a zero scalar "token" added to the loss,
 so backward runs them in exactly the reverse order on every rank and the point-to-point and collective
 calls of different ranks always match. Layers run as a wavefront: rank r starts layer l when rank r-1 has
-finished it, so ranks overlap across layers rather than within one.
+finished it, so ranks overlap across layers rather than within one. The sequence is one document (no
+packed-document `resets`: the model takes none with a cache); MLA, indexer and Wonderful Matrices attention keep
+other cache kinds and are refused with a ConfigError.
 """
 from dataclasses import dataclass
 
