@@ -19,8 +19,9 @@ over the ranks that attended to it). Messages are chained through a zero scalar 
 so backward runs them in exactly the reverse order on every rank and the point-to-point and collective
 calls of different ranks always match. Layers run as a wavefront: rank r starts layer l when rank r-1 has
 finished it, so ranks overlap across layers rather than within one. The sequence is one document (no
-packed-document `resets`: the model takes none with a cache); MLA, indexer and Wonderful Matrices attention keep
-other cache kinds and are refused with a ConfigError.
+packed-document `resets`: the model takes none with a cache). Any layer that keeps a `RecurrentCache`, `KVCache`
+or `WindowKVCache` runs this way (tested: `S`, `R`, `A`); MLA and the indexer keep other kinds and are refused
+with a ConfigError.
 """
 from dataclasses import dataclass
 
