@@ -19,6 +19,7 @@ COMMANDS = {
     "info": ("hybridlm.commands.info", "layout, parameter count and inference cache size"),
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
     "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
+    "consolidate": ("hybridlm.commands.consolidate", "one model.safetensors from an FSDP checkpoint's DCP shards"),
 }
 
 
