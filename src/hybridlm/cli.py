@@ -17,6 +17,8 @@ COMMANDS = {
     "info": ("hybridlm.commands.info", "layout, parameter count and inference cache size"),
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
     "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
+    "tokenizer": ("hybridlm.commands.tokenizer", "train a byte-level BPE tokenizer and save it (transformers-loadable)"),
+    "convert": ("hybridlm.commands.convert", "transformers checkpoint directory <-> hybridlm checkpoint"),
 }
 
 

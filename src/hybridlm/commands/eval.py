@@ -1,7 +1,7 @@
 """`hybridlm eval`: validation loss and perplexity of a checkpoint."""
 import os
 
-from .common import out
+from .common import add_tokenizer_arg, other_tokenizer, out
 
 
 def main(args) -> int:
@@ -11,7 +11,8 @@ def main(args) -> int:
     from ..eval.perplexity import perplexity
     from ..train.checkpoint import load_checkpoint
     model, state = load_checkpoint(args.checkpoint)
-    tok = tokenizer_from_dir(state["checkpoint_dir"])
+    tok = other_tokenizer(args.tokenizer, model.config.vocab_size) if args.tokenizer \
+        else tokenizer_from_dir(state["checkpoint_dir"])
     source = args.data or state.get("data") or None
     if source not in (None, "stdlib") and not os.path.exists(source) and args.data is None:
         source = None  # the training data moved: fall back to the built-in corpus
@@ -26,6 +27,7 @@ def main(args) -> int:
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    add_tokenizer_arg(p)
     p.add_argument("--data", default=None,
                    help="text data to evaluate on (default: the training data's validation split)")
     p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus cap in bytes, as in training (0 = none)")
