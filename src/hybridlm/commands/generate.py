@@ -34,11 +34,13 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8
 
 def main(args) -> int:
     import torch
-    from ..train import load_pretrained
+    from ..train import load_checkpoint, load_pretrained
     from .common import other_tokenizer
-    model, tok = load_pretrained(args.checkpoint)
-    if args.tokenizer:
+    if args.tokenizer:            # the checkpoint need not carry one (e.g. converted without a tokenizer.json)
+        model = load_checkpoint(args.checkpoint)[0].eval()
         tok = other_tokenizer(args.tokenizer, model.config.vocab_size)
+    else:
+        model, tok = load_pretrained(args.checkpoint)
     torch.manual_seed(args.seed)
     stream_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, compile=args.compile)
