@@ -20,6 +20,9 @@ def register():
 
 
 def _register_quietly():
+    modeling = sys.modules.get(__package__ + ".modeling")
+    if modeling is not None and not hasattr(modeling, "HybridLMForCausalLM"):
+        return      # transformers was first imported by hf/modeling.py itself, which registers when it is complete
     try:
         register()
     except Exception as e:  # an incompatible transformers must not break the user's `import transformers`

@@ -203,3 +203,8 @@ class HybridLMForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.model(input_ids, attention_mask=attention_mask, cache=cache, labels=labels,
                          logits_to_keep=logits_to_keep or None)
         return CausalLMOutputWithPast(loss=out.loss, logits=out.logits, past_key_values=past_key_values)
+
+
+from .auto import register  # noqa: E402  (the Auto classes learn "hybridlm" however this module was reached)
+
+register()
