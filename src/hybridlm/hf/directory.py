@@ -15,7 +15,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..models.causal_lm import CausalLM
-from .common import LazyTensor
+from .common import LazyTensor, _Tensors
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -79,12 +79,11 @@ def convert_transformers_dir(src_dir: str, out_dir: str, dtype: torch.dtype | No
     """A transformers checkpoint of a family in `CONVERTERS` -> a hybridlm checkpoint under `out_dir` (plus the
     tokenizer when `src_dir` has one). Returns the checkpoint path."""
     from transformers import AutoConfig
-    from .convert import config_from_transformers, CONVERTERS
+    from .convert import CONVERTERS, config_from_transformers
     hf_config = AutoConfig.from_pretrained(src_dir)
     lazy, meta = read_tensors(src_dir)
     _check_shapes(hf_config, meta, src_dir)
     cfg = config_from_transformers(hf_config)
-    from .common import _Tensors
     sd = CONVERTERS[hf_config.model_type].weights(_Tensors(lazy), cfg)
     if dtype is not None:
         cast = {}                                                # a tied weight is one tensor under two names
