@@ -67,7 +67,7 @@ def test_doge_moe_converts_every_weight(tmp_path):
     """transformers' CDMoE mixes tokens (REFERENCES.md): the two agree on one token, and our export round trips."""
     hf = doge(is_moe=True)
     hf.save_pretrained(tmp_path / "hf")
-    ckpt = convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), dtype=torch.float32)
+    ckpt = convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), dtype="float32")
     ours = load_checkpoint(ckpt)[0].eval()
     one = torch.tensor([[35]])                              # one token: transformers routes it alone
     assert max_diff(ours(one).logits, hf(one).logits) <= 1e-4

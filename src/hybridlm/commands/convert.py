@@ -12,10 +12,10 @@ def main(args) -> int:
         raise ConfigError(f"hybridlm convert needs transformers: pip install 'hybridlm[hf]' ({e})") from None
     if args.as_native and not args.to_hf:
         raise ConfigError("--as-native goes with --to-hf")
+    if args.dtype and args.to_hf:
+        raise ConfigError("--dtype goes with --from-hf")
     if args.from_hf:
-        import torch
-        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        path = directory.convert_from_hf(args.from_hf, args.out, dtype)
+        path = directory.convert_from_hf(args.from_hf, args.out, args.dtype)
         out(f"converted {args.from_hf} -> {path} (hybridlm checkpoint: hybridlm generate/eval --checkpoint {args.out})")
     else:
         directory.export_to_hf(args.to_hf, args.out, native=args.as_native)
@@ -31,7 +31,7 @@ def add_arguments(p):
                           "Doge, DeepseekV3/V32 (dense)")
     src.add_argument("--to-hf", metavar="RUN_OR_CHECKPOINT", help="hybridlm run or checkpoint directory to export")
     p.add_argument("--out", required=True, help="output: run directory (--from-hf) or transformers directory (--to-hf)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="--from-hf: store the weights in this dtype (auto: as in the files)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="--from-hf: cast the weights (default: keep the dtype of the files)")
     p.add_argument("--as-native", action="store_true",
                    help="--to-hf: write LlamaForCausalLM / Mamba2ForCausalLM when the model is exactly one")

@@ -3,8 +3,8 @@
     convert_from_hf("llama-dir", "runs/llama")        # config.json + model.safetensors (or sharded + index)
     export_to_hf("runs/m2a", "hf-m2a")                # HybridLMForCausalLM; AutoModelForCausalLM loads it
 
-`FROM_HF` maps config.json's `model_type` to the function converting such a directory; a new checkpoint family is
-one row. Tensors are read from the safetensors files only when a converter asks for them, checked first against the
+`FROM_HF` maps config.json's `model_type` to the function converting such a directory, as (module, name) so that
+nothing is imported before it is needed; a new checkpoint family is one row. Tensors are read from the safetensors files only when a converter asks for them, checked first against the
 shapes the transformers model of that config.json has, and handed to a CausalLM built on the meta device without a
 copy, so converting holds one copy of the weights. Needs transformers (`pip install hybridlm[hf]`).
 """
@@ -75,9 +75,10 @@ def _check_shapes(hf_config, meta: dict, directory: str):
             raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, config.json implies {list(t.shape)}")
 
 
-def convert_transformers_dir(src_dir: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
+def convert_transformers_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | None = None) -> str:
     """A transformers checkpoint of a family in `CONVERTERS` -> a hybridlm checkpoint under `out_dir` (plus the
-    tokenizer when `src_dir` has one). Returns the checkpoint path."""
+    tokenizer when `src_dir` has one), its weights cast to `dtype` ("bfloat16", torch.bfloat16, ...) if given.
+    Returns the checkpoint path."""
     from transformers import AutoConfig
     from .convert import CONVERTERS, config_from_transformers
     hf_config = AutoConfig.from_pretrained(src_dir)
@@ -86,6 +87,7 @@ def convert_transformers_dir(src_dir: str, out_dir: str, dtype: torch.dtype | No
     cfg = config_from_transformers(hf_config)
     sd = CONVERTERS[hf_config.model_type].weights(_Tensors(lazy), cfg)
     if dtype is not None:
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         cast = {}                                                # a tied weight is one tensor under two names
         sd = {k: cast.setdefault(id(v), v.to(dtype)) for k, v in sd.items()}
     return save_converted(out_dir, cfg, sd, src_dir)
@@ -108,11 +110,11 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
     return save_checkpoint(out_dir, model, state={"converted_from": os.path.abspath(src_dir)}, tokenizer=tok)
 
 
-# config.json model_type -> function(src_dir, out_dir, dtype=None) writing a hybridlm checkpoint
-FROM_HF = {t: convert_transformers_dir for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
+# config.json model_type -> (module, function(src_dir, out_dir, dtype=None) -> checkpoint path)
+FROM_HF = {t: (__name__, "convert_transformers_dir") for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
 
 
-def convert_from_hf(src_dir: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
+def convert_from_hf(src_dir: str, out_dir: str, dtype: str | torch.dtype | None = None) -> str:
     """Dispatch on `src_dir/config.json`'s model_type through `FROM_HF`."""
     if not os.path.isdir(src_dir):
         raise CheckpointError(f"{src_dir} is not a directory")
@@ -121,7 +123,9 @@ def convert_from_hf(src_dir: str, out_dir: str, dtype: torch.dtype | None = None
     if model_type not in FROM_HF:
         raise ConfigError(f"{path}: model_type {model_type!r} cannot be converted; supported: "
                           f"{', '.join(sorted(FROM_HF))}")
-    return FROM_HF[model_type](src_dir, out_dir, dtype)
+    import importlib
+    module, fn = FROM_HF[model_type]
+    return getattr(importlib.import_module(module), fn)(src_dir, out_dir, dtype=dtype)
 
 
 def export_to_hf(src: str, out_dir: str, native: bool = False) -> str:
