@@ -56,7 +56,7 @@ def test_hyper_connections_and_tied_embeddings(tmp_path):
     assert "model.lm_head.weight" not in __import__("safetensors.torch").torch.load_file(tmp_path / "model.safetensors")
 
 
-def test_left_padded_batch_greedy_and_top_k_1_sampling(tmp_path):
+def test_left_padded_batch_greedy_without_cache_and_top_k_1_sampling(tmp_path):
     m = tiny("mamba2-attention")
     w = saved_and_loaded(m, tmp_path)
     ids = torch.randint(1, V, (2, 9))
@@ -64,6 +64,7 @@ def test_left_padded_batch_greedy_and_top_k_1_sampling(tmp_path):
     mask[1, :4] = 0
     ours = m.generate(ids, 6, temperature=0, attention_mask=mask)
     assert torch.equal(greedy(w, ids, 6, attention_mask=mask), ours)
+    assert torch.equal(greedy(w, ids, 6, attention_mask=mask, use_cache=False), ours)     # full recompute per step
     sampled = w.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=1, eos_token_id=None,
                          pad_token_id=0)
     assert torch.equal(sampled, ours)
