@@ -10,12 +10,16 @@ import hybridlm  # noqa: E402,F401  (registers model_type "hybridlm")
 from hybridlm import presets  # noqa: E402
 from hybridlm.errors import InputError  # noqa: E402
 from hybridlm.hf.modeling import HybridLMCache, HybridLMForCausalLM  # noqa: E402
-from test_models import tiny  # noqa: E402
+from test_models import TINY, tiny  # noqa: E402
 
 # one preset per cache kind: K/V, SSD state + conv, MLA latent + indexer keys, WM bias + CDMoE, GLA state + ring
 FAMILIES = ["transformer++", "mamba2-attention", "deepseek-sparse", "doge", "rodimus++"]
 SLOW = [n for n in presets.names() if n not in FAMILIES]
 V = 97
+
+
+def small(name, n_layers, **kw):
+    return hybridlm.CausalLM(presets.get(name, n_layers=n_layers, **{**TINY, **kw})).eval()
 
 
 def saved_and_loaded(m, tmp_path):
@@ -53,11 +57,12 @@ def test_every_preset_save_load_and_greedy(name, tmp_path):
 
 def test_hyper_connections_and_tied_embeddings(tmp_path):
     check_preset("transformer++", tmp_path, hyper_connections=2, tie_embeddings=True)
-    assert "model.lm_head.weight" not in __import__("safetensors.torch").torch.load_file(tmp_path / "model.safetensors")
+    from safetensors.torch import load_file
+    assert "model.lm_head.weight" not in load_file(tmp_path / "model.safetensors")          # stored once, tied
 
 
 def test_left_padded_batch_greedy_without_cache_and_top_k_1_sampling(tmp_path):
-    m = tiny("mamba2-attention")
+    m = small("mamba2-attention", n_layers=2)                            # "SA": a recurrent and an attention layer
     w = saved_and_loaded(m, tmp_path)
     ids = torch.randint(1, V, (2, 9))
     mask = torch.ones_like(ids)
@@ -84,8 +89,7 @@ def beam_reference(m, prompt: list[int], beams: int, steps: int) -> list[list[in
 
 @pytest.mark.parametrize("name", ["llama", "mamba2", "rodimus++"])
 def test_beam_search_equals_brute_force(name, tmp_path):
-    from test_models import TINY
-    m = hybridlm.CausalLM(presets.get(name, n_layers=1, **{**TINY, "vocab_size": 13})).eval()
+    m = small(name, n_layers=1, vocab_size=13)
     w = saved_and_loaded(m, tmp_path)
     ids = torch.randint(0, 13, (2, 5))
     out = greedy(w, ids, 3, num_beams=3, num_return_sequences=3, length_penalty=0.0)
