@@ -1,6 +1,6 @@
 """hybridlm models as transformers models: save_pretrained -> AutoModelForCausalLM identical logits, transformers'
-generate() (greedy, sampling, beam search) against our own decoding and a brute-force beam search, pipeline() on an
-exported trained run. One preset per family in the fast suite; every preset under -m slow."""
+generate() (greedy, sampling, beam search) against our own decoding, its own uncached decoding and a brute-force beam
+search, pipeline() on an exported trained run. One preset per family in the fast suite; every preset under -m slow."""
 import pytest
 import torch
 
@@ -42,6 +42,9 @@ def check_preset(name, tmp_path, **kw):
     ids = torch.randint(0, V, (2, 11))
     assert torch.equal(w(ids).logits, m(ids).logits), name
     assert torch.equal(greedy(w, ids, 7), m.generate(ids, 7, temperature=0)), name
+    # beam search reorders every layer's cache; recomputing the whole sequence each step (no cache) must agree
+    beams = greedy(w, ids[:1], 4, num_beams=3, num_return_sequences=3)
+    assert torch.equal(beams, greedy(w, ids[:1], 4, num_beams=3, num_return_sequences=3, use_cache=False)), name
 
 
 @pytest.mark.parametrize("name", FAMILIES)
