@@ -135,3 +135,10 @@ def test_pipeline_continues_a_prompt_of_an_exported_trained_run(tmp_path):
     model, tok = load_pretrained(str(tmp_path / "run"))
     ours = stream_text(model, tok, "def add(a, b):\n    return", 12, temperature=0, out=open("/dev/null", "w"))
     assert got == "def add(a, b):\n    return" + ours and "a + b" in ours, got
+
+
+def test_bench_suite_hf_quick():
+    from hybridlm.bench.hf_wrapper import run_suite
+    res = run_suite(quick=True, log=lambda *a: None)
+    assert [r["arch"] for r in res["decode"]] == ["llama", "mamba2"]
+    assert all(r["ours_tokens_per_s"] > 0 and r["wrapper_tokens_per_s"] > 0 for r in res["decode"])
