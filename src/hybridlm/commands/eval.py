@@ -5,7 +5,7 @@ from the checkpoint), the same split, window length, token budget, seed and docu
 figures agree."""
 import os
 
-from .common import out
+from .common import add_tokenizer_arg, other_tokenizer, out
 
 
 def main(args) -> int:
@@ -15,7 +15,8 @@ def main(args) -> int:
     from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
     from ..train.checkpoint import load_checkpoint
     model, state = load_checkpoint(args.checkpoint)
-    tok = tokenizer_from_dir(state["checkpoint_dir"])
+    tok = other_tokenizer(args.tokenizer, model.config.vocab_size) if args.tokenizer \
+        else tokenizer_from_dir(state["checkpoint_dir"])
     tcfg = state.get("train_config", {})
     spec = state.get("data_spec") or {"data": state.get("data"), "max_bytes": 8_000_000}
     source, max_bytes = spec.get("data"), spec.get("max_bytes")
@@ -38,6 +39,7 @@ def main(args) -> int:
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    add_tokenizer_arg(p)
     p.add_argument("--data", default=None,
                    help="data to evaluate on, text or token ids as for train (default: the training data's "
                         "validation split)")
