@@ -1,8 +1,9 @@
 """Writes the jsonl data of the lm-eval tasks shipped in src/hybridlm/eval/tasks (deterministic; rerun to rebuild).
 
-recall_{train,test}.jsonl: two objects each hold a random 4-letter word; the question asks for one of them. The
-choices are both held words and two that are not in the context: chance is 1/4, copying any word from the context
-gives 1/2, looking up the asked object gives 1. code_test.jsonl: short Python functions for perplexity.
+words_{train,test}.jsonl: two objects each hold a random 4-letter word and one of them is asked for (`target`), with
+four `choices`: both held words and two others. hybridlm_recall asks which word the object holds (chance 1/4, copying
+any word from the context 1/2, looking it up 1); hybridlm_copy and hybridlm_copy_gen show `target` alone and ask for
+it again (chance 1/4; a tiny model learns to copy in a few seconds). code_test.jsonl: short Python functions for perplexity.
 """
 import json
 import os
@@ -60,6 +61,6 @@ def write(name: str, rows: list[dict]):
 
 
 if __name__ == "__main__":
-    write("recall_train.jsonl", [recall_doc(random.Random(f"train{i}")) for i in range(500)])
-    write("recall_test.jsonl", [recall_doc(random.Random(f"test{i}")) for i in range(200)])
+    write("words_train.jsonl", [recall_doc(random.Random(f"train{i}")) for i in range(500)])
+    write("words_test.jsonl", [recall_doc(random.Random(f"test{i}")) for i in range(200)])
     write("code_test.jsonl", [{"text": t} for t in CODE])

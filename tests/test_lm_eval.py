@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from hybridlm import CausalLM, presets  # noqa: E402
+from hybridlm import CausalLM, InputError, presets  # noqa: E402
 from hybridlm.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: E402
 from hybridlm.eval.harness import HybridLMEval  # noqa: E402
 from hybridlm.eval.harness_tasks import TASKS_DIR, local_task_names, run_tasks  # noqa: E402
@@ -122,44 +122,47 @@ def test_generate_until_stops(byte_lm):
 
 
 def test_each_shipped_task_runs_through_simple_evaluate(byte_lm):
-    assert {"hybridlm_recall", "hybridlm_recall_gen", "hybridlm_code_ppl"} <= set(local_task_names())
+    names = {"hybridlm_copy", "hybridlm_copy_gen", "hybridlm_recall", "hybridlm_code_ppl"}
+    assert names == set(local_task_names())
     r = run_tasks(byte_lm, "hybridlm_local", limit=4, bootstrap_iters=0)["results"]
+    assert set(r) == names
     assert 0 <= r["hybridlm_recall"]["acc,none"] <= 1 and r["hybridlm_recall"]["sample_len"] == 4
-    assert 0 <= r["hybridlm_recall_gen"]["exact_match,none"] <= 1
+    assert 0 <= r["hybridlm_copy"]["acc,none"] <= 1 and 0 <= r["hybridlm_copy_gen"]["exact_match,none"] <= 1
     assert 1 < r["hybridlm_code_ppl"]["byte_perplexity,none"] < 257  # better than nothing, worse than perfect
 
 
-def recall_batches(tok, n_steps, batch, seed=0):
-    """Training rows from the recall task's train split; the loss is on the answer only."""
-    docs = [json.loads(line) for line in open(os.path.join(TASKS_DIR, "recall_train.jsonl"))]
-    rows = [(tok.encode(f"{d['context']}\nQ: What does the {d['item']} hold?\nA:"), tok.encode(" " + d["target"]))
-            for d in docs]
+def copy_rows(tok):
+    """Training rows in the copy tasks' format from their train split; the loss is on the answer and its newline."""
+    docs = [json.loads(line) for line in open(os.path.join(TASKS_DIR, "words_train.jsonl"))]
+    rows = [(tok.encode(f"Word: {d['target']}\nAgain:"), tok.encode(f" {d['target']}\n")) for d in docs]
     T = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((len(rows), T), tok.eos_id)
     labels = torch.full((len(rows), T), -100)
     for i, (p, a) in enumerate(rows):
         ids[i, :len(p) + len(a)] = torch.tensor(p + a)
         labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n_steps):
-        idx = torch.randint(0, len(rows), (batch,), generator=g)
-        yield ids[idx], labels[idx]
+    return ids, labels
 
 
-@pytest.mark.slow
-def test_tiny_model_trained_here_beats_chance_on_in_context_recall():
+def test_tiny_model_trained_here_beats_chance_on_in_context_copy():
+    """A 2-layer transformer trained for 300 steps (a few seconds) answers the shipped in-context task far above
+    chance, scored and generated through lm-eval."""
     tok = ByteTokenizer()
     torch.manual_seed(0)
-    m = CausalLM(presets.get("transformer++", n_layers=2, d_model=64, n_heads=4, vocab_size=257, max_seq_len=128))
+    m = CausalLM(presets.get("transformer++", n_layers=2, d_model=64, n_heads=4, vocab_size=257, max_seq_len=64))
+    ids, labels = copy_rows(tok)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    for ids, labels in recall_batches(tok, 800, 16):
-        loss = m(ids, labels=labels).loss
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        idx = torch.randint(0, len(ids), (16,), generator=g)
+        loss = m(ids[idx], labels=labels[idx]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-    r = run_tasks(HybridLMEval(model=m.eval(), tokenizer=tok, batch_size=16), "hybridlm_recall", limit=200,
-                  bootstrap_iters=0)["results"]["hybridlm_recall"]
-    assert r["acc,none"] > 0.45, r  # chance is 0.25 (200 questions: 0.45 is > 6 standard errors above it)
+    r = run_tasks(HybridLMEval(model=m.eval(), tokenizer=tok, batch_size=16), ["hybridlm_copy", "hybridlm_copy_gen"],
+                  limit=50, bootstrap_iters=0)["results"]
+    assert r["hybridlm_copy"]["acc,none"] > 0.6, r  # chance is 0.25; 50 questions: 0.6 is > 5 standard errors above
+    assert r["hybridlm_copy_gen"]["exact_match,none"] > 0.5, r
 
 
 def hybridlm(*args, cwd=None):
@@ -178,6 +181,14 @@ def test_cli_runs_local_tasks_and_names_unknown_ones(tmp_path):
     assert "hybridlm_recall" in r.stdout and "byte_perplexity" in r.stdout
     res = json.load(open(tmp_path / "res.json"))["results"]
     assert set(res) == {"hybridlm_recall", "hybridlm_code_ppl"}
+    # lm-eval's own way in: the registered name and a model_args string
+    from lm_eval.api.registry import get_model
+    lm = get_model("hybridlm").create_from_arg_string(f"checkpoint={tmp_path / 'run'},batch_size=2,device=cpu,"
+                                                      "dtype=bfloat16", {"batch_size": None, "max_batch_size": None})
+    assert lm.batch_size == 2 and lm.autocast_dtype == torch.bfloat16 and lm.max_length == 64
+    assert ll(lm, PAIRS[:2])[0][0] < 0
+    with pytest.raises(InputError, match="unknown hybridlm model_args: pretrained"):
+        get_model("hybridlm").create_from_arg_string(f"checkpoint={tmp_path / 'run'},pretrained=x")
     r = hybridlm("eval", "--checkpoint", tmp_path / "run", "--tasks", "hybridlm_recal")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr

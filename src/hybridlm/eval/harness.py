@@ -33,13 +33,17 @@ class HybridLMEval(TemplateLM):
 
     batch_size: requests per forward. device: cpu | cuda | cuda:N | auto. dtype: float32, or bfloat16 / float16
     autocast (weights stay float32, as in training). max_length: tokens per window (default the model's
-    max_seq_len). max_gen_toks: default generation budget when a task sets none.
+    max_seq_len). max_gen_toks: default generation budget when a task sets none. max_batch_size (what lm-eval
+    passes along with "auto") is not used.
     """
 
     def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, batch_size: int | str = 8,
                  device: str | None = "cpu", dtype: str = "float32", max_length: int | None = None,
-                 max_gen_toks: int = 256, **unused):
+                 max_gen_toks: int = 256, max_batch_size: int | None = None, **unknown):
         super().__init__()
+        if unknown:
+            raise InputError(f"unknown hybridlm model_args: {', '.join(sorted(unknown))} (known: checkpoint, "
+                             "batch_size, device, dtype, max_length, max_gen_toks)")
         if (checkpoint is None) == (model is None):
             raise InputError("give the hybridlm lm-eval model either checkpoint=RUN or a model and its tokenizer")
         device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
