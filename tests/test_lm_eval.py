@@ -131,6 +131,21 @@ def test_each_shipped_task_runs_through_simple_evaluate(byte_lm):
     assert 1 < r["hybridlm_code_ppl"]["byte_perplexity,none"] < 257  # better than nothing, worse than perfect
 
 
+def test_include_path_task_reads_data_next_to_its_yaml(byte_lm, tmp_path, monkeypatch):
+    lines = open(os.path.join(TASKS_DIR, "hybridlm_copy.yaml")).read().splitlines()
+    yaml = "\n".join(ln for ln in lines if not ln.startswith("tag:")).replace("task: hybridlm_copy", "task: my_copy")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "my_copy.yaml").write_text(yaml.replace("words_", "my_words_"))
+    for split in ("train", "test"):
+        rows = open(os.path.join(TASKS_DIR, f"words_{split}.jsonl")).readlines()[:3]
+        (tmp_path / "tasks" / f"my_words_{split}.jsonl").write_text("".join(rows))
+    monkeypatch.chdir(tmp_path)  # not the YAML's directory
+    r = run_tasks(byte_lm, "my_copy", include_path=["tasks"], bootstrap_iters=0)["results"]
+    assert r["my_copy"]["sample_len"] == 3
+    with pytest.raises(InputError, match="is not a directory"):
+        run_tasks(byte_lm, "my_copy", include_path=["no_such_dir"])
+
+
 def copy_rows(tok):
     """Training rows in the copy tasks' format from their train split; the loss is on the answer and its newline."""
     docs = [json.loads(line) for line in open(os.path.join(TASKS_DIR, "words_train.jsonl"))]
