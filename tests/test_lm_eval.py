@@ -26,6 +26,15 @@ def tiny_model(preset="mamba2-attention", vocab_size=257, **over):
     return CausalLM(presets.get(preset, vocab_size=vocab_size, **{**TINY, **over})).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Every tensor here is tiny: a second intra-op thread only adds barriers (35x slower on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def byte_lm():
     return HybridLMEval(model=tiny_model(), tokenizer=ByteTokenizer(), batch_size=4)
@@ -128,7 +137,7 @@ def test_each_shipped_task_runs_through_simple_evaluate(byte_lm):
     assert set(r) == names
     assert 0 <= r["hybridlm_recall"]["acc,none"] <= 1 and r["hybridlm_recall"]["sample_len"] == 4
     assert 0 <= r["hybridlm_copy"]["acc,none"] <= 1 and 0 <= r["hybridlm_copy_gen"]["exact_match,none"] <= 1
-    assert 1 < r["hybridlm_code_ppl"]["byte_perplexity,none"] < 257  # better than nothing, worse than perfect
+    assert 1 < r["hybridlm_code_ppl"]["byte_perplexity,none"] < 1e3  # an untrained byte model: near 257
 
 
 def test_include_path_task_reads_data_next_to_its_yaml(byte_lm, tmp_path, monkeypatch):
@@ -182,7 +191,7 @@ def test_tiny_model_trained_here_beats_chance_on_in_context_copy():
 
 def hybridlm(*args, cwd=None):
     src = os.path.dirname(os.path.dirname(sys.modules["hybridlm"].__file__))  # this checkout, from any cwd
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=src)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=src)  # tiny model: one thread, as above
     return subprocess.run([sys.executable, "-m", "hybridlm", *map(str, args)], capture_output=True, text=True,
                           timeout=240, env=env, cwd=cwd)
 
@@ -207,4 +216,5 @@ def test_cli_runs_local_tasks_and_names_unknown_ones(tmp_path):
     r = hybridlm("eval", "--checkpoint", tmp_path / "run", "--tasks", "hybridlm_recal")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("hybridlm: error: unknown lm-eval task 'hybridlm_recal'") and "hybridlm_recall" in lines[0]
+    assert lines[0].startswith("hybridlm: error: unknown lm-eval task 'hybridlm_recal'")
+    assert "hybridlm_recall" in lines[0]  # the nearest names

@@ -87,7 +87,8 @@ class HybridLMEval(TemplateLM):
         return torch.autocast(self._device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     @torch.inference_mode()
-    def score_tokens(self, pairs: list[tuple[list[int], list[int]]], progress: bool = False) -> list[tuple[float, bool]]:
+    def score_tokens(self, pairs: list[tuple[list[int], list[int]]], progress: bool = False
+                     ) -> list[tuple[float, bool]]:
         """[(context ids, continuation ids)] -> [(log p(continuation | context), whether greedy decoding gives the
         continuation)]. A context too long for one window loses its oldest tokens."""
         rows = []
