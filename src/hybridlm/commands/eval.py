@@ -1,4 +1,4 @@
-"""`hybridlm eval`: validation loss and perplexity of a checkpoint.
+"""`hybridlm eval`: validation loss and perplexity of a checkpoint, or lm-evaluation-harness tasks (--tasks).
 
 By default it evaluates exactly what training's validation line measured: the same data (source and byte cap
 from the checkpoint), the same split, window length, token budget, seed and document masking, so the two
@@ -9,6 +9,11 @@ from .common import add_tokenizer_arg, other_tokenizer, out
 
 
 def main(args) -> int:
+    if args.tasks:  # lm-evaluation-harness tasks instead of the validation perplexity (eval/harness_tasks.py)
+        from ..eval.harness_tasks import evaluate_checkpoint
+        out(evaluate_checkpoint(args.checkpoint, args.tasks, include_path=args.include_path, limit=args.limit,
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, output=args.output))
+        return 0
     import torch
     from ..data.loader import load_data
     from ..data.tokenizer import tokenizer_from_dir
@@ -45,6 +50,15 @@ def add_arguments(p):
                         "validation split)")
     p.add_argument("--max-bytes", type=int, default=None, help="text cap in bytes (default: as in training; 0 = none)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the training batch size")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the training batch size (8 for --tasks)")
+    p.add_argument("--tasks", default=None, metavar="NAMES",
+                   help="comma-separated lm-evaluation-harness tasks (needs hybridlm[eval]), e.g. hybridlm_local (the "
+                        "shipped local tasks) or lambada_openai,hellaswag; runs them instead of the validation ppl")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a directory of your own lm-eval task YAMLs (repeatable)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="at most this many examples per task (a fraction if < 1), for quick checks")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--output", default=None, metavar="FILE", help="write lm-eval's results as JSON here")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="whole split up to this many tokens, else a fixed sample (default: as in training; 0 = all)")
