@@ -117,7 +117,7 @@ def test_tokenizer_train_command_and_train_generate_accept_it(tmp_path):
     assert auto.decode(auto("return a + b")["input_ids"]) == "return a + b"
     tiny = ["--preset", "transformer++", "--n-layers", "1", "--d-model", "32", "--set", "n_heads=2"]
     assert cli(["train", *tiny, "--data", str(data), "--tokenizer", str(tmp_path / "tok"), "--steps", "2",
-                "--seq-len", "16", "--batch-size", "2", "--warmup", "1", "--eval-every", "2", "--eval-batches", "1",
+                "--seq-len", "16", "--batch-size", "2", "--warmup", "1", "--eval-every", "2", "--eval-tokens", "200",
                 "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     assert tokenizer_from_dir(str(tmp_path / "run" / "checkpoint")).vocab_size == auto.vocab_size
     assert cli(["generate", "--checkpoint", str(tmp_path / "run"), "--tokenizer", str(tmp_path / "tok"),

@@ -125,7 +125,7 @@ def test_pipeline_continues_a_prompt_of_an_exported_trained_run(tmp_path):
     text.write_text("def add(a, b):\n    return a + b\n\n" * 200)
     cfg = presets.get("mamba2", n_layers=1, d_model=32, vocab_size=257, max_seq_len=128, ssd_headdim=16,
                       ssd_d_state=16, ssd_chunk_size=16)
-    tcfg = TrainConfig(steps=30, batch_size=4, seq_len=32, lr=2e-2, warmup=3, eval_every=30, eval_batches=1,
+    tcfg = TrainConfig(steps=30, batch_size=4, seq_len=32, lr=2e-2, warmup=3, eval_every=30, eval_tokens=200,
                        save_every=30, log_every=30)
     train(cfg, tcfg, TokenData.from_corpus(load_corpus(str(text)), ByteTokenizer()), str(tmp_path / "run"),
           progress=False)
