@@ -312,7 +312,7 @@ def test_cli_convert_info_generate_chat(tmp_path, capsys):
         json.dump({"model_type": "gpt2"}, f)
     os.replace(tmp_path / "other.json", tmp_path / "config.json")
     assert cli_main(["convert", "--from-hf", str(tmp_path), "--out", run]) == 2
-    assert "cannot convert model_type 'gpt2'" in capsys.readouterr().err
+    assert "model_type 'gpt2' cannot be converted" in capsys.readouterr().err
 
 
 def test_n_k_heads_validation():

@@ -1,37 +1,37 @@
-"""`hybridlm convert`: a checkpoint directory in another format -> a hybridlm checkpoint, chosen by the
-`model_type` of its config.json (a row of FORMATS)."""
-import json
-import os
-
-# model_type -> (module, function(src_dir, out_dir, dtype) -> checkpoint path)
-FORMATS = {"rodimus": ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")}
+"""`hybridlm convert`: a transformers checkpoint directory -> a hybridlm checkpoint (--from-hf), or a hybridlm run ->
+a transformers directory that AutoModelForCausalLM and pipeline() load after `import hybridlm` (--to-hf; with
+--as-native, transformers' own Llama / Mamba-2 classes, loadable without hybridlm)."""
+from .common import out
 
 
 def main(args) -> int:
-    import importlib
-    import time
-    from ..errors import CheckpointError, ConfigError
-    from .common import out
-    path = os.path.join(args.from_hf, "config.json")
+    from ..errors import ConfigError
     try:
-        with open(path) as f:
-            model_type = json.load(f).get("model_type")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (OSError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path} is not a JSON config ({e})") from None
-    if model_type not in FORMATS:
-        raise ConfigError(f"{path}: cannot convert model_type {model_type!r}; supported: {', '.join(sorted(FORMATS))}")
-    module, fn = FORMATS[model_type]
-    t0 = time.perf_counter()
-    ckpt = getattr(importlib.import_module(module), fn)(args.from_hf, args.out, dtype=args.dtype)
-    out(f"converted {args.from_hf} ({model_type}) -> {ckpt} in {time.perf_counter() - t0:.1f} s")
+        from ..hf import directory
+    except ImportError as e:
+        raise ConfigError(f"hybridlm convert needs transformers: pip install 'hybridlm[hf]' ({e})") from None
+    if args.as_native and not args.to_hf:
+        raise ConfigError("--as-native goes with --to-hf")
+    if args.dtype and args.to_hf:
+        raise ConfigError("--dtype goes with --from-hf")
+    if args.from_hf:
+        path = directory.convert_from_hf(args.from_hf, args.out, args.dtype)
+        out(f"converted {args.from_hf} -> {path} (hybridlm checkpoint: hybridlm generate/eval --checkpoint {args.out})")
+    else:
+        directory.export_to_hf(args.to_hf, args.out, native=args.as_native)
+        kind = "transformers' own class" if args.as_native else "HybridLMForCausalLM (import hybridlm first)"
+        out(f"exported {args.to_hf} -> {args.out} ({kind}: AutoModelForCausalLM.from_pretrained({args.out!r}))")
     return 0
 
 
 def add_arguments(p):
-    p.add_argument("--from-hf", required=True, metavar="DIR", help="checkpoint directory (config.json, safetensors, "
-                   "tokenizer), e.g. a downloaded Rodimus release")
-    p.add_argument("--out", required=True, metavar="RUN", help="output run directory (the checkpoint goes to RUN/checkpoint)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="cast the weights (default: keep the source dtype)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR",
+                     help="transformers checkpoint directory (config.json + safetensors, sharded too): Llama, Mamba2, "
+                          "Doge, DeepseekV3/V32 (dense)")
+    src.add_argument("--to-hf", metavar="RUN_OR_CHECKPOINT", help="hybridlm run or checkpoint directory to export")
+    p.add_argument("--out", required=True, help="output: run directory (--from-hf) or transformers directory (--to-hf)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="--from-hf: cast the weights (default: keep the dtype of the files)")
+    p.add_argument("--as-native", action="store_true",
+                   help="--to-hf: write LlamaForCausalLM / Mamba2ForCausalLM when the model is exactly one")

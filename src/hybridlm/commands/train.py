@@ -14,7 +14,8 @@ def _train_config(args):
                        grad_clip=args.grad_clip, grad_accum=args.grad_accum, eval_every=args.eval_every,
                        eval_tokens=args.eval_tokens, doc_mask=not args.no_doc_mask, save_every=args.save_every,
                        seed=args.seed, dtype=args.dtype, compile=args.compile,
-                       grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device)
+                       grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
+                       parallel=args.parallel)
 
 
 def main(args) -> int:
@@ -102,7 +103,10 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+    p.add_argument("--parallel", default="auto", choices=["auto", "ddp", "fsdp"],
+                   help="under torchrun: ddp replicates the model, fsdp shards it (FSDP2) and saves distributed "
+                        "checkpoints (auto = ddp)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines still print)")

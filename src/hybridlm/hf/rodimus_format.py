@@ -301,7 +301,7 @@ def convert_rodimus_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | N
     atomically: config.json, model.safetensors, the tokenizer files); returns its path. `dtype` (float32, bfloat16,
     float16) casts the weights; by default they keep the dtype of the source embedding."""
     from ..data.tokenizer import tokenizer_from_dir
-    from ..train.checkpoint import MODEL_FILE, commit_dir, staging_dir
+    from ..train.checkpoint import MODEL_FILE, new_tmp_dir, publish
     hf = read_config(src_dir)
     cfg = model_config(hf, os.path.join(src_dir, "config.json"))
     if isinstance(dtype, str):
@@ -323,7 +323,7 @@ def convert_rodimus_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | N
     plan = _plan(cfg, hf, src)
     if set(plan) != set(shapes):
         raise CheckpointError(f"internal error: converter covers {sorted(set(plan) ^ set(shapes))} wrongly")
-    tmp = staging_dir(out_dir)
+    tmp = new_tmp_dir(out_dir, "checkpoint")
     try:
         _write_streaming(os.path.join(tmp, MODEL_FILE), shapes, plan, dtype,
                          {"format": "pt", "aliases": json.dumps(aliases), "converted_from": "rodimus"})
@@ -336,7 +336,7 @@ def convert_rodimus_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | N
         for name in TOKENIZER_FILES:
             if os.path.exists(os.path.join(src_dir, name)):
                 shutil.copyfile(os.path.join(src_dir, name), os.path.join(tmp, name))
-        commit_dir(tmp, out_dir)
+        publish(tmp, out_dir, "checkpoint")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

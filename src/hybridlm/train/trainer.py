@@ -7,7 +7,8 @@ validation, metrics.jsonl, atomic checkpoints, exact resume, and DDP under torch
 Batches depend only on (seed, step, micro-batch, rank), and the checkpoint holds weights, optimizer state
 and RNG state, so a resumed run reproduces the loss curve of an uninterrupted one. Under
 `torchrun --nproc_per_node N` (WORLD_SIZE > 1) each rank draws its own batches, gradients are averaged by
-DDP (gloo on CPU, nccl on CUDA), and rank 0 alone logs, evaluates and checkpoints.
+DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; under FSDP2
+every rank evaluates and writes its shards of a DCP checkpoint (train/dist_checkpoint.py).
 """
 import contextlib
 import json
@@ -22,11 +23,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..data.loader import TokenData, batch_generator
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
 from .checkpoint import find_checkpoint, load_checkpoint, load_optimizer, save_checkpoint, set_rng_state
+from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
 from .optim import lr_at, make_optimizer
+from .parallel import MODES as PARALLEL_MODES
+from .parallel import parallelize
 
 
 @dataclass
@@ -53,6 +57,7 @@ class TrainConfig:
     grad_checkpointing: bool = False
     log_every: int = 10
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    parallel: str = "auto"               # auto (= ddp) | ddp | fsdp, under torchrun (train/parallel.py)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -63,6 +68,7 @@ class TrainConfig:
                 (self.adam_eps > 0, "adam_eps must be > 0"),
                 (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
+                (self.parallel in PARALLEL_MODES, f"parallel must be auto, ddp or fsdp, got {self.parallel!r}"),
                 (self.schedule in ("cosine", "wsd", "constant"),
                  f"schedule must be cosine, wsd or constant, got {self.schedule!r}")]
         for ok, msg in need:
@@ -144,24 +150,27 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model.to(device)
-    model.gradient_checkpointing = cfg.grad_checkpointing
+    # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
+    par = parallelize(model, cfg.parallel, world=world, device=device, dtype=cfg.dtype, compile=cfg.compile,
+                      checkpointing=cfg.grad_checkpointing)
+    fwd = par.module
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
     if resume:
-        load_optimizer(opt, ckpt)
+        if has_dcp(ckpt):
+            load_training_state(model, opt, ckpt)
+        elif par.sharded:
+            raise CheckpointError(f"{ckpt} was saved without --parallel fsdp (no dcp/ shards); resume it with "
+                                  "--parallel ddp")
+        else:
+            load_optimizer(opt, ckpt)
         set_rng_state(state.get("rng", {}))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if main:
         _write_metrics(metrics_path, _metrics_until(metrics_path, start) if resume else [], "w")
 
-    fwd = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        routed = bool(set(model_cfg.layout) & set("OE"))  # routed experts may get no tokens in a step
-        fwd = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  find_unused_parameters=routed)
-    if cfg.compile:
-        fwd = torch.compile(fwd)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    # FSDP2's mixed-precision policy already computes in bf16
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=cfg.dtype == "bfloat16" and not par.mixed_precision)
 
     def run_eval() -> dict:
         return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens,
@@ -184,8 +193,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
         for micro in range(A):
             ids, resets = data.get_batch("train", B, T, batch_generator(cfg.seed, step, micro, rank))
             ids, resets = ids.to(device), resets.to(device) if cfg.doc_mask else None
-            sync = fwd.no_sync() if world > 1 and micro < A - 1 and hasattr(fwd, "no_sync") \
-                else contextlib.nullcontext()
+            sync = fwd.no_sync() if par.mode == "ddp" and micro < A - 1 else contextlib.nullcontext()
+            if par.sharded:
+                fwd.set_requires_gradient_sync(micro == A - 1)
             with sync:
                 with autocast:
                     loss = fwd(ids, labels=ids, resets=resets).loss
@@ -214,14 +224,14 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
         is_last = done == cfg.steps
         do_eval = is_last or (cfg.eval_every and done % cfg.eval_every == 0)
         row_eval = {}
-        if do_eval and main:
+        if do_eval and (main or par.sharded):   # a sharded model evaluates on every rank
             val = run_eval()
             row_eval = {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"],
                         "val_bpb": val["bpb"]}
             line = f"step {done:>6}  train loss {loss_val:.4f}  {describe(val)}"
-            if bar.disable:  # --no-progress hides the bar, not the validation lines
+            if main and bar.disable:  # --no-progress hides the bar, not the validation lines
                 print(line, file=sys.stderr, flush=True)
-            else:
+            elif main:
                 bar.write(line, file=sys.stderr)
         if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
             row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
@@ -229,10 +239,12 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
             _write_metrics(metrics_path, [row], "a")
             window_tokens, window_time = 0, 0.0
         if is_last or (cfg.save_every and done % cfg.save_every == 0):
-            if main:
-                st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg),
-                      "tokenizer": tok.to_dict(), "data": data.source, "data_spec": getattr(data, "spec", None),
-                      "loss": loss_val, "val_loss": val and val["loss"]}
+            st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg),
+                  "tokenizer": tok.to_dict(), "data": data.source, "data_spec": getattr(data, "spec", None),
+                  "loss": loss_val, "val_loss": val and val["loss"]}
+            if par.sharded:   # DCP shards from every rank; the weights consolidated at the end
+                ckpt_path = save_sharded_checkpoint(out_dir, model, opt, st, tok, consolidate=is_last)
+            elif main:
                 ckpt_path = save_checkpoint(out_dir, model, opt, st, tok)
             if world > 1:
                 dist.barrier()
