@@ -16,6 +16,7 @@ COMMANDS = {
     "eval": ("hybridlm.commands.eval", "validation loss and perplexity of a checkpoint"),
     "info": ("hybridlm.commands.info", "layout, parameter count and inference cache size"),
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
+    "data": ("hybridlm.commands.data", "data prepare: tokenise a corpus into shards that training streams from disk"),
     "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
 }
 

@@ -22,10 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..data.loader import TokenData, batch_generator
+from ..data.loader import TokenData
+from ..data.sampling import ORDERS, make_sampler
 from ..errors import ConfigError
 from ..models import CausalLM, ModelConfig
-from .checkpoint import find_checkpoint, load_checkpoint, load_optimizer, save_checkpoint, set_rng_state
+from .checkpoint import ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, save_step_checkpoint, set_rng_state
+from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
 
 
@@ -51,6 +53,9 @@ class TrainConfig:
     grad_checkpointing: bool = False
     log_every: int = 10
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    keep: int = 0                        # step checkpoints kept (0 = all)
+    on_nan: str = "stop"                 # stop | skip: a NaN/Inf loss ends the run or skips that batch
+    data_order: str = "random"           # random | sequential (see data/sampling.py)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -60,7 +65,10 @@ class TrainConfig:
                 (self.log_every >= 1, "log_every must be >= 1"),
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
                 (self.schedule in ("cosine", "wsd", "constant"),
-                 f"schedule must be cosine, wsd or constant, got {self.schedule!r}")]
+                 f"schedule must be cosine, wsd or constant, got {self.schedule!r}"),
+                (self.keep >= 0, "keep must be >= 0"),
+                (self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}"),
+                (self.data_order in ORDERS, f"data_order must be one of {', '.join(ORDERS)}, got {self.data_order!r}")]
         for ok, msg in need:
             if not ok:
                 raise ConfigError(msg)
@@ -133,15 +141,16 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data: TokenData, out_d
     cfg = train_cfg
     rank, world, device, own_pg = _setup_distributed(cfg.device)
     try:
-        return _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
+        with StopSignals() as signals:  # SIGTERM / SIGINT end the run after the current step, with a checkpoint
+            return _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device, signals)
     finally:
         if own_pg:
             dist.destroy_process_group()
 
 
-def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device) -> dict:
+def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device, signals) -> dict:
     main = rank == 0
-    os.makedirs(out_dir, exist_ok=True)
+    ensure_writable(out_dir)
     tok = data.tokenizer
     torch.manual_seed(cfg.seed)
     start, tokens_seen, state = 0, 0, {}
@@ -160,9 +169,14 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
     model.to(device)
     model.gradient_checkpointing = cfg.grad_checkpointing
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas)
+    B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
+    sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, rank, world)
+    nan_skipped = 0
     if resume:
         load_optimizer(opt, ckpt)
         set_rng_state(state.get("rng", {}))
+        sampler.load_state_dict(state.get("data_position", {}))
+        nan_skipped = int(state.get("nan_skipped", 0))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if main:
         _write_metrics(metrics_path, _metrics_until(metrics_path, start) if resume else [], "w")
@@ -184,11 +198,20 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
-    B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     tokens_per_step = B * T * A * world
     first_loss = loss_val = val_loss = val_ppl = None
     window_tokens, window_time, train_time = 0, 0.0, 0.0
-    ckpt_path = None
+    ckpt_path = stopped = None
+
+    def save(done):
+        st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg), "tokenizer": tok.to_dict(),
+              "data": data.source, "loss": loss_val, "val_loss": val_loss, "nan_skipped": nan_skipped,
+              "data_position": sampler.state_dict()}
+        path = save_step_checkpoint(out_dir, done, model, opt, st, tok, keep=cfg.keep) if main else None
+        if world > 1:
+            dist.barrier()
+        return path
+
     model.train()
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -197,7 +220,7 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
             g["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(A):
-            ids, resets = data.get_batch("train", B, T, batch_generator(cfg.seed, step, micro, rank))
+            ids, resets = sampler.batch(step, micro)
             ids, resets = ids.to(device), resets.to(device)
             sync = fwd.no_sync() if world > 1 and micro < A - 1 and hasattr(fwd, "no_sync") \
                 else contextlib.nullcontext()
@@ -206,19 +229,24 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
                     loss = fwd(ids, labels=ids, resets=resets).loss
                 (loss / A).backward()
             loss_sum += loss.detach().float()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
         loss_avg = loss_sum / A
-        if world > 1:
+        if world > 1:  # every rank sees the same loss, so all take the same branch below
             dist.all_reduce(loss_avg)
             loss_avg /= world
         loss_val = loss_avg.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item() if cfg.grad_clip else None
+        if finite(loss_val, grad_norm):
+            opt.step()
+        elif cfg.on_nan == "skip":  # drop this batch: no update, the data position moves on
+            nan_skipped += 1
+            bar.write(f"step {step + 1}: loss {loss_val}, grad norm {grad_norm}: batch skipped "
+                      f"({nan_skipped} so far)", file=sys.stderr)
+        else:
+            raise FloatingPointError(f"loss {loss_val} (grad norm {grad_norm}) at step {step + 1}; nothing saved "
+                                     f"for this step; try a lower --lr or --on-nan skip")
+        opt.zero_grad(set_to_none=True)
         if first_loss is None:
             first_loss = loss_val
-        if not math.isfinite(loss_val):
-            raise FloatingPointError(f"loss became {loss_val} at step {step + 1}; try a lower --lr")
         done = step + 1
         tokens_seen += tokens_per_step
         dt = time.perf_counter() - t0
@@ -237,18 +265,17 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
                           f"val ppl {val_ppl:.2f}", file=sys.stderr)
         if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
             row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
-                   "tokens": tokens_seen, "val_loss": None, "val_ppl": None, **row_eval}
+                   "tokens": tokens_seen, "nan_skipped": nan_skipped, "val_loss": None, "val_ppl": None, **row_eval}
             _write_metrics(metrics_path, [row], "a")
             window_tokens, window_time = 0, 0.0
+        if signals.requested(world, device):  # SIGTERM / SIGINT: this step is done; save it and leave
+            stopped = signals.received
+            ckpt_path = save(done)
+            break
         if is_last or (cfg.save_every and done % cfg.save_every == 0):
-            if main:
-                st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg),
-                      "tokenizer": tok.to_dict(), "data": data.source, "loss": loss_val, "val_loss": val_loss}
-                ckpt_path = save_checkpoint(out_dir, model, opt, st, tok)
-            if world > 1:
-                dist.barrier()
+            ckpt_path = save(done)
     bar.close()
-    return {"steps": cfg.steps, "start_step": start, "first_loss": first_loss, "loss": loss_val,
+    return {"steps": done if stopped else cfg.steps, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start, "first_loss": first_loss, "loss": loss_val,
             "val_loss": val_loss, "val_ppl": val_ppl, "tokens_seen": tokens_seen, "train_time_s": train_time,
             "tokens_per_s": (cfg.steps - start) * tokens_per_step / train_time if train_time else None,
             "params": model.num_parameters(), "checkpoint": ckpt_path, "out_dir": out_dir}
