@@ -251,3 +251,44 @@ def test_nan_loss_skip_counts_and_leaves_weights(tmp_path, nan_at_step_3, capsys
 def test_nan_loss_stop_names_the_step(tmp_path, nan_at_step_3):
     with pytest.raises(FloatingPointError, match="loss nan .* at step 3"):
         _nan_run(tmp_path, "stop")
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = []
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            kids += [int(p), *_descendants(int(p))]
+    return kids
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env and b"LOCAL_RANK" in env else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank-1 worker through /proc")
+def test_sigterm_to_one_ddp_rank_stops_both_at_the_same_step(tmp_path, text):
+    out = tmp_path / "ddp"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             "29541", "-m", "hybridlm", "train", *TINY, "--data", str(text), "--steps", "100000",
+                             "--save-every", "0", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)
+    seen = wait_for_step(proc, out, 3, timeout=300)
+    rank1 = [p for p in _descendants(proc.pid) if _rank_of(p) == 1]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGTERM)  # only rank 1 hears it; rank 0 learns through the all-reduced flag
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    last = metrics(out)[-1]["step"]
+    assert seen <= last and f"stopped by a signal on another rank after step {last}" in stdout
+    assert load_checkpoint(str(out))[1]["step"] == last

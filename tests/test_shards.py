@@ -177,3 +177,6 @@ def test_cli_prepare_then_train(src, tmp_path):
                         "--out", str(tmp_path / "run"), "--no-progress"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert f"data    {tmp_path / 'd'}:" in r.stdout and "done    step 2" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "hybridlm", "eval", "--checkpoint", str(tmp_path / "run")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and f"of the {tmp_path / 'd'} validation split" in r.stdout, r.stderr
