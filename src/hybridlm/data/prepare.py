@@ -11,7 +11,6 @@ prepared directory holds exactly the token streams the in-memory path builds fro
 tokenised by a process pool and written back in order: the output does not depend on the worker count.
 """
 import collections
-import json
 import multiprocessing
 import os
 from typing import Iterator
@@ -20,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import InputError
-from .corpus import TEXT_EXTS, VAL_EVERY, _read_text, _walk, split_documents
+from .corpus import TEXT_EXTS, VAL_EVERY, _read_text, _walk, iter_jsonl, split_documents
 from .loader import encode_documents
 from .shards import META_FILE, ShardWriter, shard_dtype, write_meta
 from .tokenizer import load_tokenizer, tokenizer_from_dir
@@ -30,20 +29,6 @@ CHUNK_CHARS = 1 << 20           # about 1 MB of text per task sent to a worker
 
 
 # --- sources ---------------------------------------------------------------------------------------------
-def _jsonl_docs(path: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n}: bad JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise InputError(f"{path}:{n}: expected an object with a string 'text' field")
-            yield obj["text"]
-
-
 def _parquet_docs(path: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
@@ -90,7 +75,7 @@ def iter_documents(src: str, skip: str | None = None) -> Iterator[str]:
         if not files:
             raise InputError(f"no text files (.txt, .md, .py, .jsonl, .parquet, ...) under {src}")
     readers = [_dataset_docs(src)] if dataset else [
-        _jsonl_docs(f) if f.lower().endswith(".jsonl") else _parquet_docs(f) if f.lower().endswith(".parquet")
+        iter_jsonl(f) if f.lower().endswith(".jsonl") else _parquet_docs(f) if f.lower().endswith(".parquet")
         else iter([_read_text(f)]) for f in files]
     for reader in readers:
         yield from (d for d in reader if d)
