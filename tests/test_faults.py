@@ -116,6 +116,10 @@ def test_flipped_bytes_in_any_checkpoint_file_are_refused(tmp_path, capsys):
         for load in (load_checkpoint, load_pretrained):
             with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
                 load(bad)
+    shutil.copytree(good, tmp_path / "step-000001")
+    os.remove(tmp_path / "step-000001" / "manifest.json")  # a step directory never goes unchecked
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        load_checkpoint(str(tmp_path / "step-000001"))
     # and on the command line: one line naming the file, exit 2
     from hybridlm.cli import main
     capsys.readouterr()

@@ -243,9 +243,11 @@ def find_checkpoint(path: str, name: str = "checkpoint") -> str:
 
 def verify_checkpoint(ckpt: str, names: list[str] | None = None):
     """Check sizes and sha256 of `names` (default: every file) against the manifest; a checkpoint without
-    one (written before manifests) passes unchecked."""
+    one (the `checkpoint/` layout from before manifests) passes unchecked."""
     manifest_path = os.path.join(ckpt, MANIFEST_FILE)
     if not os.path.exists(manifest_path):
+        if STEP_DIR.match(os.path.basename(os.path.normpath(ckpt))):  # always written with one
+            raise CheckpointError(f"{manifest_path} is missing")
         return
     manifest = _read_json(manifest_path)
     files = manifest.get("files")
