@@ -72,7 +72,8 @@ class ShardWriter:
     """Appends token arrays to `DIR/{split}-NNNNN.bin`, starting a new shard every `shard_tokens` ids."""
 
     def __init__(self, directory: str, split: str, dtype: np.dtype, shard_tokens: int, meta: dict):
-        self.directory, self.split, self.dtype, self.shard_tokens, self.meta = directory, split, dtype, shard_tokens, meta
+        self.directory, self.split, self.dtype = directory, split, dtype
+        self.shard_tokens, self.meta = shard_tokens, meta
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
         self.shards: list[dict] = []
@@ -111,7 +112,8 @@ def write_meta(directory: str, meta: dict):
 def read_meta(directory: str) -> dict:
     path = os.path.join(directory, META_FILE)
     if not os.path.isfile(path):
-        raise InputError(f"{directory} holds no {META_FILE}: not a prepared dataset (or `data prepare` was interrupted)")
+        raise InputError(f"{directory} holds no {META_FILE}: not a prepared dataset (or `data prepare` was "
+                         f"interrupted)")
     try:
         with open(path) as f:
             meta = json.load(f)
@@ -143,7 +145,8 @@ def open_shards(directory: str, tokenizer=None):
         for shard in entry["shards"]:
             arr, _ = read_token_file(os.path.join(directory, shard["file"]))
             if len(arr) != shard["tokens"]:
-                raise InputError(f"{directory}/{shard['file']}: holds {len(arr):,} ids, {META_FILE} says {shard['tokens']:,}")
+                raise InputError(f"{directory}/{shard['file']}: holds {len(arr):,} ids, {META_FILE} says "
+                                 f"{shard['tokens']:,}")
             arrays.append(arr)
         splits[split] = ShardStream(arrays)
     return TokenData(splits["train"], splits["val"], tokenizer or saved, source=directory)

@@ -257,7 +257,8 @@ def verify_checkpoint(ckpt: str, names: list[str] | None = None):
         path, want = os.path.join(ckpt, name), files[name]
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing")
-        if not isinstance(want, dict) or os.path.getsize(path) != want.get("bytes") or _sha256(path) != want.get("sha256"):
+        want = want if isinstance(want, dict) else {}
+        if os.path.getsize(path) != want.get("bytes") or _sha256(path) != want.get("sha256"):
             raise CheckpointError(f"{path} is damaged: its checksum does not match {MANIFEST_FILE}")
 
 

@@ -26,7 +26,8 @@ from ..data.loader import TokenData
 from ..data.sampling import ORDERS, make_sampler
 from ..errors import ConfigError
 from ..models import CausalLM, ModelConfig
-from .checkpoint import ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, save_step_checkpoint, set_rng_state
+from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, save_step_checkpoint,
+                         set_rng_state)
 from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
 
@@ -242,8 +243,8 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
             bar.write(f"step {step + 1}: loss {loss_val}, grad norm {grad_norm}: batch skipped "
                       f"({nan_skipped} so far)", file=sys.stderr)
         else:
-            raise FloatingPointError(f"loss {loss_val} (grad norm {grad_norm}) at step {step + 1}; nothing saved "
-                                     f"for this step; try a lower --lr or --on-nan skip")
+            raise FloatingPointError(f"loss {loss_val} (grad norm {grad_norm}) at step {step + 1}: stopped, the last "
+                                     f"checkpoint is untouched; try a lower --lr, or --on-nan skip")
         opt.zero_grad(set_to_none=True)
         if first_loss is None:
             first_loss = loss_val
@@ -275,7 +276,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         if is_last or (cfg.save_every and done % cfg.save_every == 0):
             ckpt_path = save(done)
     bar.close()
-    return {"steps": done if stopped else cfg.steps, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start, "first_loss": first_loss, "loss": loss_val,
-            "val_loss": val_loss, "val_ppl": val_ppl, "tokens_seen": tokens_seen, "train_time_s": train_time,
-            "tokens_per_s": (cfg.steps - start) * tokens_per_step / train_time if train_time else None,
+    end = done if stopped else cfg.steps
+    return {"steps": end, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start,
+            "first_loss": first_loss, "loss": loss_val, "val_loss": val_loss, "val_ppl": val_ppl,
+            "tokens_seen": tokens_seen, "train_time_s": train_time,
+            "tokens_per_s": (end - start) * tokens_per_step / train_time if train_time else None,
             "params": model.num_parameters(), "checkpoint": ckpt_path, "out_dir": out_dir}
