@@ -14,7 +14,8 @@ from hybridlm.data.corpus import load_corpus
 from hybridlm.data.loader import TokenData, batch_generator
 from hybridlm.data.prepare import prepare
 from hybridlm.data.sampling import SequentialWindows, make_sampler
-from hybridlm.data.shards import ShardStream, open_shards
+from hybridlm.data.shards import ShardStream, ShardWriter, open_shards, shard_dtype
+from hybridlm.data.token_files import read_token_file
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.errors import InputError
 from hybridlm.train import TrainConfig, load_checkpoint, train
@@ -80,6 +81,15 @@ def test_shard_stream_indexes_like_one_array():
     assert np.array_equal(s[idx], whole[idx]) and s[23] == whole[23] and s[-1] == whole[-1]
     with pytest.raises(IndexError):
         s[np.array([len(whole)])]
+
+
+def test_large_vocabularies_get_uint32_shards(tmp_path):
+    assert shard_dtype(65536) == np.uint16 and shard_dtype(65537) == np.uint32
+    w = ShardWriter(str(tmp_path), "train", shard_dtype(200_000), 4, {"vocab_size": 200_000})
+    w.add(np.array([199_999, 5, 70_000, 1, 2, 3], np.int32), 1)
+    files = [os.path.join(tmp_path, s["file"]) for s in w.summary()["shards"]]
+    stream = ShardStream([read_token_file(f)[0] for f in files])
+    assert len(files) == 2 and stream.dtype == np.uint32 and stream[:].tolist() == [199_999, 5, 70_000, 1, 2, 3]
 
 
 def test_sequential_reader_resumes_at_the_same_token(prepared):
