@@ -23,9 +23,10 @@ def main(args) -> int:
     from ..data.shards import is_shard_dir, open_shards
     from ..data.tokenizer import load_tokenizer
     from ..train import train
-    from ..train.checkpoint import find_checkpoint, load_config
+    from ..train.checkpoint import ensure_writable, find_checkpoint, load_config
     from ..train.checkpoint import load_tokenizer as checkpoint_tokenizer
     tcfg = _train_config(args)
+    ensure_writable(args.out)  # before the data is read, not after
     ckpt_tok = checkpoint_tokenizer(find_checkpoint(args.out)) if args.resume else None
     if is_shard_dir(args.data):  # prepared shards: memory-mapped, their own tokenizer
         data = open_shards(args.data, ckpt_tok)

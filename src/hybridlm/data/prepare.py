@@ -61,23 +61,32 @@ def _dataset_docs(path: str) -> Iterator[str]:
             yield from (t for t in batch["text"] if isinstance(t, str))
 
 
-def iter_documents(src: str, skip: str | None = None) -> Iterator[str]:
-    """Every non-empty document of `src`, in a deterministic order (files under the folder `skip` left out)."""
+def list_sources(src: str, skip: str | None = None) -> tuple[list[str], bool]:
+    """-> (the files to read in order, whether `src` is a saved `datasets` dataset); files under the folder
+    `skip` (the output, which may sit inside the source folder) are left out."""
     if not os.path.exists(src):
         raise InputError(f"data source {src} does not exist")
     if os.path.isdir(src) and any(os.path.exists(os.path.join(src, m)) for m in DATASET_MARKERS):
-        files, dataset = [], True
-    else:
-        files = _walk(src, TEXT_EXTS | {".jsonl", ".parquet"}, skip_tests=False) if os.path.isdir(src) else [src]
-        dataset = False
-        if skip is not None:  # the output folder may sit inside the source folder
-            files = [f for f in files if not os.path.abspath(f).startswith(os.path.abspath(skip) + os.sep)]
-        if not files:
-            raise InputError(f"no text files (.txt, .md, .py, .jsonl, .parquet, ...) under {src}")
-    readers = [_dataset_docs(src)] if dataset else [
-        iter_jsonl(f) if f.lower().endswith(".jsonl") else _parquet_docs(f) if f.lower().endswith(".parquet")
-        else iter([_read_text(f)]) for f in files]
-    for reader in readers:
+        return [src], True
+    files = _walk(src, TEXT_EXTS | {".jsonl", ".parquet"}, skip_tests=False) if os.path.isdir(src) else [src]
+    if skip is not None:
+        files = [f for f in files if not os.path.abspath(f).startswith(os.path.abspath(skip) + os.sep)]
+    if not files:
+        raise InputError(f"no text files (.txt, .md, .py, .jsonl, .parquet, ...) under {src}")
+    return files, False
+
+
+def iter_documents(files: list[str], dataset: bool = False) -> Iterator[str]:
+    """Every non-empty document of the sources `list_sources` found, in order."""
+    for f in files:
+        if dataset:
+            reader = _dataset_docs(f)
+        elif f.lower().endswith(".jsonl"):
+            reader = iter_jsonl(f)
+        elif f.lower().endswith(".parquet"):
+            reader = _parquet_docs(f)
+        else:
+            reader = iter([_read_text(f)])
         yield from (d for d in reader if d)
 
 
@@ -153,11 +162,12 @@ def prepare(src: str, out_dir: str, tokenizer: str = "byte", shard_tokens: int =
         raise InputError(f"workers must be >= 1, got {workers}")
     if os.path.exists(os.path.join(out_dir, META_FILE)):
         raise InputError(f"{out_dir} already holds a prepared dataset; choose another --out or delete it")
+    sources = list_sources(src, skip=out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise InputError(f"cannot create {out_dir} ({e.strerror or e})") from None
-    train_docs = (d for s, d in split_stream(iter_documents(src, skip=out_dir)) if s == "train")
+    train_docs = (d for s, d in split_stream(iter_documents(*sources)) if s == "train")
     tok = load_tokenizer(tokenizer, texts=train_docs)  # a BPE is trained on the train documents only
     tok.save(out_dir)
     dtype = shard_dtype(tok.vocab_size)
@@ -165,7 +175,7 @@ def prepare(src: str, out_dir: str, tokenizer: str = "byte", shard_tokens: int =
     writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, side) for s in ("train", "val")}
     bar = tqdm(desc="prepare", unit=" doc", disable=not progress, dynamic_ncols=True)
     tokens = 0
-    for split, ids, n_docs in _ordered(_chunks(split_stream(iter_documents(src, skip=out_dir))), workers, out_dir):
+    for split, ids, n_docs in _ordered(_chunks(split_stream(iter_documents(*sources))), workers, out_dir):
         writers[split].add(ids, n_docs)
         tokens += len(ids)
         bar.update(n_docs)
