@@ -154,16 +154,18 @@ SAVER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sigkill_during_saves_always_leaves_a_loadable_checkpoint(tmp_path):
-    run, rng = str(tmp_path / "run"), random.Random(0)
+    run, rng, partial = str(tmp_path / "run"), random.Random(0), 0
     for trial in range(4):
         proc = subprocess.Popen([sys.executable, "-c", SAVER, run], stdout=subprocess.PIPE, text=True, env=ENV)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.2, 1.0))  # several saves in, then a kill at some point of one
         proc.kill()
         proc.wait()
+        partial += any("-tmp-" in n or n.endswith("-deleting") for n in os.listdir(run))
         model, state = load_checkpoint(run)  # manifest verified: nothing partial is ever picked
         assert model.embed.weight[0, 0].item() == state["step"] >= 1
         assert ckpt_mod.STEP_DIR.match(os.path.basename(state["checkpoint_dir"]))  # never a -tmp- or -deleting one
+    assert partial  # the loop body is a save: kills land inside one (a half-written or half-deleted directory)
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
