@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from ..errors import InputError
-from .token_files import read_token_file, write_token_file
+from .token_files import read_json_object, read_token_file, write_token_file
 
 META_FILE = "meta.json"
 FORMAT, VERSION = "hybridlm-shards", 1
@@ -114,12 +114,8 @@ def read_meta(directory: str) -> dict:
     if not os.path.isfile(path):
         raise InputError(f"{directory} holds no {META_FILE}: not a prepared dataset (or `data prepare` was "
                          f"interrupted)")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    meta = read_json_object(path)
+    if meta.get("format") != FORMAT:
         raise InputError(f"{path}: not a {FORMAT} file")
     if meta.get("version") != VERSION:
         raise InputError(f"{path}: format version {meta.get('version')} (this hybridlm reads {VERSION})")
