@@ -24,7 +24,7 @@ from hybridlm.train.checkpoint import ensure_writable, find_checkpoint, save_ste
 from hybridlm.train.optim import make_optimizer
 
 TINY = ["--preset", "transformer++", "--n-layers", "1", "--d-model", "32", "--set", "n_heads=2", "--seq-len", "32",
-        "--batch-size", "4", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
+        "--batch-size", "4", "--warmup", "1", "--eval-every", "0", "--eval-tokens", "64", "--log-every", "1",
         "--no-progress"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -239,7 +239,7 @@ def _nan_run(tmp_path, on_nan):
     data = TokenData.from_corpus(type("C", (), {"train": ["abc def " * 200], "val": ["ghi " * 50],
                                                 "source": "mem"})(), ByteTokenizer())
     mcfg = presets.get("transformer++", n_layers=1, d_model=32, n_heads=2, vocab_size=257)
-    cfg = TrainConfig(steps=5, batch_size=2, seq_len=16, warmup=1, eval_every=0, eval_batches=1, log_every=1,
+    cfg = TrainConfig(steps=5, batch_size=2, seq_len=16, warmup=1, eval_every=0, eval_tokens=64, log_every=1,
                       on_nan=on_nan)
     return train(mcfg, cfg, data, str(tmp_path), progress=False), mcfg
 

@@ -130,7 +130,7 @@ def test_training_resumes_mid_epoch_at_the_same_token(tmp_path):
     prepare(str(tmp_path / "a.txt"), str(tmp_path / "d"), shard_tokens=500, progress=False)
     data = open_shards(str(tmp_path / "d"))
     mcfg = presets.get("transformer++", n_layers=1, d_model=32, n_heads=2, vocab_size=257)
-    cfg = dict(batch_size=4, seq_len=65, warmup=1, schedule="constant", eval_every=0, eval_batches=1, log_every=1,
+    cfg = dict(batch_size=4, seq_len=65, warmup=1, schedule="constant", eval_every=0, eval_tokens=64, log_every=1,
                data_order="sequential")
     n_windows = (len(data.tokens("train")) - 1) // 64
     steps = n_windows // 4 + 3  # crosses into the second epoch
@@ -183,7 +183,7 @@ def test_cli_prepare_then_train(src, tmp_path):
     assert "train with --data" in r.stdout
     r = subprocess.run([sys.executable, "-m", "hybridlm", "train", "--preset", "transformer++", "--n-layers", "1",
                         "--d-model", "32", "--set", "n_heads=2", "--data", str(tmp_path / "d"), "--steps", "2",
-                        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--data-order", "sequential",
+                        "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--data-order", "sequential",
                         "--out", str(tmp_path / "run"), "--no-progress"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert f"data    {tmp_path / 'd'}:" in r.stdout and "done    step 2" in r.stdout

@@ -131,8 +131,9 @@ def split_tokens(arr: np.ndarray, eos_id: int | None) -> tuple[np.ndarray, np.nd
     return arr[:cut], arr[cut:]
 
 
-def load_token_splits(path: str) -> tuple[np.ndarray, np.ndarray, dict]:
-    """A token file (split 95/5) or a folder with train/val token files -> (train, val, metadata)."""
+def load_token_splits(path: str, eos_id: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A token file (split 95/5 at a document end: the sidecar's eos_id, else `eos_id`) or a folder with
+    train/val token files -> (train, val, metadata)."""
     if os.path.isdir(path):
         found = {}
         for split in ("train", "val"):
@@ -143,7 +144,7 @@ def load_token_splits(path: str) -> tuple[np.ndarray, np.ndarray, dict]:
         (train, meta), (val, _) = found["train"], found["val"]
     else:
         arr, meta = read_token_file(path)
-        train, val = split_tokens(arr, meta.get("eos_id"))
+        train, val = split_tokens(arr, meta.get("eos_id", eos_id))
     if len(train) < 2 or len(val) < 2:
         raise InputError(f"{path}: too few tokens to split into train and validation ({len(train) + len(val)})")
     return train, val, meta

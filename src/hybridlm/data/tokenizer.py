@@ -12,6 +12,8 @@ import json
 import os
 from typing import Iterable
 
+import numpy as np
+
 from ..errors import InputError
 
 CONFIG_FILE = "tokenizer_config.json"
@@ -31,6 +33,12 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes behind each id [vocab]: 1, and 0 for eos."""
+        out = np.ones(self.vocab_size, dtype=np.int64)
+        out[self.eos_id] = 0
+        return out
 
     def to_dict(self) -> dict:
         return {"type": "byte", "vocab_size": self.vocab_size, "eos_id": self.eos_id}
@@ -81,6 +89,21 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def byte_lengths(self) -> np.ndarray | None:
+        """UTF-8 bytes behind each id [vocab] (special tokens 0); None unless the vocabulary is byte-level
+        (each character of a token stands for one byte, GPT-2's byte-to-unicode map)."""
+        from tokenizers import pre_tokenizers
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        special = set(self.tok.get_added_tokens_decoder())
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self.tok.get_vocab(with_added_tokens=False).items():
+            if i in special:
+                continue
+            if not set(token) <= alphabet:
+                return None
+            out[i] = len(token)
+        return out
 
     def to_dict(self) -> dict:
         return {"type": "bpe", "vocab_size": self.vocab_size, "eos_id": self.eos_id, "file": BPE_FILE}

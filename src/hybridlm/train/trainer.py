@@ -11,7 +11,6 @@ DDP (gloo on CPU, nccl on CUDA), and rank 0 alone logs, evaluates and checkpoint
 """
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -19,12 +18,12 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..data.loader import TokenData
 from ..data.sampling import ORDERS, make_sampler
 from ..errors import ConfigError
+from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
 from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, save_step_checkpoint,
                          set_rng_state)
@@ -43,10 +42,12 @@ class TrainConfig:
     schedule: str = "cosine"             # cosine | wsd | constant
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0               # 0 = off
     grad_accum: int = 1
     eval_every: int = 200                # 0 = only at the end
-    eval_batches: int = 20
+    eval_tokens: int = DEFAULT_VAL_TOKENS  # the whole val split up to this many tokens, else a fixed sample; 0 = all
+    doc_mask: bool = True                # reset state / mask attention at document boundaries
     save_every: int = 500                # 0 = only at the end
     seed: int = 0
     dtype: str = "float32"               # float32 | bfloat16 (autocast; weights stay float32)
@@ -63,7 +64,9 @@ class TrainConfig:
         need = [(self.steps >= 1, "steps must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
                 (self.seq_len >= 2, "seq_len must be >= 2"), (self.grad_accum >= 1, "grad_accum must be >= 1"),
                 (self.lr > 0, "lr must be > 0"), (self.warmup >= 0, "warmup must be >= 0"),
-                (self.log_every >= 1, "log_every must be >= 1"),
+                (self.log_every >= 1, "log_every must be >= 1"), (self.eval_tokens >= 0, "eval_tokens must be >= 0"),
+                (self.adam_eps > 0, "adam_eps must be > 0"),
+                (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
                 (self.schedule in ("cosine", "wsd", "constant"),
                  f"schedule must be cosine, wsd or constant, got {self.schedule!r}"),
@@ -82,24 +85,6 @@ class TrainConfig:
     def lr_for(self, step: int) -> float:
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         return lr_at(step, lr=self.lr, total=self.steps, warmup=self.warmup, min_lr=min_lr, schedule=self.schedule)
-
-
-@torch.no_grad()
-def evaluate_loss(model: CausalLM, batches, autocast=None) -> tuple[float, int]:
-    """Mean next-token cross-entropy (no auxiliary losses) over (input_ids [B, T], resets [B, T]) batches
-    -> (loss, number of predicted tokens)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for ids, resets in batches:
-        ids, resets = ids.to(device), resets.to(device)
-        with autocast or contextlib.nullcontext():
-            logits = model(ids, resets=resets).logits
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum").item()
-        count += ids[:, 1:].numel()
-    model.train(was_training)
-    return total / max(count, 1), count
 
 
 def _setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
@@ -169,7 +154,7 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model.to(device)
     model.gradient_checkpointing = cfg.grad_checkpointing
-    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas)
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
     B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, rank, world)
     nan_skipped = 0
@@ -192,22 +177,21 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         fwd = torch.compile(fwd)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
-    def run_eval() -> tuple[float, float]:
-        batches = data.sequential("val", cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)
-        loss, _ = evaluate_loss(model, batches, autocast)
-        return loss, math.exp(min(loss, 50.0))
+    def run_eval() -> dict:
+        return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens,
+                        seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
     tokens_per_step = B * T * A * world
-    first_loss = loss_val = val_loss = val_ppl = None
+    first_loss = loss_val = val = None
     window_tokens, window_time, train_time = 0, 0.0, 0.0
     ckpt_path = stopped = None
 
     def save(done):
         st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg), "tokenizer": tok.to_dict(),
-              "data": data.source, "loss": loss_val, "val_loss": val_loss, "nan_skipped": nan_skipped,
-              "data_position": sampler.state_dict()}
+              "data": data.source, "data_spec": getattr(data, "spec", None), "loss": loss_val,
+              "val_loss": val and val["loss"], "nan_skipped": nan_skipped, "data_position": sampler.state_dict()}
         path = save_step_checkpoint(out_dir, done, model, opt, st, tok, keep=cfg.keep) if main else None
         if world > 1:
             dist.barrier()
@@ -222,7 +206,7 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         loss_sum = torch.zeros((), device=device)
         for micro in range(A):
             ids, resets = sampler.batch(step, micro)
-            ids, resets = ids.to(device), resets.to(device)
+            ids, resets = ids.to(device), resets.to(device) if cfg.doc_mask else None
             sync = fwd.no_sync() if world > 1 and micro < A - 1 and hasattr(fwd, "no_sync") \
                 else contextlib.nullcontext()
             with sync:
@@ -259,11 +243,14 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         do_eval = is_last or (cfg.eval_every and done % cfg.eval_every == 0)
         row_eval = {}
         if do_eval and main:
-            val_loss, val_ppl = run_eval()
-            row_eval = {"val_loss": val_loss, "val_ppl": val_ppl}
-            if progress:
-                bar.write(f"step {done:>6}  train loss {loss_val:.4f}  val loss {val_loss:.4f}  "
-                          f"val ppl {val_ppl:.2f}", file=sys.stderr)
+            val = run_eval()
+            row_eval = {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"],
+                        "val_bpb": val["bpb"]}
+            line = f"step {done:>6}  train loss {loss_val:.4f}  {describe(val)}"
+            if bar.disable:  # --no-progress hides the bar, not the validation lines
+                print(line, file=sys.stderr, flush=True)
+            else:
+                bar.write(line, file=sys.stderr)
         if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
             row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
                    "tokens": tokens_seen, "nan_skipped": nan_skipped, "val_loss": None, "val_ppl": None, **row_eval}
@@ -278,7 +265,8 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     bar.close()
     end = done if stopped else cfg.steps
     return {"steps": end, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start,
-            "first_loss": first_loss, "loss": loss_val, "val_loss": val_loss, "val_ppl": val_ppl,
+            "first_loss": first_loss, "loss": loss_val, "val_loss": val and val["loss"], "val_ppl": val and val["ppl"],
+            "val_tokens": val and val["tokens"], "val_bpb": val and val["bpb"], "val_whole": val and val["whole"],
             "tokens_seen": tokens_seen, "train_time_s": train_time,
             "tokens_per_s": (end - start) * tokens_per_step / train_time if train_time else None,
             "params": model.num_parameters(), "checkpoint": ckpt_path, "out_dir": out_dir}
