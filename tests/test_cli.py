@@ -45,7 +45,7 @@ def test_train_writes_checkpoint_and_metrics(run):
     ckpt = run["out"] / "step-000004"
     assert open(run["out"] / "latest").read().strip() == "step-000004" and os.path.isdir(run["out"] / "step-000002")
     assert sorted(os.listdir(ckpt)) == ["config.json", "manifest.json", "model.safetensors", "optimizer.safetensors",
-                                        "tokenizer_config.json", "trainer_state.json"]
+                                        "tokenizer.json", "tokenizer_config.json", "trainer_state.json"]
     rows = [json.loads(line) for line in open(run["out"] / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["val_ppl"] > 1
     cfg = json.load(open(ckpt / "config.json"))
@@ -113,7 +113,7 @@ def test_bpe_tokenizer_train_and_generate_in_process(tmp_path, capsys):
     assert main(["train", *TINY, "--tokenizer", "bpe:320", "--data", str(text), "--steps", "2", "--seq-len", "32",
                  "--batch-size", "2", "--eval-tokens", "200", "--out", str(out), "--no-progress"]) == 0
     assert os.path.exists(out / "step-000002" / "tokenizer.json")
-    vocab = json.load(open(out / "step-000002" / "tokenizer_config.json"))["vocab_size"]
+    vocab = json.load(open(out / "step-000002" / "tokenizer_config.json"))["hybridlm"]["vocab_size"]
     assert 257 < vocab <= 320 and json.load(open(out / "step-000002" / "config.json"))["vocab_size"] == vocab
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(out), "--prompt", "The quick", "--max-new-tokens", "8"]) == 0

@@ -12,9 +12,8 @@ import torch
 from hybridlm import CausalLM, ConfigError, presets
 from hybridlm.cli import main
 from hybridlm.data.corpus import load_corpus
-from hybridlm.data.loader import TokenData, eval_starts, load_data
+from hybridlm.data.loader import eval_starts, load_data
 from hybridlm.data.token_files import write_token_file
-from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.eval.perplexity import evaluate_loss, validate
 from hybridlm.ops.loss import cross_entropy_ref, linear_cross_entropy
 

@@ -91,3 +91,20 @@ def layout_summary(cfg) -> str:
     letters = flatten(parse_layout(cfg.layout, LETTERS.keys()))
     counts = ", ".join(f"{letters.count(c)} {c}" for c in sorted(set(letters)))
     return f"{cfg.layout}  ({len(letters)} layers: {counts})"
+
+
+def add_tokenizer_arg(p):
+    p.add_argument("--tokenizer", default=None, metavar="DIR_OR_FILE",
+                   help="use this tokenizer instead of the checkpoint's (a directory saved by hybridlm or transformers, "
+                        "or a tokenizer.json)")
+
+
+def other_tokenizer(spec: str, vocab_size: int):
+    """The tokenizer at `spec`, checked to fit a model of `vocab_size` ids."""
+    from ..data.tokenizer import check_fits, load_tokenizer
+    if spec.startswith("bpe:"):
+        from ..errors import InputError
+        raise InputError("--tokenizer here takes a saved tokenizer (directory or tokenizer.json), not bpe:N")
+    tok = load_tokenizer(spec)
+    check_fits(tok, vocab_size, spec)
+    return tok

@@ -1,21 +1,27 @@
-"""`hybridlm eval`: validation loss and perplexity of a checkpoint.
+"""`hybridlm eval`: validation loss and perplexity of a checkpoint, or lm-evaluation-harness tasks (--tasks).
 
 By default it evaluates exactly what training's validation line measured: the same data (source and byte cap
 from the checkpoint), the same split, window length, token budget, seed and document masking, so the two
 figures agree."""
 import os
 
-from .common import out
+from .common import add_tokenizer_arg, other_tokenizer, out
 
 
 def main(args) -> int:
+    if args.tasks:  # lm-evaluation-harness tasks instead of the validation perplexity (eval/harness_tasks.py)
+        from ..eval.harness_tasks import evaluate_checkpoint
+        out(evaluate_checkpoint(args.checkpoint, args.tasks, include_path=args.include_path, limit=args.limit,
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, output=args.output))
+        return 0
     import torch
     from ..data.loader import load_data
     from ..data.tokenizer import tokenizer_from_dir
     from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
     from ..train.checkpoint import load_checkpoint
     model, state = load_checkpoint(args.checkpoint)
-    tok = tokenizer_from_dir(state["checkpoint_dir"])
+    tok = other_tokenizer(args.tokenizer, model.config.vocab_size) if args.tokenizer \
+        else tokenizer_from_dir(state["checkpoint_dir"])
     tcfg = state.get("train_config", {})
     spec = state.get("data_spec") or {"data": state.get("data"), "max_bytes": 8_000_000}
     source, max_bytes = spec.get("data"), spec.get("max_bytes")
@@ -38,12 +44,22 @@ def main(args) -> int:
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    add_tokenizer_arg(p)
     p.add_argument("--data", default=None,
                    help="data to evaluate on, text, token ids or a `data prepare` directory as for train (default: "
                         "the training data's "
                         "validation split)")
     p.add_argument("--max-bytes", type=int, default=None, help="text cap in bytes (default: as in training; 0 = none)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the training batch size")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the training batch size (8 for --tasks)")
+    p.add_argument("--tasks", default=None, metavar="NAMES",
+                   help="comma-separated lm-evaluation-harness tasks (needs hybridlm[eval]), e.g. hybridlm_local (the "
+                        "shipped local tasks) or lambada_openai,hellaswag; runs them instead of the validation ppl")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a directory of your own lm-eval task YAMLs (repeatable)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="at most this many examples per task (a fraction if < 1), for quick checks")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--output", default=None, metavar="FILE", help="write lm-eval's results as JSON here")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="whole split up to this many tokens, else a fixed sample (default: as in training; 0 = all)")

@@ -15,7 +15,7 @@ def _train_config(args):
                        eval_tokens=args.eval_tokens, doc_mask=not args.no_doc_mask, save_every=args.save_every,
                        seed=args.seed, dtype=args.dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
-                       keep=args.keep, on_nan=args.on_nan, data_order=args.data_order)
+                       parallel=args.parallel, keep=args.keep, on_nan=args.on_nan, data_order=args.data_order)
 
 
 def main(args) -> int:
@@ -106,8 +106,11 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+    p.add_argument("--parallel", default="auto", choices=["auto", "ddp", "fsdp"],
+                   help="under torchrun: ddp replicates the model, fsdp shards it (FSDP2) and saves distributed "
+                        "checkpoints (auto = ddp)")
     p.add_argument("--keep", type=int, default=0, help="keep only the N newest step checkpoints (0 = all)")
     p.add_argument("--on-nan", default="stop", choices=["stop", "skip"],
                    help="a NaN/Inf loss stops the run (exit 1) or skips that batch (counted as nan_skipped)")

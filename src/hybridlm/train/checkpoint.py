@@ -42,9 +42,10 @@ def step_name(step: int) -> str:
 
 
 # --- writing ---------------------------------------------------------------------------------------------
-def _save_model(model: nn.Module, path: str):
+def _save_model(model: nn.Module | dict, path: str):
+    """Weights of a module, or a full state dict (as FSDP consolidation gathers it), to safetensors."""
     tensors, aliases, seen = {}, {}, {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if isinstance(model, nn.Module) else model).items():
         key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
         if key in seen:
             aliases[name] = seen[key]
@@ -102,20 +103,36 @@ def _digest(files: dict) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
+def _manifest(directory: str) -> dict:
+    """{relative path: {"sha256", "bytes"}} of every file under `directory` (DCP shards in `dcp/` included)."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for n in names:
+            path = os.path.join(root, n)
+            files[os.path.relpath(path, directory)] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
+    return dict(sorted(files.items()))
+
+
+def write_manifest(directory: str):
+    """(Re)write `directory/manifest.json` over the files now there, through a temporary name."""
+    files = {k: v for k, v in _manifest(directory).items() if k != MANIFEST_FILE}
+    tmp = os.path.join(directory, MANIFEST_FILE + ".tmp")
+    _write_json(tmp, {"version": 1, "files": files, "sha256": _digest(files)})
+    os.replace(tmp, os.path.join(directory, MANIFEST_FILE))
+
+
 def _finish_files(directory: str):
     """Write the manifest, fsync every file and give the usual permissions (mkdtemp makes it private)."""
     umask = os.umask(0)
     os.umask(umask)
-    names = sorted(os.listdir(directory))
-    files = {n: {"sha256": _sha256(os.path.join(directory, n)), "bytes": os.path.getsize(os.path.join(directory, n))}
-             for n in names}
-    _write_json(os.path.join(directory, MANIFEST_FILE), {"version": 1, "files": files, "sha256": _digest(files)})
-    for name in names + [MANIFEST_FILE]:
-        path = os.path.join(directory, name)
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(path, 0o666 & ~umask)
-    os.chmod(directory, 0o777 & ~umask)
+    write_manifest(directory)
+    for root, _, names in os.walk(directory):
+        for n in names:
+            path = os.path.join(root, n)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(path, 0o666 & ~umask)
+        os.chmod(root, 0o777 & ~umask)
 
 
 def _fsync_dir(directory: str):
@@ -149,28 +166,14 @@ def step_checkpoints(run_dir: str) -> list[tuple[int, str]]:
 def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     state: dict | None = None, tokenizer=None, name: str = "checkpoint") -> str:
     """Write `directory/name` atomically; returns its path. `model` must be the unwrapped module."""
-    os.makedirs(directory, exist_ok=True)
-    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):  # left by a killed process
-        shutil.rmtree(stale, ignore_errors=True)
     final = os.path.join(directory, name)
-    tmp = tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+    tmp = new_tmp_dir(directory, name)
     try:
         _save_model(model, os.path.join(tmp, MODEL_FILE))
         if optimizer is not None:
             _save_optimizer(optimizer, os.path.join(tmp, OPTIM_FILE))
-        _write_json(os.path.join(tmp, CONFIG_FILE), model.config.to_dict())
-        _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
-        if tokenizer is not None:
-            tokenizer.save(tmp)
-        _finish_files(tmp)
-        old = None
-        if os.path.exists(final):  # a directory cannot be replaced while non-empty: move it aside first
-            old = tempfile.mkdtemp(prefix=f"{name}-old-", dir=directory)
-            os.replace(final, os.path.join(old, name))
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        write_metadata(tmp, model.config, state, tokenizer)
+        publish(tmp, directory, name)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):  # disk full, quota, permissions: the previous checkpoint is untouched
@@ -180,24 +183,61 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     return final
 
 
+def new_tmp_dir(directory: str, name: str) -> str:
+    """A fresh temporary directory to write `directory/name` into (removing those a killed process left)."""
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+
+
+def write_metadata(tmp: str, config, state: dict | None, tokenizer=None):
+    """config.json, trainer_state.json (+ this process's RNG state) and the tokenizer files."""
+    _write_json(os.path.join(tmp, CONFIG_FILE), config.to_dict())
+    _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+
+
+def publish(tmp: str, directory: str, name: str) -> str:
+    """fsync the files written into `tmp` and rename it to `directory/name`, replacing a previous checkpoint."""
+    _finish_files(tmp)
+    final = os.path.join(directory, name)
+    old = None
+    if os.path.exists(final):  # a directory cannot be replaced while non-empty: move it aside first
+        old = tempfile.mkdtemp(prefix=f"{name}-old-", dir=directory)
+        os.replace(final, os.path.join(old, name))
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def save_step_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer=None, state: dict | None = None,
                          tokenizer=None, keep: int = 0) -> str:
     """Write `run_dir/step-NNNNNN` atomically, point `run_dir/latest` at it, then delete all but the `keep`
     newest step directories (0 = keep all). Returns the new directory."""
-    name = step_name(step)
-    for stale in glob.glob(os.path.join(run_dir, "step-*-tmp-*")) + glob.glob(os.path.join(run_dir, "step-*-deleting")):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed process
-    path = save_checkpoint(run_dir, model, optimizer, dict(state or {}, step=step), tokenizer, name=name)
+    path = save_checkpoint(run_dir, model, optimizer, dict(state or {}, step=step), tokenizer, name=step_name(step))
+    mark_latest(run_dir, path, keep)
+    return path
+
+
+def mark_latest(run_dir: str, path: str, keep: int = 0):
+    """Point `run_dir/latest` at the step directory `path` just published, then delete all but the `keep` newest
+    step directories (0 = keep all) and what killed saves left behind."""
     try:
-        _write_latest(run_dir, name)
+        _write_latest(run_dir, os.path.basename(path))
     except OSError as e:
         raise CheckpointError(f"could not update {os.path.join(run_dir, LATEST_FILE)} ({e.strerror or e})") from None
+    for stale in glob.glob(os.path.join(run_dir, "step-*-tmp-*")) + glob.glob(os.path.join(run_dir, "step-*-deleting")):
+        if not stale.startswith(path):
+            shutil.rmtree(stale, ignore_errors=True)
     if keep > 0:
         for _, old in step_checkpoints(run_dir)[:-keep]:
             if old != path:  # renamed first, so a kill mid-delete leaves nothing that looks complete
                 os.replace(old, old + "-deleting")
                 shutil.rmtree(old + "-deleting", ignore_errors=True)
-    return path
 
 
 def ensure_writable(directory: str):
@@ -334,7 +374,11 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu"):
     ckpt = find_checkpoint(path)
     verify_checkpoint(ckpt)  # every file, before anything is loaded
     model = CausalLM(load_config(ckpt))
-    load_model_weights(model, os.path.join(ckpt, MODEL_FILE))
+    if not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
+        from .dist_checkpoint import load_dcp_weights   # saved under FSDP and not consolidated yet
+        load_dcp_weights(model, ckpt)
+    else:
+        load_model_weights(model, os.path.join(ckpt, MODEL_FILE))
     state_path = os.path.join(ckpt, STATE_FILE)
     state = _read_json(state_path) if os.path.exists(state_path) else {}
     state["checkpoint_dir"] = ckpt

@@ -7,7 +7,8 @@ validation, metrics.jsonl, atomic checkpoints, exact resume, and DDP under torch
 Batches depend only on (seed, step, micro-batch, rank), and the checkpoint holds weights, optimizer state
 and RNG state, so a resumed run reproduces the loss curve of an uninterrupted one. Under
 `torchrun --nproc_per_node N` (WORLD_SIZE > 1) each rank draws its own batches, gradients are averaged by
-DDP (gloo on CPU, nccl on CUDA), and rank 0 alone logs, evaluates and checkpoints.
+DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; under FSDP2
+every rank evaluates and writes its shards of a DCP checkpoint (train/dist_checkpoint.py).
 """
 import contextlib
 import json
@@ -22,13 +23,16 @@ from tqdm import tqdm
 
 from ..data.loader import TokenData
 from ..data.sampling import ORDERS, make_sampler
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
-from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, save_step_checkpoint,
-                         set_rng_state)
+from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, mark_latest,
+                         save_checkpoint, set_rng_state, step_name)
+from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
 from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
+from .parallel import MODES as PARALLEL_MODES
+from .parallel import parallelize
 
 
 @dataclass
@@ -55,6 +59,7 @@ class TrainConfig:
     grad_checkpointing: bool = False
     log_every: int = 10
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    parallel: str = "auto"               # auto (= ddp) | ddp | fsdp, under torchrun (train/parallel.py)
     keep: int = 0                        # step checkpoints kept (0 = all)
     on_nan: str = "stop"                 # stop | skip: a NaN/Inf loss ends the run or skips that batch
     data_order: str = "random"           # random | sequential (see data/sampling.py)
@@ -68,6 +73,7 @@ class TrainConfig:
                 (self.adam_eps > 0, "adam_eps must be > 0"),
                 (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
+                (self.parallel in PARALLEL_MODES, f"parallel must be auto, ddp or fsdp, got {self.parallel!r}"),
                 (self.schedule in ("cosine", "wsd", "constant"),
                  f"schedule must be cosine, wsd or constant, got {self.schedule!r}"),
                 (self.keep >= 0, "keep must be >= 0"),
@@ -153,13 +159,22 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model.to(device)
-    model.gradient_checkpointing = cfg.grad_checkpointing
+    # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
+    par = parallelize(model, cfg.parallel, world=world, device=device, dtype=cfg.dtype, compile=cfg.compile,
+                      checkpointing=cfg.grad_checkpointing)
+    fwd = par.module
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
     B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, rank, world)
     nan_skipped = 0
     if resume:
-        load_optimizer(opt, ckpt)
+        if has_dcp(ckpt):
+            load_training_state(model, opt, ckpt)
+        elif par.sharded:
+            raise CheckpointError(f"{ckpt} was saved without --parallel fsdp (no dcp/ shards); resume it with "
+                                  "--parallel ddp")
+        else:
+            load_optimizer(opt, ckpt)
         set_rng_state(state.get("rng", {}))
         sampler.load_state_dict(state.get("data_position", {}))
         nan_skipped = int(state.get("nan_skipped", 0))
@@ -167,15 +182,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     if main:
         _write_metrics(metrics_path, _metrics_until(metrics_path, start) if resume else [], "w")
 
-    fwd = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        routed = bool(set(model_cfg.layout) & set("OE"))  # routed experts may get no tokens in a step
-        fwd = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  find_unused_parameters=routed)
-    if cfg.compile:
-        fwd = torch.compile(fwd)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    # FSDP2's mixed-precision policy already computes in bf16
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=cfg.dtype == "bfloat16" and not par.mixed_precision)
 
     def run_eval() -> dict:
         return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens,
@@ -188,11 +197,16 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     window_tokens, window_time, train_time = 0, 0.0, 0.0
     ckpt_path = stopped = None
 
-    def save(done):
+    def save(done, last=False):  # RUN/step-NNNNNN, then RUN/latest points at it
         st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg), "tokenizer": tok.to_dict(),
               "data": data.source, "data_spec": getattr(data, "spec", None), "loss": loss_val,
               "val_loss": val and val["loss"], "nan_skipped": nan_skipped, "data_position": sampler.state_dict()}
-        path = save_step_checkpoint(out_dir, done, model, opt, st, tok, keep=cfg.keep) if main else None
+        if par.sharded:   # DCP shards from every rank; the weights consolidated at the end
+            path = save_sharded_checkpoint(out_dir, model, opt, st, tok, consolidate=last, name=step_name(done))
+        else:
+            path = save_checkpoint(out_dir, model, opt, st, tok, name=step_name(done)) if main else None
+        if main:
+            mark_latest(out_dir, path, cfg.keep)
         if world > 1:
             dist.barrier()
         return path
@@ -207,8 +221,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         for micro in range(A):
             ids, resets = sampler.batch(step, micro)
             ids, resets = ids.to(device), resets.to(device) if cfg.doc_mask else None
-            sync = fwd.no_sync() if world > 1 and micro < A - 1 and hasattr(fwd, "no_sync") \
-                else contextlib.nullcontext()
+            sync = fwd.no_sync() if par.mode == "ddp" and micro < A - 1 else contextlib.nullcontext()
+            if par.sharded:
+                fwd.set_requires_gradient_sync(micro == A - 1)
             with sync:
                 with autocast:
                     loss = fwd(ids, labels=ids, resets=resets).loss
@@ -219,7 +234,10 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
             dist.all_reduce(loss_avg)
             loss_avg /= world
         loss_val = loss_avg.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item() if cfg.grad_clip else None
+        grad_norm = None
+        if cfg.grad_clip:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # a DTensor under FSDP
         if finite(loss_val, grad_norm):
             opt.step()
         elif cfg.on_nan == "skip":  # drop this batch: no update, the data position moves on
@@ -242,14 +260,14 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         is_last = done == cfg.steps
         do_eval = is_last or (cfg.eval_every and done % cfg.eval_every == 0)
         row_eval = {}
-        if do_eval and main:
+        if do_eval and (main or par.sharded):   # a sharded model evaluates on every rank
             val = run_eval()
             row_eval = {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"],
                         "val_bpb": val["bpb"]}
             line = f"step {done:>6}  train loss {loss_val:.4f}  {describe(val)}"
-            if bar.disable:  # --no-progress hides the bar, not the validation lines
+            if main and bar.disable:  # --no-progress hides the bar, not the validation lines
                 print(line, file=sys.stderr, flush=True)
-            else:
+            elif main:
                 bar.write(line, file=sys.stderr)
         if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
             row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
@@ -258,10 +276,10 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
             window_tokens, window_time = 0, 0.0
         if signals.requested(world, device):  # SIGTERM / SIGINT: this step is done; save it and leave
             stopped = signals.received
-            ckpt_path = save(done)
+            ckpt_path = save(done, last=True)
             break
         if is_last or (cfg.save_every and done % cfg.save_every == 0):
-            ckpt_path = save(done)
+            ckpt_path = save(done, last=is_last)
     bar.close()
     end = done if stopped else cfg.steps
     return {"steps": end, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start,
