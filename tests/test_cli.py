@@ -42,8 +42,9 @@ def run(tmp_path_factory):
 
 
 def test_train_writes_checkpoint_and_metrics(run):
-    ckpt = run["out"] / "checkpoint"
-    assert sorted(os.listdir(ckpt)) == ["config.json", "model.safetensors", "optimizer.safetensors",
+    ckpt = run["out"] / "step-000004"
+    assert open(run["out"] / "latest").read().strip() == "step-000004" and os.path.isdir(run["out"] / "step-000002")
+    assert sorted(os.listdir(ckpt)) == ["config.json", "manifest.json", "model.safetensors", "optimizer.safetensors",
                                         "tokenizer.json", "tokenizer_config.json", "trainer_state.json"]
     rows = [json.loads(line) for line in open(run["out"] / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["val_ppl"] > 1
@@ -55,7 +56,7 @@ def test_resume_continues(run):
     r = hybridlm("train", "--data", run["text"], "--steps", 6, "--seq-len", 32, "--batch-size", 4, "--warmup", 1,
                  "--eval-every", 2, "--eval-tokens", 400, "--out", run["out"], "--resume", "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert json.load(open(run["out"] / "checkpoint" / "trainer_state.json"))["step"] == 6
+    assert json.load(open(run["out"] / "step-000006" / "trainer_state.json"))["step"] == 6
 
 
 def test_generate_streams(run):
@@ -97,10 +98,10 @@ def test_bad_inputs_give_one_line_errors(run, tmp_path):
                           "exceeds max_seq_len 64")
     assert_one_line_error(hybridlm("generate", "--checkpoint", tmp_path / "missing"), "missing", "does not exist")
     bad = tmp_path / "corrupt"
-    shutil.copytree(run["out"] / "checkpoint", bad)
+    shutil.copytree(run["out"] / "step-000004", bad)
     with open(bad / "model.safetensors", "r+b") as f:
         f.truncate(100)
-    assert_one_line_error(hybridlm("generate", "--checkpoint", bad), "model.safetensors", "corrupt")
+    assert_one_line_error(hybridlm("generate", "--checkpoint", bad), "model.safetensors", "damaged")
     assert_one_line_error(hybridlm("eval", "--checkpoint", bad), "model.safetensors")
 
 
@@ -111,9 +112,9 @@ def test_bpe_tokenizer_train_and_generate_in_process(tmp_path, capsys):
     out = tmp_path / "bpe"
     assert main(["train", *TINY, "--tokenizer", "bpe:320", "--data", str(text), "--steps", "2", "--seq-len", "32",
                  "--batch-size", "2", "--eval-tokens", "200", "--out", str(out), "--no-progress"]) == 0
-    assert os.path.exists(out / "checkpoint" / "tokenizer.json")
-    vocab = json.load(open(out / "checkpoint" / "tokenizer_config.json"))["hybridlm"]["vocab_size"]
-    assert 257 < vocab <= 320 and json.load(open(out / "checkpoint" / "config.json"))["vocab_size"] == vocab
+    assert os.path.exists(out / "step-000002" / "tokenizer.json")
+    vocab = json.load(open(out / "step-000002" / "tokenizer_config.json"))["hybridlm"]["vocab_size"]
+    assert 257 < vocab <= 320 and json.load(open(out / "step-000002" / "config.json"))["vocab_size"] == vocab
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(out), "--prompt", "The quick", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("The quick")

@@ -119,7 +119,7 @@ def test_tokenizer_train_command_and_train_generate_accept_it(tmp_path):
     assert cli(["train", *tiny, "--data", str(data), "--tokenizer", str(tmp_path / "tok"), "--steps", "2",
                 "--seq-len", "16", "--batch-size", "2", "--warmup", "1", "--eval-every", "2", "--eval-tokens", "200",
                 "--out", str(tmp_path / "run"), "--no-progress"]) == 0
-    assert tokenizer_from_dir(str(tmp_path / "run" / "checkpoint")).vocab_size == auto.vocab_size
+    assert tokenizer_from_dir(str(tmp_path / "run" / "step-000002")).vocab_size == auto.vocab_size
     assert cli(["generate", "--checkpoint", str(tmp_path / "run"), "--tokenizer", str(tmp_path / "tok"),
                 "--prompt", "def", "--max-new-tokens", "3"]) == 0
 

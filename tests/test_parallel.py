@@ -156,7 +156,7 @@ def _fsdp_runs(rank, tmp, text_path):
     train(cfg, _train_cfg(), data, f"{tmp}/cut", resume=True, progress=False)
     # the sharded model, loaded from the shards on 2 ranks: its logits must equal a one-process load's
     model = parallelize(CausalLM(cfg), "fsdp", world=WORLD).module
-    load_training_state(model, make_optimizer(model, 1e-3), f"{tmp}/whole/checkpoint")
+    load_training_state(model, make_optimizer(model, 1e-3), f"{tmp}/whole/step-000004")
     with torch.no_grad():
         logits = model(torch.arange(16)[None] * 7 % 257).logits
     if rank == 0:
@@ -174,6 +174,7 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
 
     from hybridlm.cli import main
     from hybridlm.train import load_checkpoint, train
+    from hybridlm.train.checkpoint import write_manifest
     from hybridlm.train.dist_checkpoint import load_training_state
     from hybridlm.train.optim import make_optimizer
     text = tmp_path / "text.txt"
@@ -181,7 +182,7 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
     spawn(_fsdp_runs, str(tmp_path), str(text))
     whole, cut = _losses(tmp_path / "whole"), _losses(tmp_path / "cut")
     assert len(whole) == 4 and cut == whole                 # 2 steps, killed, 2 more on 2 ranks = 4 steps
-    ckpt = tmp_path / "whole" / "checkpoint"
+    ckpt = tmp_path / "whole" / "step-000004"
     assert (ckpt / "dcp" / ".metadata").exists() and (ckpt / "model.safetensors").exists()
 
     # one process: the consolidated weights, the shards read directly, and the sharded model agree exactly
@@ -189,6 +190,7 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
     consolidated = load_checkpoint(str(ckpt))[0].eval()
     shutil.copytree(ckpt, tmp_path / "shards_only")
     os.remove(tmp_path / "shards_only" / "model.safetensors")
+    write_manifest(str(tmp_path / "shards_only"))  # as a save without consolidation lists its files
     from_shards = load_checkpoint(str(tmp_path / "shards_only"))[0].eval()
     with torch.no_grad():
         want = consolidated(ids).logits
@@ -202,7 +204,7 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
     cut1 = tmp_path / "cut1"
     model = CausalLM(tiny("mamba2-attention", vocab_size=257))
     opt = make_optimizer(model, 1e-3)
-    load_training_state(model, opt, str(cut1 / "checkpoint"))
+    load_training_state(model, opt, str(cut1 / "step-000002"))
     assert all(int(s["step"]) == 2 for s in opt.state.values())
     assert torch.equal(model.embed.weight, load_checkpoint(str(cut1))[0].embed.weight)
     s = train(tiny("mamba2-attention", vocab_size=257), _train_cfg(steps=3, parallel="auto"),

@@ -98,7 +98,7 @@ def test_resume_reproduces_the_loss_curve(tmp_path, data, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(mcfg, cfg, data, str(tmp_path / "part"), progress=False)
     monkeypatch.setattr(TokenData, "get_batch", real)
-    assert json.load(open(tmp_path / "part" / "checkpoint" / "trainer_state.json"))["step"] == 4
+    assert json.load(open(tmp_path / "part" / "step-000004" / "trainer_state.json"))["step"] == 4
     s = train(mcfg, cfg, data, str(tmp_path / "part"), resume=True, progress=False)
     assert s["start_step"] == 4
     resumed = read_metrics(str(tmp_path / "part"))
@@ -176,9 +176,10 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     model = CausalLM(tiny_config())
     good = save_checkpoint(str(tmp_path / "good"), model, None, {"step": 1}, ByteTokenizer())
 
-    def broken(name, damage):
+    def broken(name, damage):  # without its manifest (as written before manifests), so the parsers are reached
         d = str(tmp_path / name)
         shutil.copytree(good, d)
+        os.remove(os.path.join(d, "manifest.json"))
         damage(d)
         return d
 
@@ -203,6 +204,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     other = CausalLM(tiny_config(d_model=64))
     save_checkpoint(str(tmp_path / "mismatch"), other, None, {})
     shutil.copy(os.path.join(good, "config.json"), tmp_path / "mismatch" / "checkpoint" / "config.json")
+    os.remove(tmp_path / "mismatch" / "checkpoint" / "manifest.json")
     with pytest.raises(CheckpointError, match="does not match"):
         load_checkpoint(str(tmp_path / "mismatch"))
 
@@ -234,4 +236,4 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(str(out))
     assert rows[-1]["step"] == 3 and rows[-1]["tokens"] == 3 * 2 * 32 * 2  # both ranks' tokens counted
-    assert json.load(open(out / "checkpoint" / "trainer_state.json"))["step"] == 3
+    assert json.load(open(out / "step-000003" / "trainer_state.json"))["step"] == 3

@@ -46,7 +46,8 @@ def add_arguments(p):
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
     add_tokenizer_arg(p)
     p.add_argument("--data", default=None,
-                   help="data to evaluate on, text or token ids as for train (default: the training data's "
+                   help="data to evaluate on, text, token ids or a `data prepare` directory as for train (default: "
+                        "the training data's "
                         "validation split)")
     p.add_argument("--max-bytes", type=int, default=None, help="text cap in bytes (default: as in training; 0 = none)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")

@@ -15,21 +15,22 @@ def _train_config(args):
                        eval_tokens=args.eval_tokens, doc_mask=not args.no_doc_mask, save_every=args.save_every,
                        seed=args.seed, dtype=args.dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
-                       parallel=args.parallel)
+                       parallel=args.parallel, keep=args.keep, on_nan=args.on_nan, data_order=args.data_order)
 
 
 def main(args) -> int:
     from ..data.loader import load_data
-    from ..data.tokenizer import tokenizer_from_dir
     from ..models import CausalLM, ModelConfig
     from ..train import TrainConfig, train
-    from ..train.checkpoint import find_checkpoint, load_config
+    from ..train.checkpoint import ensure_writable, find_checkpoint, load_config
+    from ..train.checkpoint import load_tokenizer as checkpoint_tokenizer
     if args.out is None:
         args.out = os.path.join("runs", args.preset)
     tcfg = _train_config(args)
+    ensure_writable(args.out)  # before the data is read, not after
     if args.resume:
         ckpt = find_checkpoint(args.out)
-        data = load_data(args.data, tokenizer_from_dir(ckpt), args.max_bytes or None)
+        data = load_data(args.data, checkpoint_tokenizer(ckpt), args.max_bytes or None)
         model_cfg = load_config(ckpt)
     else:
         data = load_data(args.data, args.tokenizer, args.max_bytes or None)
@@ -46,7 +47,9 @@ def main(args) -> int:
     s = train(model_cfg, tcfg, data, args.out, resume=args.resume, progress=not args.no_progress)
     if not is_main_rank():
         return 0
-    if s["loss"] is not None:
+    if s["stopped"]:
+        out(f"stopped by {s['stopped']} after step {s['steps']}: checkpoint {s['checkpoint']} (continue with --resume)")
+    elif s["loss"] is not None:
         val = describe({"loss": s["val_loss"], "ppl": s["val_ppl"], "tokens": s["val_tokens"],
                         "whole": s["val_whole"], "bpb": s["val_bpb"]})
         out(f"done    step {s['steps']}: train loss {s['loss']:.4f}, {val}; {s['tokens_per_s']:,.0f} tokens/s; "
@@ -73,8 +76,8 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="run directory for checkpoint and metrics.jsonl (default runs/PRESET)")
     p.add_argument("--data", default=None,
                    help="text file, folder, .jsonl or .parquet; or token ids: .npy, .bin with a .bin.json sidecar "
-                        "naming the dtype, or a folder with train/val token files (default: the Python standard "
-                        "library sources)")
+                        "naming the dtype, a folder with train/val token files, or a `data prepare` directory "
+                        "(default: the Python standard library sources)")
     p.add_argument("--max-bytes", type=int, default=8_000_000,
                    help="cap on text read, in UTF-8 bytes, whatever the source (0 = no cap)")
     p.add_argument("--tokenizer", default=None,
@@ -108,5 +111,10 @@ def add_arguments(p):
     p.add_argument("--parallel", default="auto", choices=["auto", "ddp", "fsdp"],
                    help="under torchrun: ddp replicates the model, fsdp shards it (FSDP2) and saves distributed "
                         "checkpoints (auto = ddp)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--keep", type=int, default=0, help="keep only the N newest step checkpoints (0 = all)")
+    p.add_argument("--on-nan", default="stop", choices=["stop", "skip"],
+                   help="a NaN/Inf loss stops the run (exit 1) or skips that batch (counted as nan_skipped)")
+    p.add_argument("--data-order", default="random", choices=["random", "sequential"],
+                   help="random windows seeded by step, or epochs read in order with the cursor saved for --resume")
+    p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines still print)")

@@ -74,7 +74,11 @@ def _read_text(path: str, max_bytes: int | None = None) -> str:
 
 
 def _read_jsonl(path: str) -> list[str]:
-    docs = []
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: str):
+    """The "text" of each line of a .jsonl file, one at a time."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -85,8 +89,7 @@ def _read_jsonl(path: str) -> list[str]:
                 raise InputError(f"{path}:{n}: bad JSON ({e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise InputError(f"{path}:{n}: expected an object with a string 'text' field")
-            docs.append(obj["text"])
-    return docs
+            yield obj["text"]
 
 
 def _read_parquet(path: str) -> list[str]:

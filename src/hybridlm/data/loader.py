@@ -148,13 +148,17 @@ def sequential_windows(arr: np.ndarray, batch_size: int, seq_len: int, eos: int 
 def load_data(path: str | None, tokenizer=None, max_bytes: int | None = None) -> TokenData:
     """Training data from `path`: text (None = the built-in corpus; a file, folder, .jsonl or .parquet; see
     data/corpus.py) or token ids (.npy, .bin + sidecar, or a folder with train/val token files; see
-    data/token_files.py). `tokenizer` is a tokenizer object or a `load_tokenizer` spec; None means bytes for
-    text and, for token files, the tokenizer their sidecar names (else bytes). `data.spec` records how to load the same data again."""
+    data/token_files.py), or a `data prepare` directory (data/shards.py; read lazily, with its own tokenizer).
+    `tokenizer` is a tokenizer object or a `load_tokenizer` spec; None means bytes for text and, for token files,
+    the tokenizer their sidecar names (else bytes). `data.spec` records how to load the same data again."""
     from .corpus import load_corpus
+    from .shards import is_shard_dir, open_shards
     from .token_files import is_token_path, read_token_file
     from .tokenizer import load_tokenizer
     spec = {"data": path, "max_bytes": max_bytes}
-    if path is not None and os.path.exists(path) and is_token_path(path):
+    if is_shard_dir(path):  # `data prepare` output: memory-mapped shards with their own tokenizer
+        data = open_shards(path, None if isinstance(tokenizer, (str, type(None))) else tokenizer)
+    elif path is not None and os.path.exists(path) and is_token_path(path):
         if isinstance(tokenizer, str) and tokenizer.startswith("bpe:"):
             raise InputError(f"{path} holds token ids already: a BPE cannot be trained on it (pass the "
                              f"tokenizer that made it with --tokenizer)")

@@ -69,13 +69,18 @@ def _read_sidecar(path: str) -> dict:
     if not os.path.exists(side):
         raise InputError(f"{path}: raw token ids need a sidecar {os.path.basename(side)} naming their dtype, e.g. "
                          f'{{"dtype": "uint16"}} (nanoGPT\'s .bin files are uint16)')
+    return read_json_object(side)
+
+
+def read_json_object(path: str) -> dict:
+    """A JSON file holding an object, or one InputError naming the file."""
     try:
-        with open(side) as f:
+        with open(path) as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"{side}: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: {e}") from None
     if not isinstance(meta, dict):
-        raise InputError(f"{side}: expected a JSON object")
+        raise InputError(f"{path}: expected a JSON object")
     return meta
 
 

@@ -1,20 +1,26 @@
-"""Checkpoints as plain files (safetensors + JSON, never pickle), written atomically.
+"""Checkpoints as plain files (safetensors + JSON, never pickle), written atomically and checksummed.
 
-    DIR/checkpoint/
+    RUN/step-000500/            one directory per saved step (`save_step_checkpoint`, `keep` newest kept)
         model.safetensors       weights; a tied weight is stored once, its other names in the metadata
         optimizer.safetensors   AdamW state tensors as "<param index>.<name>"; param groups + scalars as JSON
         config.json             ModelConfig
-        trainer_state.json      step, tokens seen, RNG states, train config, tokenizer spec
+        trainer_state.json      step, tokens seen, RNG states, train config, tokenizer spec, data position
         tokenizer_config.json   (+ tokenizer.json for BPE)
+        manifest.json           sha256 and size of every file above
+    RUN/latest                  the name of the newest complete step directory (replaced atomically)
 
-Everything is first written to `DIR/checkpoint-tmp-XXXX` and then renamed into place, so an interrupted
-save leaves the previous checkpoint intact. Any missing, truncated or corrupt file raises one
-`CheckpointError` naming the file and the problem.
+A directory is first written to `RUN/NAME-tmp-XXXX`, fsynced, then renamed into place, and only then does
+`latest` move to it, so a crash or a full disk during a save leaves the previous checkpoint intact and never
+exposes a partial one. Loading verifies the manifest before reading any tensor: damaged bytes raise one
+`CheckpointError` naming the file. Runs written before step directories (`RUN/checkpoint/`, no manifest)
+still load.
 """
 import base64
 import glob
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -27,6 +33,12 @@ from ..errors import CheckpointError, HybridLMError
 
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optimizer.safetensors"
 CONFIG_FILE, STATE_FILE = "config.json", "trainer_state.json"
+MANIFEST_FILE, LATEST_FILE = "manifest.json", "latest"
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
 
 
 # --- writing ---------------------------------------------------------------------------------------------
@@ -78,19 +90,77 @@ def _write_json(path: str, obj):
         json.dump(obj, f, indent=2)
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digest(files: dict) -> str:
+    """The manifest's own checksum (over its file list), so a damaged manifest is named as such."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _manifest(directory: str) -> dict:
+    """{relative path: {"sha256", "bytes"}} of every file under `directory` (DCP shards in `dcp/` included)."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for n in names:
+            path = os.path.join(root, n)
+            files[os.path.relpath(path, directory)] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
+    return dict(sorted(files.items()))
+
+
+def write_manifest(directory: str):
+    """(Re)write `directory/manifest.json` over the files now there, through a temporary name."""
+    files = {k: v for k, v in _manifest(directory).items() if k != MANIFEST_FILE}
+    tmp = os.path.join(directory, MANIFEST_FILE + ".tmp")
+    _write_json(tmp, {"version": 1, "files": files, "sha256": _digest(files)})
+    os.replace(tmp, os.path.join(directory, MANIFEST_FILE))
+
+
 def _finish_files(directory: str):
-    """fsync every file and give the usual permissions (mkdtemp makes the directory private)."""
+    """Write the manifest, fsync every file and give the usual permissions (mkdtemp makes it private)."""
     umask = os.umask(0)
     os.umask(umask)
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if os.path.isdir(path):          # a distributed checkpoint's shards (dist_checkpoint.py)
-            _finish_files(path)
-            continue
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(path, 0o666 & ~umask)
-    os.chmod(directory, 0o777 & ~umask)
+    write_manifest(directory)
+    for root, _, names in os.walk(directory):
+        for n in names:
+            path = os.path.join(root, n)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(path, 0o666 & ~umask)
+        os.chmod(root, 0o777 & ~umask)
+
+
+def _fsync_dir(directory: str):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(run_dir: str, name: str):
+    tmp = os.path.join(run_dir, f".{LATEST_FILE}.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(run_dir, LATEST_FILE))
+    _fsync_dir(run_dir)
+
+
+def step_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete step directories in `run_dir`, oldest first."""
+    found = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        m = STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(run_dir, name, MANIFEST_FILE)):
+            found.append((int(m.group(1)), os.path.join(run_dir, name)))
+    return sorted(found)
 
 
 def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -104,8 +174,11 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
             _save_optimizer(optimizer, os.path.join(tmp, OPTIM_FILE))
         write_metadata(tmp, model.config, state, tokenizer)
         publish(tmp, directory, name)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # disk full, quota, permissions: the previous checkpoint is untouched
+            raise CheckpointError(f"could not save checkpoint {final} ({e.strerror or e}); the previous "
+                                  f"checkpoint in {directory} is intact") from None
         raise
     return final
 
@@ -135,24 +208,98 @@ def publish(tmp: str, directory: str, name: str) -> str:
         old = tempfile.mkdtemp(prefix=f"{name}-old-", dir=directory)
         os.replace(final, os.path.join(old, name))
     os.replace(tmp, final)
+    _fsync_dir(directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def save_step_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer=None, state: dict | None = None,
+                         tokenizer=None, keep: int = 0) -> str:
+    """Write `run_dir/step-NNNNNN` atomically, point `run_dir/latest` at it, then delete all but the `keep`
+    newest step directories (0 = keep all). Returns the new directory."""
+    path = save_checkpoint(run_dir, model, optimizer, dict(state or {}, step=step), tokenizer, name=step_name(step))
+    mark_latest(run_dir, path, keep)
+    return path
+
+
+def mark_latest(run_dir: str, path: str, keep: int = 0):
+    """Point `run_dir/latest` at the step directory `path` just published, then delete all but the `keep` newest
+    step directories (0 = keep all) and what killed saves left behind."""
+    try:
+        _write_latest(run_dir, os.path.basename(path))
+    except OSError as e:
+        raise CheckpointError(f"could not update {os.path.join(run_dir, LATEST_FILE)} ({e.strerror or e})") from None
+    for stale in glob.glob(os.path.join(run_dir, "step-*-tmp-*")) + glob.glob(os.path.join(run_dir, "step-*-deleting")):
+        if not stale.startswith(path):
+            shutil.rmtree(stale, ignore_errors=True)
+    if keep > 0:
+        for _, old in step_checkpoints(run_dir)[:-keep]:
+            if old != path:  # renamed first, so a kill mid-delete leaves nothing that looks complete
+                os.replace(old, old + "-deleting")
+                shutil.rmtree(old + "-deleting", ignore_errors=True)
+
+
+def ensure_writable(directory: str):
+    """Create `directory` if needed and prove a file can be written there; else one clear CheckpointError."""
+    parent = directory
+    while parent and not os.path.exists(parent):  # the nearest existing ancestor must be a directory
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise CheckpointError(f"output directory {directory} cannot be created: {parent} is a file")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"output directory {directory} is not writable ({e.strerror or e})") from None
+
+
 # --- reading ---------------------------------------------------------------------------------------------
 def find_checkpoint(path: str, name: str = "checkpoint") -> str:
-    """`path` itself if it is a checkpoint, else `path/name` (or the copy a crash left mid-swap)."""
+    """`path` itself if it is a checkpoint, else the step directory `path/latest` names (the newest complete
+    one if that is gone), else today's `path/name` (or the copy a crash left mid-swap)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     if os.path.exists(os.path.join(path, CONFIG_FILE)) or os.path.exists(os.path.join(path, MODEL_FILE)):
         return path
+    latest = os.path.join(path, LATEST_FILE)
+    if os.path.isfile(latest):
+        with open(latest, errors="replace") as f:
+            target = f.read().strip()
+        if STEP_DIR.match(target) and os.path.isfile(os.path.join(path, target, MANIFEST_FILE)):
+            return os.path.join(path, target)
+    steps = step_checkpoints(path)
+    if steps:
+        return steps[-1][1]
     if os.path.isdir(os.path.join(path, name)):
         return os.path.join(path, name)
     aside = sorted(glob.glob(os.path.join(path, f"{name}-old-*", name)))
     if aside:
         return aside[-1]
     raise CheckpointError(f"no checkpoint in {path} (expected {CONFIG_FILE} and {MODEL_FILE})")
+
+
+def verify_checkpoint(ckpt: str, names: list[str] | None = None):
+    """Check sizes and sha256 of `names` (default: every file) against the manifest; a checkpoint without
+    one (the `checkpoint/` layout from before manifests) passes unchecked."""
+    manifest_path = os.path.join(ckpt, MANIFEST_FILE)
+    if not os.path.exists(manifest_path):
+        if STEP_DIR.match(os.path.basename(os.path.normpath(ckpt))):  # always written with one
+            raise CheckpointError(f"{manifest_path} is missing")
+        return
+    manifest = _read_json(manifest_path)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or manifest.get("sha256") != _digest(files):
+        raise CheckpointError(f"{manifest_path} is damaged: its own checksum does not match")
+    for name in files if names is None else [n for n in names if n in files]:
+        path, want = os.path.join(ckpt, name), files[name]
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing")
+        want = want if isinstance(want, dict) else {}
+        if os.path.getsize(path) != want.get("bytes") or _sha256(path) != want.get("sha256"):
+            raise CheckpointError(f"{path} is damaged: its checksum does not match {MANIFEST_FILE}")
 
 
 def _read_json(path: str) -> dict:
@@ -214,7 +361,9 @@ def load_optimizer(optimizer: torch.optim.Optimizer, checkpoint_dir: str):
 def load_config(path: str):
     """The ModelConfig of a checkpoint (or run directory), without loading weights."""
     from ..models import ModelConfig
-    cfg_path = os.path.join(find_checkpoint(path), CONFIG_FILE)
+    ckpt = find_checkpoint(path)
+    verify_checkpoint(ckpt, [CONFIG_FILE])
+    cfg_path = os.path.join(ckpt, CONFIG_FILE)
     try:
         return ModelConfig.from_dict(_read_json(cfg_path))
     except CheckpointError:
@@ -227,6 +376,7 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu"):
     """-> (CausalLM with the saved weights in their saved dtype, trainer state dict ({} if none was saved))."""
     from ..models import CausalLM
     ckpt = find_checkpoint(path)
+    verify_checkpoint(ckpt)  # every file, before anything is loaded
     cfg = load_config(ckpt)
     if not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
         from .dist_checkpoint import load_dcp_weights   # saved under FSDP and not consolidated yet
@@ -244,10 +394,17 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu"):
 
 def load_pretrained(path: str, device: str | torch.device = "cpu"):
     """-> (model in eval mode, tokenizer) from a checkpoint directory (or a run directory holding one)."""
-    from ..data.tokenizer import tokenizer_from_dir
     model, state = load_checkpoint(path, device)
+    return model.eval(), load_tokenizer(state["checkpoint_dir"])
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved with a checkpoint (or in a run directory's latest), its files verified."""
+    from ..data.tokenizer import BPE_FILE, tokenizer_from_dir
+    from ..data.tokenizer import CONFIG_FILE as TOK_FILE
+    ckpt = find_checkpoint(path)
+    verify_checkpoint(ckpt, [TOK_FILE, BPE_FILE])
     try:
-        tok = tokenizer_from_dir(state["checkpoint_dir"])
+        return tokenizer_from_dir(ckpt)
     except HybridLMError as e:
         raise CheckpointError(str(e)) from None
-    return model.eval(), tok

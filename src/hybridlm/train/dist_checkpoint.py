@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ..errors import CheckpointError
-from .checkpoint import MODEL_FILE, _save_model, new_tmp_dir, publish, write_metadata
+from .checkpoint import (MANIFEST_FILE, MODEL_FILE, _save_model, new_tmp_dir, publish, verify_checkpoint,
+                         write_manifest, write_metadata)
 
 DCP_DIR = "dcp"
 
@@ -98,6 +99,7 @@ def consolidate(checkpoint_dir: str) -> str:
     from ..models import CausalLM
     from .checkpoint import find_checkpoint, load_config
     ckpt = find_checkpoint(checkpoint_dir)
+    verify_checkpoint(ckpt)  # the manifest is rewritten below: it must not bless damaged shards
     if not has_dcp(ckpt):
         raise CheckpointError(f"{ckpt} holds no distributed checkpoint ({DCP_DIR}/.metadata is missing)")
     model = CausalLM(load_config(ckpt))
@@ -106,4 +108,6 @@ def consolidate(checkpoint_dir: str) -> str:
     tmp = path + ".tmp"
     _save_model(model, tmp)
     os.replace(tmp, path)
+    if os.path.exists(os.path.join(ckpt, MANIFEST_FILE)):
+        write_manifest(ckpt)
     return path

@@ -12,7 +12,6 @@ every rank evaluates and writes its shards of a DCP checkpoint (train/dist_check
 """
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -22,12 +21,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..data.loader import TokenData, batch_generator
+from ..data.loader import TokenData
+from ..data.sampling import ORDERS, make_sampler
 from ..errors import CheckpointError, ConfigError
 from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
-from .checkpoint import find_checkpoint, load_checkpoint, load_optimizer, save_checkpoint, set_rng_state
+from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, mark_latest,
+                         save_checkpoint, set_rng_state, step_name)
 from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
+from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
 from .parallel import MODES as PARALLEL_MODES
 from .parallel import parallelize
@@ -58,6 +60,9 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
     parallel: str = "auto"               # auto (= ddp) | ddp | fsdp, under torchrun (train/parallel.py)
+    keep: int = 0                        # step checkpoints kept (0 = all)
+    on_nan: str = "stop"                 # stop | skip: a NaN/Inf loss ends the run or skips that batch
+    data_order: str = "random"           # random | sequential (see data/sampling.py)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -70,7 +75,10 @@ class TrainConfig:
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
                 (self.parallel in PARALLEL_MODES, f"parallel must be auto, ddp or fsdp, got {self.parallel!r}"),
                 (self.schedule in ("cosine", "wsd", "constant"),
-                 f"schedule must be cosine, wsd or constant, got {self.schedule!r}")]
+                 f"schedule must be cosine, wsd or constant, got {self.schedule!r}"),
+                (self.keep >= 0, "keep must be >= 0"),
+                (self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}"),
+                (self.data_order in ORDERS, f"data_order must be one of {', '.join(ORDERS)}, got {self.data_order!r}")]
         for ok, msg in need:
             if not ok:
                 raise ConfigError(msg)
@@ -125,15 +133,16 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data: TokenData, out_d
     cfg = train_cfg
     rank, world, device, own_pg = _setup_distributed(cfg.device)
     try:
-        return _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
+        with StopSignals() as signals:  # SIGTERM / SIGINT end the run after the current step, with a checkpoint
+            return _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device, signals)
     finally:
         if own_pg:
             dist.destroy_process_group()
 
 
-def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device) -> dict:
+def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device, signals) -> dict:
     main = rank == 0
-    os.makedirs(out_dir, exist_ok=True)
+    ensure_writable(out_dir)
     tok = data.tokenizer
     torch.manual_seed(cfg.seed)
     start, tokens_seen, state = 0, 0, {}
@@ -155,6 +164,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
                       checkpointing=cfg.grad_checkpointing)
     fwd = par.module
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
+    B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
+    sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, rank, world)
+    nan_skipped = 0
     if resume:
         if has_dcp(ckpt):
             load_training_state(model, opt, ckpt)
@@ -164,6 +176,8 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
         else:
             load_optimizer(opt, ckpt)
         set_rng_state(state.get("rng", {}))
+        sampler.load_state_dict(state.get("data_position", {}))
+        nan_skipped = int(state.get("nan_skipped", 0))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if main:
         _write_metrics(metrics_path, _metrics_until(metrics_path, start) if resume else [], "w")
@@ -178,11 +192,25 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
-    B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     tokens_per_step = B * T * A * world
     first_loss = loss_val = val = None
     window_tokens, window_time, train_time = 0, 0.0, 0.0
-    ckpt_path = None
+    ckpt_path = stopped = None
+
+    def save(done, last=False):  # RUN/step-NNNNNN, then RUN/latest points at it
+        st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg), "tokenizer": tok.to_dict(),
+              "data": data.source, "data_spec": getattr(data, "spec", None), "loss": loss_val,
+              "val_loss": val and val["loss"], "nan_skipped": nan_skipped, "data_position": sampler.state_dict()}
+        if par.sharded:   # DCP shards from every rank; the weights consolidated at the end
+            path = save_sharded_checkpoint(out_dir, model, opt, st, tok, consolidate=last, name=step_name(done))
+        else:
+            path = save_checkpoint(out_dir, model, opt, st, tok, name=step_name(done)) if main else None
+        if main:
+            mark_latest(out_dir, path, cfg.keep)
+        if world > 1:
+            dist.barrier()
+        return path
+
     model.train()
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -191,7 +219,7 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
             g["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(A):
-            ids, resets = data.get_batch("train", B, T, batch_generator(cfg.seed, step, micro, rank))
+            ids, resets = sampler.batch(step, micro)
             ids, resets = ids.to(device), resets.to(device) if cfg.doc_mask else None
             sync = fwd.no_sync() if par.mode == "ddp" and micro < A - 1 else contextlib.nullcontext()
             if par.sharded:
@@ -201,19 +229,27 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
                     loss = fwd(ids, labels=ids, resets=resets).loss
                 (loss / A).backward()
             loss_sum += loss.detach().float()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
         loss_avg = loss_sum / A
-        if world > 1:
+        if world > 1:  # every rank sees the same loss, so all take the same branch below
             dist.all_reduce(loss_avg)
             loss_avg /= world
         loss_val = loss_avg.item()
+        grad_norm = None
+        if cfg.grad_clip:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # a DTensor under FSDP
+        if finite(loss_val, grad_norm):
+            opt.step()
+        elif cfg.on_nan == "skip":  # drop this batch: no update, the data position moves on
+            nan_skipped += 1
+            bar.write(f"step {step + 1}: loss {loss_val}, grad norm {grad_norm}: batch skipped "
+                      f"({nan_skipped} so far)", file=sys.stderr)
+        else:
+            raise FloatingPointError(f"loss {loss_val} (grad norm {grad_norm}) at step {step + 1}: stopped, the last "
+                                     f"checkpoint is untouched; try a lower --lr, or --on-nan skip")
+        opt.zero_grad(set_to_none=True)
         if first_loss is None:
             first_loss = loss_val
-        if not math.isfinite(loss_val):
-            raise FloatingPointError(f"loss became {loss_val} at step {step + 1}; try a lower --lr")
         done = step + 1
         tokens_seen += tokens_per_step
         dt = time.perf_counter() - t0
@@ -235,22 +271,20 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
                 bar.write(line, file=sys.stderr)
         if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
             row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
-                   "tokens": tokens_seen, "val_loss": None, "val_ppl": None, **row_eval}
+                   "tokens": tokens_seen, "nan_skipped": nan_skipped, "val_loss": None, "val_ppl": None, **row_eval}
             _write_metrics(metrics_path, [row], "a")
             window_tokens, window_time = 0, 0.0
+        if signals.requested(world, device):  # SIGTERM / SIGINT: this step is done; save it and leave
+            stopped = signals.received
+            ckpt_path = save(done, last=True)
+            break
         if is_last or (cfg.save_every and done % cfg.save_every == 0):
-            st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg),
-                  "tokenizer": tok.to_dict(), "data": data.source, "data_spec": getattr(data, "spec", None),
-                  "loss": loss_val, "val_loss": val and val["loss"]}
-            if par.sharded:   # DCP shards from every rank; the weights consolidated at the end
-                ckpt_path = save_sharded_checkpoint(out_dir, model, opt, st, tok, consolidate=is_last)
-            elif main:
-                ckpt_path = save_checkpoint(out_dir, model, opt, st, tok)
-            if world > 1:
-                dist.barrier()
+            ckpt_path = save(done, last=is_last)
     bar.close()
-    return {"steps": cfg.steps, "start_step": start, "first_loss": first_loss, "loss": loss_val,
-            "val_loss": val and val["loss"], "val_ppl": val and val["ppl"], "val_tokens": val and val["tokens"],
-            "val_bpb": val and val["bpb"], "val_whole": val and val["whole"], "tokens_seen": tokens_seen, "train_time_s": train_time,
-            "tokens_per_s": (cfg.steps - start) * tokens_per_step / train_time if train_time else None,
+    end = done if stopped else cfg.steps
+    return {"steps": end, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start,
+            "first_loss": first_loss, "loss": loss_val, "val_loss": val and val["loss"], "val_ppl": val and val["ppl"],
+            "val_tokens": val and val["tokens"], "val_bpb": val and val["bpb"], "val_whole": val and val["whole"],
+            "tokens_seen": tokens_seen, "train_time_s": train_time,
+            "tokens_per_s": (end - start) * tokens_per_step / train_time if train_time else None,
             "params": model.num_parameters(), "checkpoint": ckpt_path, "out_dir": out_dir}
