@@ -17,6 +17,7 @@ COMMANDS = {
     "info": ("hybridlm.commands.info", "layout, parameter count and inference cache size"),
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
     "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
+    "ablate": ("hybridlm.commands.ablate", "a paper's ablation table at small scale from a recipe (--list)"),
 }
 
 
