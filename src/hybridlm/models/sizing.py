@@ -1,7 +1,7 @@
 """Size a model to a parameter budget or a depth, so that rows of a comparison are the same size.
 
     cfg, n = fit_params(lambda d: presets.get("mamba2", d_model=d), 2_000_000, candidates=range(32, 1025, 32))
-    n_layers = depth_for_mixers("cheems", 16)          # repeat count giving >= 16 token-mixer layers
+    n = depth_for_mixers(lambda n: presets.get("cheems", n_layers=n), 16)   # repeats giving >= 16 mixer layers
 
 Parameters are counted on the meta device (no memory, milliseconds per model). "Active" parameters count
 what one token uses: a routed MoE contributes its router, shared expert and top_k of its experts; CDMoE its
@@ -85,12 +85,11 @@ def fit_params(build: Callable[[int], ModelConfig], target: int, candidates: Ite
     return cfg, n
 
 
-def depth_for_mixers(build: Callable[[int], ModelConfig], n_mixers: int, max_repeat: int = 256) -> ModelConfig:
-    """The config build(n) with the smallest repeat count n having at least `n_mixers` token-mixer layers."""
+def depth_for_mixers(build: Callable[[int], ModelConfig], n_mixers: int, max_repeat: int = 256) -> int:
+    """The smallest repeat count n for which build(n) has at least `n_mixers` token-mixer layers."""
     if n_mixers < 1:
         raise ConfigError(f"the number of mixer layers must be >= 1, got {n_mixers}")
     for n in range(1, max_repeat + 1):
-        cfg = build(n)
-        if token_mixers(cfg) >= n_mixers:
-            return cfg
+        if token_mixers(build(n)) >= n_mixers:
+            return n
     raise ConfigError(f"no depth up to {max_repeat} repeats gives {n_mixers} mixer layers")
