@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
     "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
     "ablate": ("hybridlm.commands.ablate", "a paper's ablation table at small scale from a recipe (--list)"),
+    "report": ("hybridlm.commands.report", "docs/results.md from the outputs of ablate, mqar and bench"),
 }
 
 

@@ -8,15 +8,10 @@ matplotlib is installed).
     hybridlm bench --presets mamba2 --vocab-size 32768 --shapes 1x16384 --memory   # training-step peak memory
 """
 import argparse
-import datetime
 import json
 import os
-import platform
-import sys
 
 import torch
-
-from . import throughput as tp
 
 DEFAULT_OUT = os.path.join("runs", "bench", "results.json")
 
@@ -119,9 +114,8 @@ def _settings(args) -> dict:
 
 
 def _meta(args) -> dict:
-    meta = {"time": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "quick": bool(args.quick)}
+    from ..train.ablate import machine_meta
+    meta = dict(machine_meta(), quick=bool(args.quick))
     try:
         import transformers
         meta["transformers"] = transformers.__version__
