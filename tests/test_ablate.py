@@ -49,6 +49,8 @@ def test_shipped_recipes_parse_and_size_within_tolerance():
     for name in names:
         r = load_recipe(name)
         assert r.title and r.source and r.minutes_per_model > 0 and r.claims
+    for name in ("mamba2-attention-ratio", "wm-moe"):                     # total and active budgets
+        r = load_recipe(name)
         for c in r.configs:
             cfg, n = r.model_config(c, vocab_size=256)
             target = c.params or r.budget.get("params")
@@ -98,7 +100,7 @@ def test_scale_multiplies_batch_depth_and_width(tmp_path):
     (TINY.replace("steps = 2", "step = 2"), "\\[budget\\]: unknown field 'step'"),
     (TINY.replace('worse = "ssd"', 'worse = "mamba"'), "names unknown configuration 'mamba'"),
     (TINY.replace('title = "tiny"', ""), "missing 'title'"),
-])
+], ids=["layout-letter", "model-field", "budget-field", "claim-name", "missing-title"])
 def test_bad_recipes_are_one_clear_error(text, message):
     import tomllib
     with pytest.raises(ConfigError, match=message):
@@ -106,8 +108,8 @@ def test_bad_recipes_are_one_clear_error(text, message):
 
 
 def test_budget_no_size_can_meet(tmp_path):
-    r = load_recipe(str(_tiny(tmp_path, TINY.replace('params = "60K"', 'params = "5K"'))))
-    with pytest.raises(ConfigError, match="recipe 'tiny', configuration 'attn': no d_model meets the budget of 5,000"):
+    r = load_recipe(str(_tiny(tmp_path, TINY.replace('params = "60K"', 'params = "1K"'))))
+    with pytest.raises(ConfigError, match="recipe 'tiny', configuration 'attn': no d_model meets the budget of 1,000"):
         r.model_config(r.configs[0], 256)
 
 

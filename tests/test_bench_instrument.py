@@ -14,13 +14,13 @@ from hybridlm.models.sizing import count_parameters, token_mixers
 def test_presets_compared_at_the_same_depth_and_size():
     kw = dict(d_model=64, params=None, vocab_size=256, max_seq_len=64)
     for name, layout in (("transformer++", "(AM)*8"), ("mamba2", "S*8"), ("cheems", "((SE)*7 FE)*1"),
-                         ("rodimus++", "[RWM]*8")):
+                         ("rodimus++", "[RWM]*4")):                        # R and W are both token mixers
         cfg = preset_config(name, layers=8, **kw)
         assert cfg.layout == layout and token_mixers(cfg) >= 8
-    sized = {n: preset_config(n, layers=4, d_model=None, params=2_000_000, vocab_size=8192, max_seq_len=64)
+    sized = {n: preset_config(n, layers=4, d_model=None, params=4_000_000, vocab_size=8192, max_seq_len=64)
              for n in ("transformer++", "mamba2", "rodimus")}
     for cfg in sized.values():
-        assert abs(count_parameters(cfg) - 2_000_000) <= 200_000 and token_mixers(cfg) == 4
+        assert abs(count_parameters(cfg) - 4_000_000) <= 400_000 and token_mixers(cfg) == 4
 
 
 def test_bench_quick_writes_results_and_three_plots(tmp_path, capsys):
@@ -46,9 +46,9 @@ def test_bench_quick_writes_results_and_three_plots(tmp_path, capsys):
 def test_memory_probe_measures_the_step_in_a_fresh_process():
     cfg = preset_config("mamba2", layers=1, d_model=64, params=None, vocab_size=512, max_seq_len=2048,
                         overrides=dict(ssd_d_state=16, ssd_headdim=32))
-    small, large = step_peak_bytes(cfg, 1, 64), step_peak_bytes(cfg, 1, 2048)
-    # 2048 tokens: logits alone are 2048 x 512 x 4 B = 4 MiB, and backward keeps a few such tensors
-    assert large["peak_bytes"] > 4 * 2**20 > small["peak_bytes"] >= 0
+    r = step_peak_bytes(cfg, 1, 2048)
+    # logits alone are 2048 x 512 x 4 B = 4 MiB, and backward keeps a few such tensors; weights are not counted
+    assert 4 * 2**20 < r["peak_bytes"] < 512 * 2**20 and r["method"].startswith("VmHWM")
 
 
 def _ablate(rows, claims):

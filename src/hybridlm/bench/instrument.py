@@ -25,7 +25,7 @@ def preset_config(name: str, *, layers: int, d_model: int | None, params: int | 
         return presets.get(name, n_layers=n, d_model=d, **base)
     n = depth_for_mixers(lambda k: build(k, d_model or 256), layers)
     if params:
-        cfg, _ = fit_params(lambda d: build(n, d), params, range(32, 8193, 32), tolerance=0.1, what="d_model")
+        cfg, _ = fit_params(lambda d: build(n, d), params, range(16, 8193, 16), tolerance=0.1, what="d_model")
         return cfg
     return build(n, d_model or 256)
 

@@ -61,23 +61,45 @@ def token_mixers(cfg: ModelConfig) -> int:
 
 def fit_params(build: Callable[[int], ModelConfig], target: int, candidates: Iterable[int], *, tolerance: float = 0.1,
                active: bool = False, what: str = "d_model") -> tuple[ModelConfig, int]:
-    """The config build(k) whose parameter count is nearest `target` over the candidate values k (a width or a
-    repeat count); candidates whose config is invalid are skipped. Raises ConfigError when the nearest is further
+    """The config build(k) whose parameter count is nearest `target` over the ascending candidate values k (a width
+    or a repeat count); candidates whose config is invalid are skipped. Counts grow with k, so a bisection finds the
+    first valid k reaching the target (galloping, then bisecting) and the valid one before it. Raises ConfigError when the nearest is further
     than `tolerance` (relative) from the target. -> (config, parameters)."""
-    best = None
-    for k in candidates:
-        try:
-            cfg = build(k)
-        except ConfigError:
-            continue
-        n = count_parameters(cfg, active)
-        if best is None or abs(n - target) < abs(best[1] - target):
-            best = (cfg, n, k)
-        if n > target * (1 + tolerance) and best[1] >= target:
-            break                                                   # counts grow with k: nothing nearer follows
-    if best is None:
+    ks, seen = list(candidates), {}
+
+    def at(i: int):                                     # (config, count) of candidate i, None if invalid
+        if i not in seen:
+            try:
+                cfg = build(ks[i])
+                seen[i] = (cfg, count_parameters(cfg, active))
+            except ConfigError:
+                seen[i] = None
+        return seen[i]
+
+    def valid_from(i: int, step: int) -> int | None:
+        while 0 <= i < len(ks) and at(i) is None:
+            i += step
+        return i if 0 <= i < len(ks) else None
+
+    def reaches(i: int) -> bool:
+        j = valid_from(i, 1)
+        return j is not None and at(j)[1] >= target
+
+    hi = 1                                              # gallop first: large candidates (deep models) cost more
+    while hi < len(ks) and not reaches(hi - 1):
+        hi *= 2
+    lo, hi = hi // 2, min(hi, len(ks))                  # then bisect for the first index reaching the target
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reaches(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    near = [j for j in (valid_from(lo, 1), valid_from(lo - 1, -1)) if j is not None]
+    if not near:
         raise ConfigError(f"no valid {what} for a {target:,}-parameter budget")
-    cfg, n, k = best
+    i = min(near, key=lambda j: abs(at(j)[1] - target))
+    (cfg, n), k = at(i), ks[i]
     if abs(n - target) > tolerance * target:
         kind = "active parameters" if active else "parameters"
         raise ConfigError(f"no {what} meets the budget of {target:,} {kind} within {tolerance:.0%}: the nearest is "
