@@ -127,35 +127,36 @@ def plot(res: dict, stem: str) -> list[str]:
                 axes[1].plot([r["seq_len"] for r in rows], [r["forward_tokens_per_s"] for r in rows], "o" + ls,
                              color=f"C{i}", label=lab)
     for ax, what in zip(axes, ("forward + backward", "forward")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{what} throughput vs length")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(f"{stem}_throughput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+        _axes(ax, "sequence length (tokens)", "tokens/s", f"{what} throughput vs length")
+    paths.append(_save(fig, f"{stem}_throughput.png"))
     for key, ylabel, suffix, logy in (("median_ms", "ms per decoded token", "latency", False),
                                       ("state_bytes", "inference state (bytes)", "state", True)):
         fig, ax = plt.subplots(figsize=(6, 4))
         for i, n in enumerate(presets):
             rows = [r for r in res["latency"] if r["preset"] == n]
             ax.plot([r["context"] for r in rows], [r[key] for r in rows], "o-", color=f"C{i}", label=n)
-        ax.set_xscale("log", base=2)
-        if logy:
-            ax.set_yscale("log")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel} vs context, batch 1")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(f"{stem}_{suffix}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        _axes(ax, "context (tokens)", ylabel, f"{ylabel} vs context, batch 1", logy=logy)
+        paths.append(_save(fig, f"{stem}_{suffix}.png"))
     return paths
+
+
+def _axes(ax, xlabel: str, ylabel: str, title: str, logy: bool = False):
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig, path: str) -> str:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 FULL = dict(layers=4, d_model=256, params=None, vocab_size=8192, shapes=[(4, 512), (1, 2048), (1, 16384)],

@@ -1,6 +1,6 @@
-"""`hybridlm bench`: throughput, decode latency, state size and MFU, optionally side by side with
-transformers (`--compare-hf`). Results go to stdout as a table and to a JSON file (plus a PNG plot when
-matplotlib is installed).
+"""`hybridlm bench`: throughput, decode latency, state size, peak memory and MFU of any presets at one stated
+depth and size (bench/instrument.py), or side by side with transformers (`--compare-hf`), or a named suite.
+Results go to stdout as a table and to a JSON file, with PNG plots next to it.
 
     hybridlm bench --compare-hf                 # ours vs transformers Llama / Mamba2, full sizes
     hybridlm bench --compare-hf --quick         # tiny smoke version (seconds)
@@ -207,6 +207,9 @@ def main(args) -> int:
             json.dump(res, f, indent=2, default=str)
         print(f"results: {args.out}")
         return 0
+    if args.compare_hf and (args.params or args.compile or args.memory):
+        from ..errors import ConfigError
+        raise ConfigError("--params, --compile and --memory apply to the preset instrument, not to --compare-hf")
     settings = _settings(args)
     log = print
     if args.compare_hf:
