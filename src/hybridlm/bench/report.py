@@ -104,14 +104,24 @@ def mqar_claims(mqar: dict) -> list[dict]:
 def bench_claims(bench: dict) -> list[dict]:
     """MFU at 4×2048, fwd+bwd at the longest length vs transformer++, decode latency flat in context."""
     out, train = [], bench.get("train", [])
+    pk = bench.get("matmul_peak_gflops", {})
+    best = max(pk.get("max", 0.0), pk.get("start", 0.0), pk.get("end", 0.0))
+    train = [dict(r, train_mfu=r["train_tokens_per_s"] * r["flops_per_token"] / (best * 1e9)) if best and
+             "flops_per_token" in r else r for r in train]                  # MFU against the run's best peak
+    readings = [v for v in (pk.get("all") or [pk.get("start"), pk.get("end")]) if v]
+    unsteady = len(readings) > 1 and max(readings) > 1.5 * min(readings)   # the machine's load changed in the run
     for name in ("transformer++", "mamba2"):
         rows = [r for r in train if r["preset"] == name and (r["batch"], r["seq_len"]) == (4, 2048)]
         if rows:
-            best = max(rows, key=lambda r: r["train_mfu"])
+            top = max(rows, key=lambda r: r["train_mfu"])
+            here = f"{top['train_mfu']:.2f} ({top['mode']})"
+            verdict = "met" if top["train_mfu"] >= MFU_TARGET else "not met"
+            if unsteady:
+                verdict = "not measurable here"
+                here += (f": the matmul peak read {min(readings):.0f} to {max(readings):.0f} GFLOP/s within the run, "
+                         "so the step and the peak saw different loads")
             out.append(dict(claim=f"{name} MFU at 4×2048 >= {MFU_TARGET} (fwd+bwd, against the fp32 matmul peak "
-                                  f"measured in the same run)", source="issue 11 target",
-                            verdict="met" if best["train_mfu"] >= MFU_TARGET else "not met",
-                            here=f"{best['train_mfu']:.2f} ({best['mode']})"))
+                                  f"measured in the same run)", source="issue 11 target", verdict=verdict, here=here))
     T = max((r["seq_len"] for r in train), default=0)
     base = {r["mode"]: r for r in train if r["preset"] == "transformer++" and r["seq_len"] == T and r["batch"] == 1}
     for name in ("mamba2", "rodimus"):
@@ -238,10 +248,13 @@ def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str
                     [[n, f"`{c['config']['layout']}`", c["d_model"], c["mixer_layers"], f"{c['parameters']:,}"]
                      for n, c in bn["configs"].items()])
         mem = {(m["preset"], m["batch"], m["seq_len"], m["step"]): m["peak_bytes"] for m in bn.get("memory", [])}
+        best = max(v for k, v in bn["matmul_peak_gflops"].items() if k != "all")
+        L += ["", f"MFU below is against the best matmul peak of the run ({best:.1f} GFLOP/s)."]
         L += [""] + _table(["preset", "mode", "shape", "fwd+bwd tokens/s", "MFU", "fwd tokens/s", "peak MiB fwd+bwd",
                             "peak MiB prefill"],
                            [[r["preset"], r["mode"], f"{r['batch']}×{r['seq_len']}", f"{r['train_tokens_per_s']:,.0f}",
-                             f"{r['train_mfu']:.2f}", f"{r['forward_tokens_per_s']:,.0f}",
+                             f"{r['train_tokens_per_s'] * r['flops_per_token'] / (best * 1e9):.2f}",
+                             f"{r['forward_tokens_per_s']:,.0f}",
                              *[f"{mem[k] / 2**20:,.0f}" if k in mem and r["mode"] == "eager" else "-"
                                for k in ((r["preset"], r["batch"], r["seq_len"], "train"),
                                          (r["preset"], r["batch"], r["seq_len"], "forward"))]]
