@@ -54,7 +54,7 @@ def test_memory_probe_measures_the_step_in_a_fresh_process():
 def _ablate(rows, claims):
     return {"recipe": "r", "title": "T", "source": "000_x.txt, table 1", "claims": claims, "_dir": "/nonexistent",
             "meta": {"command": "hybridlm ablate r", "budget": dict(steps=2, batch_size=1, seq_len=8, lr=1e-3,
-                     seeds=[0], max_bytes=1, params=None, eval_batches=1_000_000)},
+                     seeds=[0], max_bytes=1, params=None, eval_tokens=0)},
             "rows": [dict(name=n, layout="S", d_model=8, params=1, active_params=1, val_loss=v, val_ppl=1.0,
                           val_tokens=10, tokens_per_s=1.0, wall_s=1.0) for n, v in rows]}
 

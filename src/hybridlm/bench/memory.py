@@ -9,7 +9,8 @@ and reads VmHWM after the full-size step; without that file it falls back to ru_
 peak resident size during the step minus the resident size before it: activations, gradients and temporaries,
 not the weights. CUDA: torch.cuda.max_memory_allocated over the step minus the allocation
 before it, in this process (the caching allocator makes that exact). A fresh process per case keeps one
-case's freed-but-cached memory from hiding the next one's peak.
+case's freed-but-cached memory from hiding the next one's peak; it sets the allocator as the `hybridlm` command
+does (hybridlm.cli.tune_allocator).
 """
 import json
 import os
@@ -92,6 +93,8 @@ def step_peak_bytes(cfg: ModelConfig, batch: int, seq_len: int, train: bool = Tr
 
 
 if __name__ == "__main__":
+    from ..cli import tune_allocator
+    tune_allocator()                                    # the allocator the `hybridlm` command runs with
     job = json.loads(sys.stdin.read())
     torch.set_num_threads(job["threads"])
     res = measure_here(ModelConfig.from_dict(job["config"]), job["batch"], job["seq_len"], job["train"])

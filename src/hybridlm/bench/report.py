@@ -209,7 +209,7 @@ def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str
         L += [f"Budget: {b['steps']} steps × {b['batch_size']}×{b['seq_len']} tokens, lr {b['lr']}, seeds "
               f"{b['seeds']}, built-in corpus (Python sources, byte tokenizer, {b['max_bytes']:,} bytes){sized}. "
               f"Validation on {a['rows'][0]['val_tokens']:,} tokens"
-              f"{' (the whole validation split)' if b['eval_batches'] >= 1_000_000 else ''}. Stated time "
+              f"{' (the whole validation split)' if not b.get('eval_tokens') else ''}. Stated time "
               f"{m.get('minutes_per_model', '?')} min per model on 2 cores; the slowest took {wall:.1f} min here.", "",
               f"Command: `{m.get('command', '')}`  ", f"Machine: {_meta_line(m)}, {m.get('time', '')}.", ""]
         L += _table(["configuration", "layout", "d_model", "params", "active params", "val loss", "val ppl",

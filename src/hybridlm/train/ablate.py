@@ -22,7 +22,7 @@ from .recipes import Recipe, RunConfig
 
 ROW_KEYS = ["name", "layout", "params", "active_params", "d_model", "mixer_layers", "val_loss", "val_loss_std",
             "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds"]
-QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_batches=2, log_every=1)
+QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_tokens=256, log_every=1)
 
 
 def machine_meta() -> dict:
@@ -37,12 +37,6 @@ def machine_meta() -> dict:
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
 
 
-def _val_tokens(data, budget: dict) -> int:
-    """Tokens the trainer's validation predicts with this budget (it walks data.sequential the same way)."""
-    return sum(ids[:, 1:].numel() for ids, _ in
-               data.sequential("val", budget["batch_size"], budget["seq_len"], max_batches=budget["eval_batches"]))
-
-
 def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str, device: str, progress: bool,
                keep_checkpoints: bool) -> dict:
     from . import TrainConfig, train
@@ -50,7 +44,7 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str,
     tcfg = TrainConfig(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
                        min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
                        weight_decay=b.get("weight_decay", 0.1), eval_every=b["eval_every"],
-                       eval_batches=b["eval_batches"], save_every=0, seed=seed, log_every=b["log_every"],
+                       eval_tokens=b["eval_tokens"], save_every=0, seed=seed, log_every=b["log_every"],
                        device=device)
     t0 = time.perf_counter()
     s = train(cfg, tcfg, data, run_dir, progress=progress)
@@ -79,10 +73,9 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
     tok = load_tokenizer("byte")
     data = TokenData.from_corpus(corpus, tok)
     sized = [(c, *recipe.model_config(c, tok.vocab_size)) for c in recipe.configs]   # all sizing errors up front
-    val_tokens = _val_tokens(data, b)
     log(f"recipe  {recipe.name}: {recipe.title}")
     log(f"budget  {b['steps']} steps x {b['batch_size']}x{b['seq_len']} tokens, lr {b['lr']}, seeds {seeds}; "
-        f"{len(data.tokens('train')):,} train / {val_tokens:,} validation tokens (built-in corpus, bytes)"
+        f"{len(data.tokens('train')):,} train / {len(data.tokens('val')):,} validation tokens (built-in corpus, bytes)"
         + (f"; every model sized to {b['params']:,} {'active ' if b['active'] else ''}parameters by "
            f"{b['size_by']} (±{b['tolerance']:.0%})" if b.get("params") else ""))
     os.makedirs(out_dir, exist_ok=True)
@@ -98,7 +91,7 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
         row = dict(name=c.name, layout=cfg.layout, params=params, active_params=count_parameters(cfg, active=True),
                    d_model=cfg.d_model, mixer_layers=token_mixers(cfg), val_loss=mean,
                    val_loss_std=statistics.stdev(losses) if len(losses) > 1 else None,
-                   val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0].get("val_tokens", val_tokens),
+                   val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
                    tokens_per_s=statistics.fmean(r["tokens_per_s"] for r in runs), steps=b["steps"],
                    wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds)
         rows.append(row)

@@ -6,7 +6,7 @@
 A recipe file:
 
     title = "..."; source = "004_f196d22cc7fe6dbe.txt, table 2"; minutes_per_model = 2
-    [budget]   steps, batch_size, seq_len, lr, warmup, seeds, max_bytes, eval_every, eval_batches,
+    [budget]   steps, batch_size, seq_len, lr, warmup, seeds, max_bytes, eval_every, eval_tokens (0: whole split),
                params ("1M": every configuration sized to it), size_by ("width" | "depth"), tolerance, active
     [model]    ModelConfig fields shared by every configuration (d_model when not sized, heads, state sizes, ...)
     [[config]] name, preset and/or layout (a "{n}" in the layout is the repeat count sized by depth), n_layers,
@@ -34,13 +34,13 @@ else:  # pragma: no cover
 
 TOP_KEYS = {"title", "source", "minutes_per_model", "note", "budget", "model", "config", "claim"}
 BUDGET_KEYS = {"steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "schedule", "weight_decay", "seeds",
-               "max_bytes", "eval_every", "eval_batches", "log_every", "params", "size_by", "tolerance", "active",
+               "max_bytes", "eval_every", "eval_tokens", "log_every", "params", "size_by", "tolerance", "active",
                "width_step"}
 CONFIG_KEYS = {"name", "preset", "layout", "n_layers", "params", "note"}
 CLAIM_KEYS = {"text", "better", "worse", "paper"}
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 DEFAULT_BUDGET = dict(steps=300, batch_size=8, seq_len=128, lr=2e-3, warmup=30, seeds=[0], max_bytes=1_000_000,
-                      eval_every=0, eval_batches=1_000_000, log_every=10, size_by="width", tolerance=0.05,
+                      eval_every=0, eval_tokens=0, log_every=10, size_by="width", tolerance=0.05,
                       active=False, width_step=32)
 
 
