@@ -23,6 +23,8 @@ COMMANDS = {
     "consolidate": ("hybridlm.commands.consolidate", "one model.safetensors from an FSDP checkpoint's DCP shards"),
     "tokenizer": ("hybridlm.commands.tokenizer", "train a byte-level BPE tokenizer and save it (transformers-loadable)"),
     "convert": ("hybridlm.commands.convert", "transformers checkpoint directory <-> hybridlm checkpoint"),
+    "ablate": ("hybridlm.commands.ablate", "a paper's ablation table at small scale from a recipe (--list)"),
+    "report": ("hybridlm.commands.report", "docs/results.md from the outputs of ablate, mqar and bench"),
 }
 
 

@@ -1,21 +1,17 @@
-"""`hybridlm bench`: throughput, decode latency, state size and MFU, optionally side by side with
-transformers (`--compare-hf`). Results go to stdout as a table and to a JSON file (plus a PNG plot when
-matplotlib is installed).
+"""`hybridlm bench`: throughput, decode latency, state size, peak memory and MFU of any presets at one stated
+depth and size (bench/instrument.py), or side by side with transformers (`--compare-hf`), or a named suite.
+Results go to stdout as a table and to a JSON file, with PNG plots next to it.
 
     hybridlm bench --compare-hf                 # ours vs transformers Llama / Mamba2, full sizes
     hybridlm bench --compare-hf --quick         # tiny smoke version (seconds)
-    hybridlm bench --presets transformer++,mamba2 --shapes 4x512
+    hybridlm bench --presets transformer++,mamba2,rodimus --params 10M --layers 4 --shapes 4x512,1x16384
+    hybridlm bench --presets mamba2 --vocab-size 32768 --shapes 1x16384 --memory   # training-step peak memory
 """
 import argparse
-import datetime
 import json
 import os
-import platform
-import sys
 
 import torch
-
-from . import throughput as tp
 
 DEFAULT_OUT = os.path.join("runs", "bench", "results.json")
 
@@ -44,6 +40,15 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _count(text: str) -> int:
+    from ..errors import ConfigError
+    from ..models.sizing import parse_count
+    try:
+        return parse_count(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--compare-hf", action="store_true",
                    help="measure ours vs transformers LlamaForCausalLM / Mamba2ForCausalLM (same config and "
@@ -56,14 +61,24 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--presets", default="transformer++,mamba2",
                    help="without --compare-hf: comma-separated presets to measure")
     p.add_argument("--d-model", type=int, default=None, help="model width (default 256; quick 64)")
-    p.add_argument("--n-layers", type=int, default=None, help="preset depth (default 4; quick 2)")
+    p.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=None,
+                   help="token-mixer layers (attention, SSD, Rodimus, ...; MLP/MoE not counted) of every preset: "
+                        "the smallest repeat count with at least this many (default 4; quick 2)")
+    p.add_argument("--params", type=_count, default=None,
+                   help="size every preset's width to this many parameters (e.g. 10M; within 10%%) instead of "
+                        "--d-model")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd forward and forward+backward")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="peak memory of each step in a fresh process (default on; off with --quick)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default 8192; quick 512)")
     p.add_argument("--shapes", type=_shapes, default=None,
-                   help="training batch shapes BATCHxLEN,... (default 4x512,1x2048; quick 2x32,1x64)")
+                   help="training batch shapes BATCHxLEN,... (default 4x512,1x2048,1x16384; --compare-hf "
+                        "4x512,1x2048; quick 2x32,1x64)")
     p.add_argument("--context", type=int, default=None, help="decode benchmark prompt length (default 1024; quick 32)")
     p.add_argument("--new-tokens", type=int, default=None, help="decode benchmark new tokens (default 64; quick 6)")
     p.add_argument("--latency-contexts", type=_ints, default=None,
-                   help="contexts for per-token decode latency (default 128,8192; quick 16,256)")
+                   help="contexts for per-token decode latency and state bytes (default 128,1024,8192; "
+                        "--compare-hf 128,8192; quick 16,256)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; quick 2)")
     p.add_argument("--no-compile", action="store_true",
                    help="skip the torch.compile'd decode rows (compilation needs a C++ compiler and ~10 s)")
@@ -73,7 +88,10 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def _settings(args) -> dict:
-    from .compare_hf import FULL, QUICK
+    if args.compare_hf:
+        from .compare_hf import FULL, QUICK
+    else:
+        from .instrument import FULL, QUICK
     s = dict(QUICK if args.quick else FULL)
     for key, val in (("d_model", args.d_model), ("n_layers", args.n_layers), ("vocab_size", args.vocab_size),
                      ("shapes", args.shapes), ("context", args.context), ("new_tokens", args.new_tokens),
@@ -84,13 +102,21 @@ def _settings(args) -> dict:
         s["decode_repeats"] = max(1, args.repeats)
     if args.no_compile:
         s["decode_compile"] = False
+    if not args.compare_hf:
+        s["layers"] = s.pop("n_layers", None) or s["layers"]
+        s.pop("context", None), s.pop("new_tokens", None)
+        s["compile"] = args.compile
+        s["params"] = args.params
+        if args.params:
+            s["d_model"] = None
+        if args.memory is not None:
+            s["memory"] = args.memory
     return s
 
 
 def _meta(args) -> dict:
-    meta = {"time": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "quick": bool(args.quick)}
+    from ..train.ablate import machine_meta
+    meta = dict(machine_meta(), quick=bool(args.quick))
     try:
         import transformers
         meta["transformers"] = transformers.__version__
@@ -100,86 +126,38 @@ def _meta(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# ours-only benchmark (no transformers needed)
-
-def run_ours(settings: dict, preset_names: list[str], log=print) -> dict:
-    from .. import presets
-    from ..models.causal_lm import CausalLM
-    peak = tp.matmul_peak_gflops()
-    log(f"matmul peak (fp32, 1024^3): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
-    max_len = max(max(T for _, T in settings["shapes"]), max(settings["latency_contexts"]) + 64,
-                  settings["context"] + settings["new_tokens"])
-    out = {"train": [], "forward": [], "latency": [], "configs": {}}
-    for name in preset_names:
-        over = settings.get("overrides", {}).get(name, {})
-        cfg = presets.get(name, n_layers=settings["n_layers"], d_model=settings["d_model"],
-                          vocab_size=settings["vocab_size"], max_seq_len=max_len, **over)
-        torch.manual_seed(0)
-        model = CausalLM(cfg)
-        out["configs"][name] = {"config": cfg.to_dict(), "parameters": model.num_parameters()}
-        for B, T in settings["shapes"]:
-            ids = torch.randint(0, cfg.vocab_size, (B, T))
-            model.train()
-            tr = tp.summary(tp.interleaved({"t": tp.train_step(model, ids)}, settings["repeats"])["t"], B * T)
-            model.eval()
-            fw = tp.summary(tp.interleaved({"f": tp.forward_step(model, ids)}, settings["repeats"])["f"], B * T)
-            flops = tp.train_flops_per_token(model, T)
-            out["train"].append(dict(preset=name, batch=B, seq_len=T, tokens_per_s=tr["per_s"],
-                                     mfu=tr["per_s"] * flops / (peak * 1e9), flops_per_token=flops))
-            out["forward"].append(dict(preset=name, batch=B, seq_len=T, tokens_per_s=fw["per_s"]))
-            log(f"  {name:14s} {B}x{T}: fwd+bwd {tr['per_s']:8.0f} tok/s (MFU {out['train'][-1]['mfu']:.2f})  "
-                f"fwd {fw['per_s']:8.0f} tok/s")
-        for ctx in settings["latency_contexts"]:
-            r = tp.decode_latency(model, ctx, steps=settings["latency_steps"])
-            out["latency"].append(dict(preset=name, **r))
-            log(f"  {name:14s} decode after {ctx:6d} tokens: {r['median_ms']:.2f} ms/token, "
-                f"state {r['state_bytes']} bytes")
-    out["matmul_peak_gflops"] = {"start": peak, "end": tp.matmul_peak_gflops()}
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
 # output
 
 def format_table(res: dict) -> str:
+    """The --compare-hf table (the instrument's own is instrument.format_table)."""
     lines = []
-    if res.get("mode") == "compare-hf":
-        lines.append("training (forward+backward), tokens/s, medians of interleaved repeats")
-        lines.append(f"{'arch':8s} {'batch':>9s} {'ours':>9s} {'hf':>9s} {'ratio':>6s} {'MFU ours':>9s} {'MFU hf':>7s}")
-        for r in res["train"]:
-            lines.append(f"{r['arch']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>9s} "
-                         f"{r['ours_tokens_per_s']:9.0f} {r['hf_tokens_per_s']:9.0f} {r['ratio']:6.2f} "
-                         f"{r['ours_mfu']:9.3f} {r['hf_mfu']:7.3f}")
+    lines.append("training (forward+backward), tokens/s, medians of interleaved repeats")
+    lines.append(f"{'arch':8s} {'batch':>9s} {'ours':>9s} {'hf':>9s} {'ratio':>6s} {'MFU ours':>9s} {'MFU hf':>7s}")
+    for r in res["train"]:
+        lines.append(f"{r['arch']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>9s} "
+                     f"{r['ours_tokens_per_s']:9.0f} {r['hf_tokens_per_s']:9.0f} {r['ratio']:6.2f} "
+                     f"{r['ours_mfu']:9.3f} {r['hf_mfu']:7.3f}")
+    lines.append("")
+    lines.append("greedy decode, batch 1 (first to last new token; prefill excluded); transformers eager")
+    lines.append(f"{'arch':8s} {'context':>8s} {'new':>4s} {'ours tok/s':>11s} {'hf tok/s':>9s} {'ratio':>6s} "
+                 f"{'ours e2e s':>11s} {'hf e2e s':>9s} {'compiled tok/s':>15s} {'ratio':>6s}")
+    for r in res["decode"]:
+        comp = f"{r['ours_compiled_tokens_per_s']:15.1f} {r['ratio_compiled']:6.2f}" \
+            if "ratio_compiled" in r else f"{'-':>15s} {'-':>6s}"
+        lines.append(f"{r['arch']:8s} {r['context']:8d} {r['new_tokens']:4d} {r['ours_tokens_per_s']:11.1f} "
+                     f"{r['hf_tokens_per_s']:9.1f} {r['ratio']:6.2f} {r['ours_end_to_end_s']:11.3f} "
+                     f"{r['hf_end_to_end_s']:9.3f} {comp}")
+    if res["latency"]:
         lines.append("")
-        lines.append("greedy decode, batch 1 (first to last new token; prefill excluded); transformers eager")
-        lines.append(f"{'arch':8s} {'context':>8s} {'new':>4s} {'ours tok/s':>11s} {'hf tok/s':>9s} {'ratio':>6s} "
-                     f"{'ours e2e s':>11s} {'hf e2e s':>9s} {'compiled tok/s':>15s} {'ratio':>6s}")
-        for r in res["decode"]:
-            comp = f"{r['ours_compiled_tokens_per_s']:15.1f} {r['ratio_compiled']:6.2f}" \
-                if "ratio_compiled" in r else f"{'-':>15s} {'-':>6s}"
-            lines.append(f"{r['arch']:8s} {r['context']:8d} {r['new_tokens']:4d} {r['ours_tokens_per_s']:11.1f} "
-                         f"{r['hf_tokens_per_s']:9.1f} {r['ratio']:6.2f} {r['ours_end_to_end_s']:11.3f} "
-                         f"{r['hf_end_to_end_s']:9.3f} {comp}")
-        if res["latency"]:
-            lines.append("")
-            lines.append("mamba2 (ours) per-token decode latency")
-            for r in res["latency"]:
-                lines.append(f"  context {r['context']:6d}: {r['median_ms']:7.2f} ms/token (min {r['min_ms']:.2f}), "
-                             f"state {r['state_bytes']} bytes")
-        lines.append("")
-        lines.append("targets")
-        for k, t in res["targets"].items():
-            lines.append(f"  {k:36s} {t['target']:>8s}  measured {t['measured']:6.2f}  "
-                         f"{'met' if t['met'] else 'MISSED'}")
-    else:
-        lines.append(f"{'preset':14s} {'batch':>9s} {'fwd+bwd tok/s':>14s} {'MFU':>5s} {'fwd tok/s':>10s}")
-        for r, f in zip(res["train"], res["forward"]):
-            lines.append(f"{r['preset']:14s} {str(r['batch']) + 'x' + str(r['seq_len']):>9s} "
-                         f"{r['tokens_per_s']:14.0f} {r['mfu']:5.3f} {f['tokens_per_s']:10.0f}")
-        lines.append("")
-        lines.append(f"{'preset':14s} {'context':>8s} {'ms/token':>9s} {'state bytes':>12s}")
+        lines.append("mamba2 (ours) per-token decode latency")
         for r in res["latency"]:
-            lines.append(f"{r['preset']:14s} {r['context']:8d} {r['median_ms']:9.2f} {r['state_bytes']:12d}")
+            lines.append(f"  context {r['context']:6d}: {r['median_ms']:7.2f} ms/token (min {r['min_ms']:.2f}), "
+                         f"state {r['state_bytes']} bytes")
+    lines.append("")
+    lines.append("targets")
+    for k, t in res["targets"].items():
+        lines.append(f"  {k:36s} {t['target']:>8s}  measured {t['measured']:6.2f}  "
+                     f"{'met' if t['met'] else 'MISSED'}")
     pk = res["matmul_peak_gflops"]
     lines.append(f"matmul peak: {pk['start']:.1f} GFLOP/s at start, {pk['end']:.1f} at end")
     return "\n".join(lines)
@@ -194,22 +172,15 @@ def plot(res: dict, path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed: plot skipped (pip install 'hybridlm[plot]')"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    if res.get("mode") == "compare-hf":
-        labels = [f"train {r['arch']}\n{r['batch']}x{r['seq_len']}" for r in res["train"]] + \
-                 [f"decode {r['arch']}\nctx {r['context']}" for r in res["decode"]]
-        ratios = [r["ratio"] for r in res["train"]] + [r["ratio"] for r in res["decode"]]
-        axes[0].bar(range(len(ratios)), ratios, color="tab:blue")
-        axes[0].axhline(1.0, color="gray", lw=1, ls="--")
-        axes[0].set_xticks(range(len(ratios)), labels, fontsize=7)
-        axes[0].set_ylabel("ours / transformers (higher is faster)")
-        axes[0].set_title("speed ratio vs transformers")
-        lat = res["latency"]
-    else:
-        labels = [f"{r['preset']}\n{r['batch']}x{r['seq_len']}" for r in res["train"]]
-        axes[0].bar(range(len(labels)), [r["tokens_per_s"] for r in res["train"]], color="tab:blue")
-        axes[0].set_xticks(range(len(labels)), labels, fontsize=7)
-        axes[0].set_ylabel("fwd+bwd tokens/s")
-        lat = res["latency"]
+    labels = [f"train {r['arch']}\n{r['batch']}x{r['seq_len']}" for r in res["train"]] + \
+             [f"decode {r['arch']}\nctx {r['context']}" for r in res["decode"]]
+    ratios = [r["ratio"] for r in res["train"]] + [r["ratio"] for r in res["decode"]]
+    axes[0].bar(range(len(ratios)), ratios, color="tab:blue")
+    axes[0].axhline(1.0, color="gray", lw=1, ls="--")
+    axes[0].set_xticks(range(len(ratios)), labels, fontsize=7)
+    axes[0].set_ylabel("ours / transformers (higher is faster)")
+    axes[0].set_title("speed ratio vs transformers")
+    lat = res["latency"]
     for name in sorted({r.get("preset", "mamba2") for r in lat}):
         pts = [r for r in lat if r.get("preset", "mamba2") == name]
         axes[1].plot([r["context"] for r in pts], [r["median_ms"] for r in pts], "o-", label=name)
@@ -237,6 +208,9 @@ def main(args) -> int:
             json.dump(res, f, indent=2, default=str)
         print(f"results: {args.out}")
         return 0
+    if args.compare_hf and (args.params or args.compile or args.memory):
+        from ..errors import ConfigError
+        raise ConfigError("--params, --compile and --memory apply to the preset instrument, not to --compare-hf")
     settings = _settings(args)
     log = print
     if args.compare_hf:
@@ -254,23 +228,29 @@ def main(args) -> int:
         res = run_compare(settings, archs=archs, log=log)
         res["mode"] = "compare-hf"
     else:
+        from . import instrument
         names = [n.strip() for n in args.presets.split(",") if n.strip()]
-        res = run_ours(settings, names, log=log)
+        res = instrument.run_instrument(settings, names, log=log)
         res["mode"] = "ours"
         res["settings"] = settings
     res["meta"] = _meta(args)
     print()
-    print(format_table(res))
+    print(format_table(res) if res["mode"] == "compare-hf" else instrument.format_table(res))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    png = os.path.splitext(args.out)[0] + ".png"
-    note = "plot skipped (--no-plot)" if args.no_plot else plot(res, png)
-    res["plot"] = None if note else png
+    stem = os.path.splitext(args.out)[0]
+    if res["mode"] == "compare-hf":
+        note = "plot skipped (--no-plot)" if args.no_plot else plot(res, stem + ".png")
+        res["plot"] = None if note else stem + ".png"
+    else:
+        note = "plot skipped (--no-plot)" if args.no_plot else None
+        res["plots"] = [] if note else instrument.plot(res, stem)
+        res["plot"] = res["plots"][0] if res["plots"] else None
     if note:
         res["plot_note"] = note
         print(note)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2, default=str)
-    print(f"results: {args.out}" + (f", plot: {png}" if res["plot"] else ""))
+    print(f"results: {args.out}" + (f", plots: {', '.join(res.get('plots') or [res['plot']])}" if res["plot"] else ""))
     return 0
 
 

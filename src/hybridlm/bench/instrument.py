@@ -1,0 +1,172 @@
+"""`hybridlm bench --presets ...`: the measuring instrument for any presets at one stated size.
+
+Presets are compared at the same number of token-mixer layers (`--layers N`: attention, SSD, Rodimus, ...
+layers; MLP/MoE letters are not counted) and either the same width (`--d-model`) or the same parameter count
+(`--params 10M`: the width is sized to it, within 10%). For every training shape B×T, all presets are timed
+interleaved in one loop (so ratios see the same machine load): forward+backward tokens/s and MFU against the
+best fp32 matmul peak measured in the same run (at the start, before each shape and at the end), forward tokens/s, eager and (with `--compile`) torch.compile'd; peak
+memory of one step in a fresh process (bench/memory.py). Then per-token decode latency and inference-state
+bytes against context length.
+"""
+import torch
+
+from ..models.config import ModelConfig
+from . import throughput as tp
+
+
+def preset_config(name: str, *, layers: int, d_model: int | None, params: int | None, vocab_size: int,
+                  max_seq_len: int, overrides: dict | None = None) -> ModelConfig:
+    """Preset `name` with at least `layers` token-mixer layers, at width d_model or sized to `params`."""
+    from .. import presets
+    from ..models.sizing import depth_for_mixers, fit_params
+    base = dict(vocab_size=vocab_size, max_seq_len=max_seq_len, **(overrides or {}))
+
+    def build(n: int, d: int) -> ModelConfig:
+        return presets.get(name, n_layers=n, d_model=d, **base)
+    n = depth_for_mixers(lambda k: build(k, d_model or 256), layers)
+    if params:
+        cfg, _ = fit_params(lambda d: build(n, d), params, range(16, 8193, 16), tolerance=0.1, what="d_model")
+        return cfg
+    return build(n, d_model or 256)
+
+
+def _timed_rows(models: dict, B: int, T: int, vocab: int, repeats: int, peak: float, mode: str, log) -> list[dict]:
+    ids = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(T))
+    for m in models.values():
+        m.train()
+    train = tp.interleaved({n: tp.train_step(m, ids) for n, m in models.items()}, repeats)
+    for m in models.values():
+        m.eval()
+    fwd = tp.interleaved({n: tp.forward_step(m, ids) for n, m in models.items()}, repeats)
+    rows = []
+    for n, m in models.items():
+        tr, fw = tp.summary(train[n], B * T), tp.summary(fwd[n], B * T)
+        flops = tp.train_flops_per_token(getattr(m, "_orig_mod", m), T)
+        rows.append(dict(preset=n, mode=mode, batch=B, seq_len=T, train_tokens_per_s=tr["per_s"],
+                         forward_tokens_per_s=fw["per_s"], train_mfu=tr["per_s"] * flops / (peak * 1e9),
+                         forward_mfu=fw["per_s"] * flops / 3 / (peak * 1e9), flops_per_token=flops,
+                         train_times_s=train[n], forward_times_s=fwd[n]))
+        log(f"  {n:16s} {mode:8s} {B}x{T}: fwd+bwd {tr['per_s']:9.0f} tok/s (MFU {rows[-1]['train_mfu']:.2f})  "
+            f"fwd {fw['per_s']:9.0f} tok/s")
+    return rows
+
+
+def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
+    """Settings `s`: layers, d_model, params, vocab_size, shapes, latency_contexts, latency_steps, repeats,
+    compile, memory, overrides. -> {"configs", "train", "memory", "latency", "matmul_peak_gflops"}."""
+    from ..models.causal_lm import CausalLM
+    from ..models.sizing import token_mixers
+    from .memory import step_peak_bytes
+    peak = tp.matmul_peak_gflops()
+    log(f"matmul peak (fp32, 1024^3): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
+    max_len = max(max(T for _, T in s["shapes"]), max(s["latency_contexts"]) + s["latency_steps"] + 8)
+    out = {"configs": {}, "train": [], "memory": [], "latency": []}
+    cfgs, models = {}, {}
+    for name in preset_names:
+        cfg = preset_config(name, layers=s["layers"], d_model=s.get("d_model"), params=s.get("params"),
+                            vocab_size=s["vocab_size"], max_seq_len=max_len, overrides=s.get("overrides", {}).get(name))
+        torch.manual_seed(0)
+        cfgs[name], models[name] = cfg, CausalLM(cfg)
+        out["configs"][name] = {"config": cfg.to_dict(), "parameters": models[name].num_parameters(),
+                                "mixer_layers": token_mixers(cfg), "d_model": cfg.d_model}
+        log(f"  {name:16s} {cfg.layout}: d_model {cfg.d_model}, {token_mixers(cfg)} mixer layers, "
+            f"{models[name].num_parameters():,} parameters")
+    peaks = [peak]
+    for B, T in s["shapes"]:
+        peaks.append(tp.matmul_peak_gflops())
+        out["train"] += _timed_rows(models, B, T, s["vocab_size"], s["repeats"], peak, "eager", log)
+        if s.get("compile"):
+            compiled = {n: torch.compile(m, dynamic=False) for n, m in models.items()}
+            out["train"] += _timed_rows(compiled, B, T, s["vocab_size"], s["repeats"], peak, "compiled", log)
+        if s.get("memory"):
+            for n, cfg in cfgs.items():
+                for train in (True, False):
+                    r = step_peak_bytes(cfg, B, T, train=train)
+                    out["memory"].append(dict(preset=n, batch=B, seq_len=T, step="train" if train else "forward", **r))
+                    log(f"  {n:16s} {B}x{T} {'fwd+bwd' if train else 'fwd':7s} peak {r['peak_bytes'] / 2**20:9.1f} MiB")
+    for n, m in models.items():
+        m.eval()
+        for ctx in s["latency_contexts"]:
+            r = tp.decode_latency(m, ctx, steps=s["latency_steps"])
+            out["latency"].append(dict(preset=n, **r))
+            log(f"  {n:16s} decode after {ctx:6d} tokens: {r['median_ms']:.2f} ms/token, state {r['state_bytes']:,} B")
+    peaks.append(tp.matmul_peak_gflops())
+    for r in out["train"]:            # a loaded machine makes single peak readings low: MFU against the best one
+        r["train_mfu"] *= peak / max(peaks)
+        r["forward_mfu"] *= peak / max(peaks)
+    out["matmul_peak_gflops"] = {"start": peak, "end": peaks[-1], "max": max(peaks), "all": peaks}
+    return out
+
+
+def format_table(res: dict) -> str:
+    lines = [f"{'preset':16s} {'mode':8s} {'shape':>8s} {'fwd+bwd tok/s':>14s} {'MFU':>5s} {'fwd tok/s':>10s} "
+             f"{'peak MiB (fwd+bwd / fwd)':>25s}"]
+    mem = {(m["preset"], m["batch"], m["seq_len"], m["step"]): m["peak_bytes"] for m in res.get("memory", [])}
+    for r in res["train"]:
+        key = (r["preset"], r["batch"], r["seq_len"])
+        pk = f"{mem[key + ('train',)] / 2**20:.0f} / {mem[key + ('forward',)] / 2**20:.0f}" \
+            if r["mode"] == "eager" and key + ("train",) in mem else "-"
+        lines.append(f"{r['preset']:16s} {r['mode']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>8s} "
+                     f"{r['train_tokens_per_s']:14.0f} {r['train_mfu']:5.2f} {r['forward_tokens_per_s']:10.0f} {pk:>25s}")
+    lines.append("")
+    lines.append(f"{'preset':16s} {'context':>8s} {'ms/token':>9s} {'state bytes':>14s}")
+    for r in res["latency"]:
+        lines.append(f"{r['preset']:16s} {r['context']:8d} {r['median_ms']:9.2f} {r['state_bytes']:14,d}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, stem: str) -> list[str]:
+    """Three PNGs next to the JSON: throughput vs length, decode latency vs context, state bytes vs context."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    presets = list(res["configs"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, n in enumerate(presets):
+        for mode, ls in (("eager", "-"), ("compiled", "--")):
+            rows = sorted((r for r in res["train"] if r["preset"] == n and r["mode"] == mode), key=lambda r: r["seq_len"])
+            if rows:
+                lab = n + ("" if mode == "eager" else " (compiled)")
+                axes[0].plot([r["seq_len"] for r in rows], [r["train_tokens_per_s"] for r in rows], "o" + ls,
+                             color=f"C{i}", label=lab)
+                axes[1].plot([r["seq_len"] for r in rows], [r["forward_tokens_per_s"] for r in rows], "o" + ls,
+                             color=f"C{i}", label=lab)
+    for ax, what in zip(axes, ("forward + backward", "forward")):
+        _axes(ax, "sequence length (tokens)", "tokens/s", f"{what} throughput vs length")
+    paths.append(_save(fig, f"{stem}_throughput.png"))
+    for key, ylabel, suffix, logy in (("median_ms", "ms per decoded token", "latency", False),
+                                      ("state_bytes", "inference state (bytes)", "state", True)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, n in enumerate(presets):
+            rows = [r for r in res["latency"] if r["preset"] == n]
+            ax.plot([r["context"] for r in rows], [r[key] for r in rows], "o-", color=f"C{i}", label=n)
+        _axes(ax, "context (tokens)", ylabel, f"{ylabel} vs context, batch 1", logy=logy)
+        paths.append(_save(fig, f"{stem}_{suffix}.png"))
+    return paths
+
+
+def _axes(ax, xlabel: str, ylabel: str, title: str, logy: bool = False):
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig, path: str) -> str:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+FULL = dict(layers=4, d_model=256, params=None, vocab_size=8192, shapes=[(4, 512), (1, 2048), (1, 16384)],
+            latency_contexts=[128, 1024, 8192], latency_steps=16, repeats=3, compile=False, memory=True)
+QUICK = dict(layers=2, d_model=64, params=None, vocab_size=512, shapes=[(2, 32), (1, 64)], latency_contexts=[16, 256],
+             latency_steps=4, repeats=2, compile=False, memory=False,
+             overrides={"mamba2": dict(ssd_d_state=16, ssd_headdim=32)})

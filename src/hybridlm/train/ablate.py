@@ -1,0 +1,159 @@
+"""Run an ablation recipe: every configuration trained on the same data, budget and seeds; one table.
+
+    res = run_recipe(load_recipe("rodimus-gates"), "runs/ablate/rodimus-gates")
+
+Writes OUT/ablate.json ({"meta", "recipe", "title", "rows": [...]}), OUT/ablate.csv, OUT/curves.png and one
+run directory per configuration (OUT/<name>/metrics.jsonl, as `hybridlm train` writes; OUT/<name>/seed<k>/ when
+the recipe has several seeds). A row's val_loss is the mean over seeds (val_loss_std their spread).
+"""
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+
+from ..errors import ConfigError
+from .recipes import Recipe, RunConfig
+
+ROW_KEYS = ["name", "layout", "params", "active_params", "d_model", "mixer_layers", "val_loss", "val_loss_std",
+            "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds"]
+QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_tokens=256, log_every=1)
+
+
+def machine_meta() -> dict:
+    import torch
+
+    from .. import __version__
+    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "hybridlm " + " ".join(sys.argv[1:]) if os.path.basename(sys.argv[0]) == "hybridlm"
+            else " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
+            "hybridlm": __version__, "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
+def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str, device: str, progress: bool,
+               keep_checkpoints: bool) -> dict:
+    from . import TrainConfig, train
+    b = recipe.budget
+    tcfg = TrainConfig(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
+                       min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
+                       weight_decay=b.get("weight_decay", 0.1), eval_every=b["eval_every"],
+                       eval_tokens=b["eval_tokens"], save_every=0, seed=seed, log_every=b["log_every"],
+                       device=device)
+    t0 = time.perf_counter()
+    s = train(cfg, tcfg, data, run_dir, progress=progress)
+    wall = time.perf_counter() - t0
+    if not keep_checkpoints and s.get("checkpoint"):
+        shutil.rmtree(s["checkpoint"], ignore_errors=True)
+    return dict(s, wall_s=wall)
+
+
+def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list[int] | None = None,
+               device: str = "auto", progress: bool = True, keep_checkpoints: bool = True, log=print) -> dict:
+    """Train every configuration of `recipe` and write the table, CSV and curves under `out_dir`."""
+    from ..data.corpus import load_corpus
+    from ..data.loader import TokenData
+    from ..data.tokenizer import load_tokenizer
+    from ..models.sizing import count_parameters, token_mixers
+    if quick:
+        recipe = Recipe(**{**recipe.__dict__, "budget": dict(recipe.budget, **QUICK, params=None),
+                           "model": dict(recipe.model, d_model=32),
+                           "configs": [RunConfig(**{**c.__dict__, "params": None,
+                                                    "fields": {k: v for k, v in c.fields.items() if k != "d_model"}})
+                                       for c in recipe.configs]})
+    b = recipe.budget
+    seeds = list(seeds or b["seeds"])
+    corpus = load_corpus(None, max_bytes=b["max_bytes"])
+    tok = load_tokenizer("byte")
+    data = TokenData.from_corpus(corpus, tok)
+    sized = [(c, *recipe.model_config(c, tok.vocab_size)) for c in recipe.configs]   # all sizing errors up front
+    log(f"recipe  {recipe.name}: {recipe.title}")
+    log(f"budget  {b['steps']} steps x {b['batch_size']}x{b['seq_len']} tokens, lr {b['lr']}, seeds {seeds}; "
+        f"{len(data.tokens('train')):,} train / {len(data.tokens('val')):,} validation tokens (built-in corpus, bytes)"
+        + (f"; every model sized to {b['params']:,} {'active ' if b['active'] else ''}parameters by "
+           f"{b['size_by']} (±{b['tolerance']:.0%})" if b.get("params") else ""))
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    for c, cfg, params in sized:
+        log(f"run     {c.name}: layout {cfg.layout}, d_model {cfg.d_model}, {params:,} parameters")
+        runs = []
+        for seed in seeds:
+            run_dir = os.path.join(out_dir, c.name) if len(seeds) == 1 else os.path.join(out_dir, c.name, f"seed{seed}")
+            runs.append(_train_one(recipe, c, cfg, data, seed, run_dir, device, progress, keep_checkpoints))
+        losses = [r["val_loss"] for r in runs]
+        mean = statistics.fmean(losses)
+        row = dict(name=c.name, layout=cfg.layout, params=params, active_params=count_parameters(cfg, active=True),
+                   d_model=cfg.d_model, mixer_layers=token_mixers(cfg), val_loss=mean,
+                   val_loss_std=statistics.stdev(losses) if len(losses) > 1 else None,
+                   val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
+                   tokens_per_s=statistics.fmean(r["tokens_per_s"] for r in runs), steps=b["steps"],
+                   wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds)
+        rows.append(row)
+        log(f"        val loss {mean:.4f} (ppl {row['val_ppl']:.3f}) on {row['val_tokens']:,} tokens, "
+            f"{row['tokens_per_s']:,.0f} tokens/s, {row['wall_s']:.0f} s")
+    res = {"meta": dict(machine_meta(), quick=quick, recipe_path=recipe.path, budget=b,
+                        minutes_per_model=recipe.minutes_per_model, source=recipe.source, model=recipe.model),
+           "recipe": recipe.name, "title": recipe.title, "source": recipe.source, "claims": recipe.claims,
+           "rows": rows}
+    write_outputs(res, out_dir, [os.path.join(out_dir, r["name"]) if len(seeds) == 1 else
+                                 os.path.join(out_dir, r["name"], f"seed{seeds[0]}") for r in rows])
+    return res
+
+
+def format_table(res: dict) -> str:
+    lines = [f"{res['title']}  ({res['source']})",
+             f"{'configuration':22s} {'params':>9s} {'d':>4s} {'val loss':>9s} {'val ppl':>8s} {'tok/s':>7s} "
+             f"{'wall s':>7s}  layout"]
+    for r in res["rows"]:
+        std = f"±{r['val_loss_std']:.3f}" if r.get("val_loss_std") is not None else ""
+        lines.append(f"{r['name']:22s} {r['params']:9,d} {r['d_model']:4d} {r['val_loss']:9.4f}{std} "
+                     f"{r['val_ppl']:8.3f} {r['tokens_per_s']:7.0f} {r['wall_s']:7.0f}  {r['layout']}")
+    lines.append(f"validation on {res['rows'][0]['val_tokens']:,} tokens" if res["rows"] else "no rows")
+    return "\n".join(lines)
+
+
+def write_outputs(res: dict, out_dir: str, run_dirs: list[str]):
+    with open(os.path.join(out_dir, "ablate.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    with open(os.path.join(out_dir, "ablate.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")
+        w.writeheader()
+        for r in res["rows"]:
+            w.writerow(dict(r, seeds=" ".join(map(str, r["seeds"]))))
+    plot_curves([r["name"] for r in res["rows"]], run_dirs, os.path.join(out_dir, "curves.png"), res["title"])
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise ConfigError(f"no metrics.jsonl in {run_dir}")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(names: list[str], run_dirs: list[str], path: str, title: str = ""):
+    """Training loss (lines) and validation loss (markers) of each run against tokens seen."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, d) in enumerate(zip(names, run_dirs)):
+        rows = read_metrics(d)
+        color = f"C{i % 10}"
+        ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], color=color, lw=1, alpha=0.8, label=name)
+        val = [r for r in rows if r.get("val_loss") is not None]
+        ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o", color=color, ms=5)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss (nats/token); dots: validation")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

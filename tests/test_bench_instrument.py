@@ -1,0 +1,81 @@
+"""`hybridlm bench` as the instrument (no transformers needed): presets at a stated depth/size, --quick smoke run,
+the fresh-process memory probe, and `hybridlm report`'s verdicts."""
+import json
+
+import pytest
+
+from hybridlm.bench.instrument import preset_config
+from hybridlm.bench.memory import step_peak_bytes
+from hybridlm.bench.report import NOT_COMPARABLE, NOT_REPRODUCED, REPRODUCED, ablation_verdict, bench_claims, render
+from hybridlm.cli import main
+from hybridlm.models.sizing import count_parameters, token_mixers
+
+
+def test_presets_compared_at_the_same_depth_and_size():
+    kw = dict(d_model=64, params=None, vocab_size=256, max_seq_len=64)
+    for name, layout in (("transformer++", "(AM)*8"), ("mamba2", "S*8"), ("cheems", "((SE)*7 FE)*1"),
+                         ("rodimus++", "[RWM]*4")):                        # R and W are both token mixers
+        cfg = preset_config(name, layers=8, **kw)
+        assert cfg.layout == layout and token_mixers(cfg) >= 8
+    sized = {n: preset_config(n, layers=4, d_model=None, params=4_000_000, vocab_size=8192, max_seq_len=64)
+             for n in ("transformer++", "mamba2", "rodimus")}
+    for cfg in sized.values():
+        assert abs(count_parameters(cfg) - 4_000_000) <= 400_000 and token_mixers(cfg) == 4
+
+
+def test_bench_quick_writes_results_and_three_plots(tmp_path, capsys):
+    out = tmp_path / "bench" / "results.json"
+    assert main(["bench", "--quick", "--presets", "transformer++,mamba2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["mode"] == "ours" and set(res["configs"]) == {"transformer++", "mamba2"}
+    assert all(c["mixer_layers"] == 2 for c in res["configs"].values())
+    assert [(r["preset"], r["batch"], r["seq_len"]) for r in res["train"]] == [
+        ("transformer++", 2, 32), ("mamba2", 2, 32), ("transformer++", 1, 64), ("mamba2", 1, 64)]
+    for r in res["train"]:
+        assert r["mode"] == "eager" and r["train_tokens_per_s"] > 0 and r["forward_tokens_per_s"] > 0
+        assert 0 < r["train_mfu"] < 2 and len(r["train_times_s"]) == 2
+    lat = {r["preset"]: [x for x in res["latency"] if x["preset"] == r["preset"]] for r in res["latency"]}
+    assert lat["mamba2"][0]["state_bytes"] == lat["mamba2"][1]["state_bytes"]            # constant state
+    assert lat["transformer++"][0]["state_bytes"] < lat["transformer++"][1]["state_bytes"]  # growing KV cache
+    assert len(res["plots"]) == 3 and all(p.endswith(".png") for p in res["plots"])
+    for p in res["plots"]:
+        assert (tmp_path / "bench" / p.rsplit("/", 1)[-1]).stat().st_size > 1000
+    assert "state bytes" in capsys.readouterr().out
+
+
+def test_memory_probe_measures_the_step_in_a_fresh_process():
+    cfg = preset_config("mamba2", layers=1, d_model=64, params=None, vocab_size=512, max_seq_len=2048,
+                        overrides=dict(ssd_d_state=16, ssd_headdim=32))
+    r = step_peak_bytes(cfg, 1, 2048)
+    # logits alone are 2048 x 512 x 4 B = 4 MiB, and backward keeps a few such tensors; weights are not counted
+    assert 4 * 2**20 < r["peak_bytes"] < 512 * 2**20 and r["method"].startswith("VmHWM")
+
+
+def _ablate(rows, claims):
+    return {"recipe": "r", "title": "T", "source": "000_x.txt, table 1", "claims": claims, "_dir": "/nonexistent",
+            "meta": {"command": "hybridlm ablate r", "budget": dict(steps=2, batch_size=1, seq_len=8, lr=1e-3,
+                     seeds=[0], max_bytes=1, params=None, eval_tokens=0)},
+            "rows": [dict(name=n, layout="S", d_model=8, params=1, active_params=1, val_loss=v, val_ppl=1.0,
+                          val_tokens=10, tokens_per_s=1.0, wall_s=1.0) for n, v in rows]}
+
+
+def test_report_verdicts_and_page(tmp_path):
+    rows = {"a": {"val_loss": 1.50}, "b": {"val_loss": 1.60}, "c": {"val_loss": 1.51}}
+    assert ablation_verdict({"better": "a", "worse": "b"}, rows, 0.02)[0] == REPRODUCED
+    assert ablation_verdict({"better": "b", "worse": "a"}, rows, 0.02)[0] == NOT_REPRODUCED
+    assert ablation_verdict({"better": "c", "worse": "a"}, rows, 0.02)[0] == NOT_COMPARABLE
+    spread = {"a": {"val_loss": 1.50, "val_loss_std": 0.06}, "b": {"val_loss": 1.60}}
+    assert ablation_verdict({"better": "a", "worse": "b"}, spread, 0.02)[0] == NOT_COMPARABLE   # 2 x 0.06 > 0.1
+    bench = {"configs": {"transformer++": {}, "mamba2": {}}, "train": [
+        dict(preset="transformer++", mode="eager", batch=1, seq_len=16384, train_tokens_per_s=700.0, train_mfu=0.3),
+        dict(preset="mamba2", mode="eager", batch=1, seq_len=16384, train_tokens_per_s=3500.0, train_mfu=0.3)],
+        "latency": [dict(preset="mamba2", context=c, median_ms=1.0, state_bytes=5) for c in (128, 8192)]}
+    verdicts = {c["claim"].split(" ")[0] + c["claim"].split(" ")[1]: c["verdict"] for c in bench_claims(bench)}
+    assert verdicts == {"mamba2fwd+bwd": "met", "mamba2decode": "met"}
+    res = {"dir": str(tmp_path), "ablate": [_ablate([("a", 1.5), ("b", 1.6)], [dict(text="a beats b", better="a",
+                                                                                  worse="b", paper="PPL 1 vs 2")])],
+           "mqar": None, "bench": None}
+    page = render(res, str(tmp_path / "results.md"))
+    assert "| a beats b | 000_x.txt | PPL 1 vs 2 | 1.500 vs 1.600 (Δ +0.100) | **reproduced** |" in page
+    assert "No MQAR results yet" in page and "No instrument results yet" in page
+    assert main(["report", "--results", str(tmp_path / "missing")]) == 2
