@@ -79,11 +79,12 @@ def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
             compiled = {n: torch.compile(m, dynamic=False) for n, m in models.items()}
             out["train"] += _timed_rows(compiled, B, T, s["vocab_size"], s["repeats"], peak, "compiled", log)
         if s.get("memory"):
+            # "train-full-logits": the same step with [tokens, vocab] logits materialised (the unfused LM head)
             for n, cfg in cfgs.items():
-                for train in (True, False):
-                    r = step_peak_bytes(cfg, B, T, train=train)
-                    out["memory"].append(dict(preset=n, batch=B, seq_len=T, step="train" if train else "forward", **r))
-                    log(f"  {n:16s} {B}x{T} {'fwd+bwd' if train else 'fwd':7s} peak {r['peak_bytes'] / 2**20:9.1f} MiB")
+                for step in ("train", "train-full-logits", "forward"):
+                    r = step_peak_bytes(cfg, B, T, train=step != "forward", full_logits=step == "train-full-logits")
+                    out["memory"].append(dict(preset=n, batch=B, seq_len=T, step=step, **r))
+                    log(f"  {n:16s} {B}x{T} {step:17s} peak {r['peak_bytes'] / 2**20:9.1f} MiB")
     for n, m in models.items():
         m.eval()
         for ctx in s["latency_contexts"]:
@@ -100,14 +101,14 @@ def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
 
 def format_table(res: dict) -> str:
     lines = [f"{'preset':16s} {'mode':8s} {'shape':>8s} {'fwd+bwd tok/s':>14s} {'MFU':>5s} {'fwd tok/s':>10s} "
-             f"{'peak MiB (fwd+bwd / fwd)':>25s}"]
+             f"{'peak MiB (fwd+bwd / with full logits / fwd)':>44s}"]
     mem = {(m["preset"], m["batch"], m["seq_len"], m["step"]): m["peak_bytes"] for m in res.get("memory", [])}
     for r in res["train"]:
         key = (r["preset"], r["batch"], r["seq_len"])
-        pk = f"{mem[key + ('train',)] / 2**20:.0f} / {mem[key + ('forward',)] / 2**20:.0f}" \
+        pk = " / ".join(f"{mem[key + (k,)] / 2**20:.0f}" for k in ("train", "train-full-logits", "forward")) \
             if r["mode"] == "eager" and key + ("train",) in mem else "-"
         lines.append(f"{r['preset']:16s} {r['mode']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>8s} "
-                     f"{r['train_tokens_per_s']:14.0f} {r['train_mfu']:5.2f} {r['forward_tokens_per_s']:10.0f} {pk:>25s}")
+                     f"{r['train_tokens_per_s']:14.0f} {r['train_mfu']:5.2f} {r['forward_tokens_per_s']:10.0f} {pk:>44s}")
     lines.append("")
     lines.append(f"{'preset':16s} {'context':>8s} {'ms/token':>9s} {'state bytes':>14s}")
     for r in res["latency"]:

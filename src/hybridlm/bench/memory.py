@@ -34,9 +34,9 @@ def _rss_kib(field: str) -> int | None:
     return None
 
 
-def _step(model, ids, train: bool):
+def _step(model, ids, train: bool, full_logits: bool = False):
     if train:
-        model(ids, labels=ids).loss.backward()
+        model(ids, labels=ids, return_logits=full_logits).loss.backward()
         for p in model.parameters():
             p.grad = None
     else:
@@ -44,8 +44,10 @@ def _step(model, ids, train: bool):
             model(ids, logits_to_keep=1)
 
 
-def measure_here(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True, device: str = "cpu") -> dict:
-    """Peak bytes of one step measured in this process (call it in a fresh one on CPU)."""
+def measure_here(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True, device: str = "cpu",
+                 full_logits: bool = False) -> dict:
+    """Peak bytes of one step measured in this process (call it in a fresh one on CPU). `full_logits`: the
+    training step materialises [tokens, vocab] logits (the unfused head + loss) instead of the chunked loss."""
     import gc
     import resource
 
@@ -54,14 +56,14 @@ def measure_here(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True,
     model = CausalLM(cfg).to(device).train(train)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
     if device.startswith("cuda"):
-        _step(model, ids, train)                                    # warm-up; the caching allocator keeps it
+        _step(model, ids, train, full_logits)                       # warm-up; the caching allocator keeps it
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        _step(model, ids, train)
+        _step(model, ids, train, full_logits)
         torch.cuda.synchronize()
         return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "method": "cuda.max_memory_allocated"}
-    _step(model, ids[:1, :8], train)                                # one-time set-up, ~no memory
+    _step(model, ids[:1, :8], train, full_logits)                   # one-time set-up, ~no memory
     gc.collect()
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -72,17 +74,18 @@ def measure_here(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True,
     before = _rss_kib("VmRSS")
     if before is None:                                              # no /proc: resource only (KiB on Linux)
         before, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "ru_maxrss delta"
-    _step(model, ids, train)
+    _step(model, ids, train, full_logits)
     peak = _rss_kib("VmHWM") if method.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_bytes": max(0, peak - before) * 1024, "method": method}
 
 
 def step_peak_bytes(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True, device: str = "cpu",
-                    threads: int | None = None) -> dict:
+                    threads: int | None = None, full_logits: bool = False) -> dict:
     """measure_here in a fresh Python process (CPU) or in this one (CUDA). -> {"peak_bytes", "method"}."""
     if device.startswith("cuda"):
-        return measure_here(cfg, batch, seq_len, train, device)
+        return measure_here(cfg, batch, seq_len, train, device, full_logits)
     job = json.dumps({"config": cfg.to_dict(), "batch": batch, "seq_len": seq_len, "train": train,
+                      "full_logits": full_logits,
                       "threads": threads or torch.get_num_threads()})
     proc = subprocess.run([sys.executable, "-m", "hybridlm.bench.memory"], input=job, capture_output=True, text=True,
                           env=dict(os.environ))
@@ -97,5 +100,6 @@ if __name__ == "__main__":
     tune_allocator()                                    # the allocator the `hybridlm` command runs with
     job = json.loads(sys.stdin.read())
     torch.set_num_threads(job["threads"])
-    res = measure_here(ModelConfig.from_dict(job["config"]), job["batch"], job["seq_len"], job["train"])
+    res = measure_here(ModelConfig.from_dict(job["config"]), job["batch"], job["seq_len"], job["train"],
+                       full_logits=job.get("full_logits", False))
     print(json.dumps(res))
