@@ -17,6 +17,8 @@ COMMANDS = {
     "info": ("hybridlm.commands.info", "layout, parameter count and inference cache size"),
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
     "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
+    "mqar": ("hybridlm.commands.mqar", "multi-query associative recall accuracy over layouts, widths and lengths"),
+    "plot": ("hybridlm.commands.plot", "training and validation curves of several runs on one PNG"),
 }
 
 

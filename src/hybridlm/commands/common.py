@@ -68,3 +68,11 @@ def layout_summary(cfg) -> str:
     letters = flatten(parse_layout(cfg.layout, LETTERS.keys()))
     counts = ", ".join(f"{letters.count(c)} {c}" for c in sorted(set(letters)))
     return f"{cfg.layout}  ({len(letters)} layers: {counts})"
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
