@@ -102,3 +102,14 @@ def test_plot_cli(tmp_path, capsys):
     assert cli(["plot", str(tmp_path / "a"), "--metric", "val_loss", "--out", str(png)]) == 0
     assert cli(["plot", str(tmp_path / "missing"), "--out", str(png)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_layout_specs():
+    from hybridlm.commands.mqar import build_config, parse_layouts
+    specs = parse_layouts("t=transformer++, x=(AM)*3,r=R:rodimus_d_state=8", layers=2)
+    assert specs == [("t", "transformer++", {}), ("x", "(AM)*3", {}), ("r", "(RM)*2", {"rodimus_d_state": 8})]
+    cfgs = [build_config(v, o, d_model=16, seq_len=32, vocab_size=64, layers=2) for _, v, o in specs]
+    assert [c.layout for c in cfgs] == ["(AM)*2", "(AM)*3", "(RM)*2"]
+    assert cfgs[2].rodimus_d_state == 8 and cfgs[1].n_heads == 1 and cfgs[0].ssd_headdim == 32
+    with pytest.raises(InputError, match="twice"):
+        parse_layouts("a=A,a=S", layers=2)
