@@ -202,7 +202,7 @@ def main(args) -> int:
                                      lr=lr, seed=args.seed, device=device, progress=args.jobs == 1,
                                      threads=1 if args.jobs > 1 else 0,
                                      desc=f"{name} d={d} T={T} lr={lr:g}"))
-    meta = {"machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
+    meta = {"machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"{os.cpu_count()} cpus"))),
             "device": device, "torch": torch.__version__, "hybridlm": __version__, "python": platform.python_version(),
             "command": ("hybridlm " + " ".join(sys.argv[1:])
                         if os.path.basename(sys.argv[0]) in ("hybridlm", "__main__.py") else None),
