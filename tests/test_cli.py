@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     text.write_text("def add(a, b):\n    return a + b\n\n" * 300)
     out = d / "run"
     r = hybridlm("train", *TINY, "--data", text, "--steps", 4, "--seq-len", 32, "--batch-size", 4, "--warmup", 1,
-                 "--eval-every", 2, "--eval-batches", 2, "--save-every", 2, "--log-every", 1, "--out", out,
+                 "--eval-every", 2, "--eval-tokens", 400, "--save-every", 2, "--log-every", 1, "--out", out,
                  "--no-progress")
     assert r.returncode == 0, r.stderr
     assert "done    step 4" in r.stdout
@@ -44,7 +44,7 @@ def run(tmp_path_factory):
 def test_train_writes_checkpoint_and_metrics(run):
     ckpt = run["out"] / "checkpoint"
     assert sorted(os.listdir(ckpt)) == ["config.json", "model.safetensors", "optimizer.safetensors",
-                                        "tokenizer_config.json", "trainer_state.json"]
+                                        "tokenizer.json", "tokenizer_config.json", "trainer_state.json"]
     rows = [json.loads(line) for line in open(run["out"] / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["val_ppl"] > 1
     cfg = json.load(open(ckpt / "config.json"))
@@ -53,7 +53,7 @@ def test_train_writes_checkpoint_and_metrics(run):
 
 def test_resume_continues(run):
     r = hybridlm("train", "--data", run["text"], "--steps", 6, "--seq-len", 32, "--batch-size", 4, "--warmup", 1,
-                 "--eval-every", 2, "--eval-batches", 2, "--out", run["out"], "--resume", "--no-progress")
+                 "--eval-every", 2, "--eval-tokens", 400, "--out", run["out"], "--resume", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert json.load(open(run["out"] / "checkpoint" / "trainer_state.json"))["step"] == 6
 
@@ -110,9 +110,9 @@ def test_bpe_tokenizer_train_and_generate_in_process(tmp_path, capsys):
     text.write_text("# Notes\n\nThe quick brown fox jumps over the lazy dog. Ünïcödé ✓\n" * 200)
     out = tmp_path / "bpe"
     assert main(["train", *TINY, "--tokenizer", "bpe:320", "--data", str(text), "--steps", "2", "--seq-len", "32",
-                 "--batch-size", "2", "--eval-batches", "1", "--out", str(out), "--no-progress"]) == 0
+                 "--batch-size", "2", "--eval-tokens", "200", "--out", str(out), "--no-progress"]) == 0
     assert os.path.exists(out / "checkpoint" / "tokenizer.json")
-    vocab = json.load(open(out / "checkpoint" / "tokenizer_config.json"))["vocab_size"]
+    vocab = json.load(open(out / "checkpoint" / "tokenizer_config.json"))["hybridlm"]["vocab_size"]
     assert 257 < vocab <= 320 and json.load(open(out / "checkpoint" / "config.json"))["vocab_size"] == vocab
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(out), "--prompt", "The quick", "--max-new-tokens", "8"]) == 0

@@ -34,7 +34,7 @@ def data():
 
 
 def fast_cfg(**kw):
-    base = dict(steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_every=4, eval_batches=2, save_every=4,
+    base = dict(steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_every=4, eval_tokens=2000, save_every=4,
                 log_every=1, seed=1)
     return TrainConfig(**{**base, **kw})
 
@@ -228,7 +228,7 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
            "-m", "hybridlm", "train", "--preset", "transformer++", "--n-layers", "1", "--d-model", "32",
            "--set", "n_heads=2", "--data", str(text), "--steps", "3", "--seq-len", "32", "--batch-size", "2",
-           "--eval-batches", "1", "--out", str(out), "--no-progress"]
+           "--eval-tokens", "200", "--out", str(out), "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

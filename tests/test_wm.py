@@ -288,7 +288,7 @@ def test_routed_moe_reference_independence_gradients_and_aux_loss():
 def test_model_sums_moe_aux_loss():
     m = model("(AO)*2").train()
     ids = torch.randint(0, 97, (2, 16))
-    out = m(ids, labels=ids)
+    out = m(ids, labels=ids, return_logits=True)
     assert out.aux_loss is not None and out.aux_loss.requires_grad
     ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert_close(out.loss, ce + 0.01 * out.aux_loss, atol=1e-6)

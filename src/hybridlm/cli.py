@@ -5,8 +5,10 @@ imported. Errors on bad input print one line `hybridlm: error: <message>` to std
 progress bars go to stderr, results to stdout.
 """
 import argparse
+import ctypes
 import importlib
 import os
+import platform
 import sys
 
 # name -> (module, one-line help). A new command is a module with add_arguments/main and one row here.
@@ -17,9 +19,34 @@ COMMANDS = {
     "info": ("hybridlm.commands.info", "layout, parameter count and inference cache size"),
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
     "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
+    "consolidate": ("hybridlm.commands.consolidate", "one model.safetensors from an FSDP checkpoint's DCP shards"),
+    "tokenizer": ("hybridlm.commands.tokenizer", "train a byte-level BPE tokenizer and save it (transformers-loadable)"),
+    "convert": ("hybridlm.commands.convert", "transformers checkpoint directory <-> hybridlm checkpoint"),
     "mqar": ("hybridlm.commands.mqar", "multi-query associative recall accuracy over layouts, widths and lengths"),
     "plot": ("hybridlm.commands.plot", "training and validation curves of several runs on one PNG"),
 }
+
+
+# glibc mallopt parameters, and the values the command sets for its own process: freed blocks up to 1 GiB stay
+# in the heap instead of going back to the OS, so a long-sequence step does not page-fault its activations
+# in again every time (2x the cost per token past ~4K tokens on CPU, ../docs/architecture.md)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MALLOPT = ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20))
+_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def tune_allocator() -> bool:
+    """Raise glibc's mmap/trim thresholds and top pad for this process (a command-line entry point's choice;
+    importing hybridlm changes nothing). Skipped where glibc is not the allocator, where jemalloc/tcmalloc is
+    preloaded, or where the user set the MALLOC_* variables themselves. Returns whether it applied."""
+    if platform.libc_ver()[0] != "glibc" or "malloc" in os.environ.get("LD_PRELOAD", "") or \
+            any(v in os.environ for v in _ENV):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return all(libc.mallopt(param, value) == 1 for param, value in _MALLOPT)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -47,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import HybridLMError
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    tune_allocator()
     try:
         return args.func(args) or 0
     except HybridLMError as e:

@@ -23,6 +23,7 @@ DEFAULT_OUT = os.path.join("runs", "bench", "results.json")
 SUITES = {"wm": "hybridlm.bench.wm_speed:run_suite"}   # CDMoE vs gated MLP; doge vs transformers Doge-MoE
 SUITES["mla"] = "hybridlm.bench.mla_decode:run_suite"  # MLA latent cache size and absorbed vs expanded decode
 SUITES["rodimus"] = "hybridlm.bench.rodimus:run_suite"  # GLA op speed, cache/latency vs context, vs Mamba-2
+SUITES["hf"] = "hybridlm.bench.hf_wrapper:run_suite"  # transformers generate() through HybridLMForCausalLM vs ours
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:

@@ -28,18 +28,40 @@ def parse_sets(items: list[str]) -> dict:
 
 
 def model_config(args, vocab_size: int, seq_len: int | None = None):
-    """The preset with --n-layers/--d-model/--set applied; max_seq_len grows to cover seq_len."""
+    """The preset with --n-layers/--d-model/--n-heads/--set applied. Unless max_seq_len is set, a learned
+    position table is sized to `seq_len` (the context trained on; it cannot extrapolate) and other models'
+    max_seq_len grows to cover it."""
     from .. import presets
     over = parse_sets(args.set)
-    if args.n_layers is not None:
-        over["n_layers"] = args.n_layers
-    if args.d_model is not None:
-        over["d_model"] = args.d_model
+    for flag in ("n_layers", "d_model", "n_heads"):
+        if getattr(args, flag, None) is not None:
+            over[flag] = getattr(args, flag)
     over.setdefault("vocab_size", vocab_size)
     cfg = presets.get(args.preset, **over)
-    if seq_len is not None and cfg.max_seq_len < seq_len and "max_seq_len" not in over:
-        cfg = cfg.replace(max_seq_len=seq_len)
+    if seq_len is not None and "max_seq_len" not in over:
+        if cfg.pos_embedding == "learned":
+            cfg = cfg.replace(max_seq_len=seq_len)
+        elif cfg.max_seq_len < seq_len:
+            cfg = cfg.replace(max_seq_len=seq_len)
     return cfg
+
+
+def config_diff(cfg, default) -> str:
+    """'field=value, ...' for the fields of dataclass `cfg` that differ from `default`'s."""
+    from dataclasses import fields
+    items = [(f.name, getattr(cfg, f.name)) for f in fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)]
+    return ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in items) or "(defaults)"
+
+
+def param_split(model) -> str:
+    """'1.12M parameters: embeddings 0.07M, position table 0.26M, blocks 0.79M, lm_head 0.07M (untied)'."""
+    emb = model.embed.weight.numel()
+    pos = model.pos_embed.weight.numel() if model.pos_embed is not None else 0
+    head = 0 if model.lm_head.weight is model.embed.weight else model.lm_head.weight.numel()
+    total = model.num_parameters()
+    parts = [f"embeddings {count(emb)}"] + ([f"position table {count(pos)}"] if pos else [])
+    parts += [f"blocks {count(total - emb - pos - head)}", f"lm_head {count(head)}" if head else "lm_head tied"]
+    return f"{count(total)} parameters: " + ", ".join(parts)
 
 
 def add_model_args(p, preset_default: str | None = "mamba2-attention"):
@@ -47,6 +69,7 @@ def add_model_args(p, preset_default: str | None = "mamba2-attention"):
                    help=f"named model configuration (default: {preset_default}); see `hybridlm info --list`")
     p.add_argument("--n-layers", type=int, help="depth in units of the preset's repeating block")
     p.add_argument("--d-model", type=int, help="model width")
+    p.add_argument("--n-heads", type=int, help="attention heads (query heads)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any ModelConfig field; VALUE is JSON-parsed (repeatable), e.g. --set layout='(AM)*2'")
 
@@ -68,6 +91,23 @@ def layout_summary(cfg) -> str:
     letters = flatten(parse_layout(cfg.layout, LETTERS.keys()))
     counts = ", ".join(f"{letters.count(c)} {c}" for c in sorted(set(letters)))
     return f"{cfg.layout}  ({len(letters)} layers: {counts})"
+
+
+def add_tokenizer_arg(p):
+    p.add_argument("--tokenizer", default=None, metavar="DIR_OR_FILE",
+                   help="use this tokenizer instead of the checkpoint's (a directory saved by hybridlm or transformers, "
+                        "or a tokenizer.json)")
+
+
+def other_tokenizer(spec: str, vocab_size: int):
+    """The tokenizer at `spec`, checked to fit a model of `vocab_size` ids."""
+    from ..data.tokenizer import check_fits, load_tokenizer
+    if spec.startswith("bpe:"):
+        from ..errors import InputError
+        raise InputError("--tokenizer here takes a saved tokenizer (directory or tokenizer.json), not bpe:N")
+    tok = load_tokenizer(spec)
+    check_fits(tok, vocab_size, spec)
+    return tok
 
 
 def pyplot():

@@ -53,7 +53,7 @@ def main(args) -> int:
     out(f"data: {corpus.nbytes / 1e6:.1f} MB of this Python's standard library sources, byte-level "
          f"({len(data.tokens('train')):,} train / {len(data.tokens('val')):,} validation tokens)")
     steps = args.steps
-    base = dict(batch_size=16, seq_len=128, lr=3e-3, min_lr=3e-4, warmup=20, eval_batches=8, save_every=0,
+    base = dict(batch_size=16, seq_len=128, lr=3e-3, min_lr=3e-4, warmup=20, eval_tokens=50_000, save_every=0,
                 log_every=5, seed=args.seed)
     if steps is None:  # fit the run to the time budget on this machine
         threads, sps = _calibrate(cfg, TrainConfig(steps=1, **base), data)

@@ -1,34 +1,64 @@
-"""`hybridlm eval`: validation loss and perplexity of a checkpoint."""
+"""`hybridlm eval`: validation loss and perplexity of a checkpoint, or lm-evaluation-harness tasks (--tasks).
+
+By default it evaluates exactly what training's validation line measured: the same data (source and byte cap
+from the checkpoint), the same split, window length, token budget, seed and document masking, so the two
+figures agree."""
 import os
 
-from .common import out
+from .common import add_tokenizer_arg, other_tokenizer, out
 
 
 def main(args) -> int:
-    from ..data.corpus import load_corpus
-    from ..data.loader import encode_documents
+    if args.tasks:  # lm-evaluation-harness tasks instead of the validation perplexity (eval/harness_tasks.py)
+        from ..eval.harness_tasks import evaluate_checkpoint
+        out(evaluate_checkpoint(args.checkpoint, args.tasks, include_path=args.include_path, limit=args.limit,
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, output=args.output))
+        return 0
+    import torch
+    from ..data.loader import load_data
     from ..data.tokenizer import tokenizer_from_dir
-    from ..eval.perplexity import perplexity
+    from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
     from ..train.checkpoint import load_checkpoint
     model, state = load_checkpoint(args.checkpoint)
-    tok = tokenizer_from_dir(state["checkpoint_dir"])
-    source = args.data or state.get("data") or None
-    if source not in (None, "stdlib") and not os.path.exists(source) and args.data is None:
-        source = None  # the training data moved: fall back to the built-in corpus
-    corpus = load_corpus(source, max_bytes=args.max_bytes or None)
-    seq_len = args.seq_len or state.get("train_config", {}).get("seq_len", 256)
-    arr = encode_documents(corpus.val, tok)
-    r = perplexity(model, arr, tok, seq_len=seq_len, batch_size=args.batch_size, max_tokens=args.max_tokens or None)
-    out(f"val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  ({r['tokens']:,} tokens of the {corpus.source} "
-         f"validation split, seq_len {seq_len})")
+    tok = other_tokenizer(args.tokenizer, model.config.vocab_size) if args.tokenizer \
+        else tokenizer_from_dir(state["checkpoint_dir"])
+    tcfg = state.get("train_config", {})
+    spec = state.get("data_spec") or {"data": state.get("data"), "max_bytes": 8_000_000}
+    source, max_bytes = spec.get("data"), spec.get("max_bytes")
+    if args.data is not None:
+        source, max_bytes = args.data, (args.max_bytes if args.max_bytes is not None else max_bytes)
+    elif source not in (None, "stdlib") and not os.path.exists(source):
+        out(f"note    the training data {source} is gone: evaluating on the built-in corpus instead")
+        source = None
+    elif args.max_bytes is not None:
+        max_bytes = args.max_bytes
+    data = load_data(source, tok, max_bytes or None)
+    seq_len = args.seq_len or tcfg.get("seq_len", 256)
+    budget = args.max_tokens if args.max_tokens is not None else tcfg.get("eval_tokens", DEFAULT_VAL_TOKENS)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.get("dtype") == "bfloat16")
+    r = validate(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
+                 max_tokens=budget, seed=tcfg.get("seed", 0), doc_mask=tcfg.get("doc_mask", True), autocast=autocast)
+    out(f"{describe(r)} of the {data.source or 'stdlib'} validation split, seq_len {seq_len}")
     return 0
 
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    add_tokenizer_arg(p)
     p.add_argument("--data", default=None,
-                   help="text data to evaluate on (default: the training data's validation split)")
-    p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus cap in bytes, as in training (0 = none)")
+                   help="data to evaluate on, text or token ids as for train (default: the training data's "
+                        "validation split)")
+    p.add_argument("--max-bytes", type=int, default=None, help="text cap in bytes (default: as in training; 0 = none)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=100_000, help="evaluate at most this many tokens (0 = all)")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the training batch size (8 for --tasks)")
+    p.add_argument("--tasks", default=None, metavar="NAMES",
+                   help="comma-separated lm-evaluation-harness tasks (needs hybridlm[eval]), e.g. hybridlm_local (the "
+                        "shipped local tasks) or lambada_openai,hellaswag; runs them instead of the validation ppl")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a directory of your own lm-eval task YAMLs (repeatable)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="at most this many examples per task (a fraction if < 1), for quick checks")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--output", default=None, metavar="FILE", help="write lm-eval's results as JSON here")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="whole split up to this many tokens, else a fixed sample (default: as in training; 0 = all)")

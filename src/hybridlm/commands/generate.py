@@ -1,6 +1,8 @@
 """`hybridlm generate`: stream text from a checkpoint."""
 import sys
 
+from .common import add_tokenizer_arg
+
 
 def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8, top_k=None, top_p=None,
                 seed: int = 0, out=None, compile: bool = False) -> str:
@@ -32,8 +34,13 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8
 
 def main(args) -> int:
     import torch
-    from ..train import load_pretrained
-    model, tok = load_pretrained(args.checkpoint)
+    from ..train import load_checkpoint, load_pretrained
+    from .common import other_tokenizer
+    if args.tokenizer:            # the checkpoint need not carry one (e.g. converted without a tokenizer.json)
+        model = load_checkpoint(args.checkpoint)[0].eval()
+        tok = other_tokenizer(args.tokenizer, model.config.vocab_size)
+    else:
+        model, tok = load_pretrained(args.checkpoint)
     torch.manual_seed(args.seed)
     stream_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, compile=args.compile)
@@ -42,6 +49,7 @@ def main(args) -> int:
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    add_tokenizer_arg(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start of a new document)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

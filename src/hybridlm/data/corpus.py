@@ -56,9 +56,21 @@ def _walk(root: str, exts: set[str], skip_tests: bool) -> list[str]:
     return out
 
 
-def _read_text(path: str) -> str:
+def _read_text(path: str, max_bytes: int | None = None) -> str:
+    """The file as UTF-8 text (at most `max_bytes` bytes, cut at a character boundary). Binary data is refused
+    rather than decoded into replacement characters and trained on."""
     with open(path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
+        raw = f.read() if max_bytes is None else f.read(max_bytes)
+    if b"\0" in raw[:1 << 20]:
+        raise InputError(f"{path} is binary (NUL bytes), not text: token ids go in a .npy file, or a .bin file "
+                         f"with a .bin.json sidecar naming their dtype")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if max_bytes is not None and e.start >= len(raw) - 3 and e.reason.startswith("unexpected end"):
+            return raw[:e.start].decode("utf-8")   # the cap split a character
+        raise InputError(f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start:,}): convert "
+                         f"it to UTF-8, or give token ids as .npy / .bin + .bin.json") from None
 
 
 def _read_jsonl(path: str) -> list[str]:
@@ -89,24 +101,35 @@ def _read_parquet(path: str) -> list[str]:
     return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
 
 
-def read_documents(path: str) -> list[str]:
-    """Documents of one file: a .jsonl line, a .parquet row, or the whole text file."""
+def read_documents(path: str, max_bytes: int | None = None) -> list[str]:
+    """Documents of one file: a .jsonl line, a .parquet row, or the whole text file (of which at most
+    `max_bytes` are read)."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".jsonl":
         return _read_jsonl(path)
     if ext == ".parquet":
         return _read_parquet(path)
-    return [_read_text(path)]
+    return [_read_text(path, max_bytes)]
+
+
+def _cut(doc: str, n_bytes: int) -> str:
+    """The longest prefix of `doc` of at most `n_bytes` UTF-8 bytes."""
+    return doc.encode("utf-8")[:n_bytes].decode("utf-8", errors="ignore")
 
 
 def _capped(paths: list[str], max_bytes: int | None) -> list[str]:
+    """Documents of `paths` in order, at most `max_bytes` UTF-8 bytes in all (the last one cut to fit)."""
     docs, total = [], 0
     for p in paths:
-        for d in read_documents(p):
+        for d in read_documents(p, None if max_bytes is None else max_bytes - total):
+            n = len(d.encode("utf-8"))
+            if max_bytes is not None and total + n > max_bytes:
+                d, n = _cut(d, max_bytes - total), max_bytes - total
+            if d:
+                docs.append(d)
+            total += n
             if max_bytes is not None and total >= max_bytes:
                 return docs
-            docs.append(d)
-            total += len(d)
     return docs
 
 

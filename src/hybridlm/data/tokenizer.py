@@ -2,7 +2,10 @@
 
 Both expose `vocab_size`, `eos_id` (the document separator), `encode(str) -> list[int]`,
 `decode(ids) -> str`, `save(dir)` and `to_dict()`; `tokenizer_from_dir(dir)` restores what `save` wrote,
-so a checkpoint carries its tokenizer.
+so a checkpoint carries its tokenizer. `save` writes what transformers reads too: tokenizer.json (the byte
+tokenizer as an equivalent merge-free byte-level BPE) and a tokenizer_config.json naming `PreTrainedTokenizerFast`
+and the special tokens, with our own description under its "hybridlm" key, so `AutoTokenizer.from_pretrained(dir)`
+loads a run's tokenizer; `tokenizer_from_dir` also reads a transformers tokenizer directory (tokenizer.json).
 
     load_tokenizer("byte")                      # 256 byte ids + eos 256
     load_tokenizer("bpe:4096", texts=docs)      # train a BPE of 4096 ids on `docs`
@@ -12,11 +15,26 @@ import json
 import os
 from typing import Iterable
 
+import numpy as np
+
 from ..errors import InputError
 
 CONFIG_FILE = "tokenizer_config.json"
 BPE_FILE = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in character for each byte 0..255 (the alphabet of the ByteLevel pre-tokenizer)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def _hf_config(tok) -> dict:
+    """tokenizer_config.json: what transformers' AutoTokenizer needs, plus ours under "hybridlm"."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "pad_token": tok.eos_token,
+            "clean_up_tokenization_spaces": False, "hybridlm": tok.to_dict()}
 
 
 class ByteTokenizer:
@@ -25,6 +43,7 @@ class ByteTokenizer:
     kind = "byte"
     vocab_size = 257
     eos_id = 256
+    eos_token = EOS_TOKEN
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -32,24 +51,44 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes behind each id [vocab]: 1, and 0 for eos."""
+        out = np.ones(self.vocab_size, dtype=np.int64)
+        out[self.eos_id] = 0
+        return out
+
     def to_dict(self) -> dict:
         return {"type": "byte", "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
+    @staticmethod
+    def backend():
+        """The same tokenizer as a `tokenizers.Tokenizer`: a byte-level BPE with no merges whose vocabulary maps each
+        byte's stand-in character to the byte's value, and `<|endoftext|>` = 256; it encodes any text to its UTF-8
+        bytes and decodes them back exactly."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+        return tok
+
     def save(self, directory: str):
-        _write_json(os.path.join(directory, CONFIG_FILE), self.to_dict())
+        self.backend().save(os.path.join(directory, BPE_FILE))
+        _write_json(os.path.join(directory, CONFIG_FILE), _hf_config(self))
 
 
 class BPETokenizer:
-    """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as the document separator."""
+    """Byte-level BPE (GPT-2 style) with `<|endoftext|>` (or a transformers tokenizer's `eos_token`) as the document
+    separator."""
 
     kind = "bpe"
 
-    def __init__(self, tok):
+    def __init__(self, tok, eos_token: str = EOS_TOKEN):
         self.tok = tok
-        eos = tok.token_to_id(EOS_TOKEN)
+        eos = tok.token_to_id(eos_token)
         if eos is None:
-            raise InputError(f"BPE tokenizer has no {EOS_TOKEN!r} token")
-        self.eos_id = eos
+            raise InputError(f"BPE tokenizer has no {eos_token!r} token")
+        self.eos_id, self.eos_token = eos, eos_token
         self.vocab_size = tok.get_vocab_size()
 
     @classmethod
@@ -66,12 +105,16 @@ class BPETokenizer:
         return cls(tok)
 
     @classmethod
-    def from_file(cls, path: str) -> "BPETokenizer":
+    def from_file(cls, path: str, eos_token: str = EOS_TOKEN) -> "BPETokenizer":
         from tokenizers import Tokenizer
         try:
-            return cls(Tokenizer.from_file(path))
+            tok = Tokenizer.from_file(path)
         except Exception as e:  # the Rust side raises plain Exceptions
             raise InputError(f"cannot load tokenizer {path}: {e}") from None
+        try:
+            return cls(tok, eos_token)
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -82,12 +125,27 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
+    def byte_lengths(self) -> np.ndarray | None:
+        """UTF-8 bytes behind each id [vocab] (special tokens 0); None unless the vocabulary is byte-level
+        (each character of a token stands for one byte, GPT-2's byte-to-unicode map)."""
+        from tokenizers import pre_tokenizers
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        special = set(self.tok.get_added_tokens_decoder())
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self.tok.get_vocab(with_added_tokens=False).items():
+            if i in special:
+                continue
+            if not set(token) <= alphabet:
+                return None
+            out[i] = len(token)
+        return out
+
     def to_dict(self) -> dict:
         return {"type": "bpe", "vocab_size": self.vocab_size, "eos_id": self.eos_id, "file": BPE_FILE}
 
     def save(self, directory: str):
         self.tok.save(os.path.join(directory, BPE_FILE))
-        _write_json(os.path.join(directory, CONFIG_FILE), self.to_dict())
+        _write_json(os.path.join(directory, CONFIG_FILE), _hf_config(self))
 
 
 def _write_json(path: str, obj: dict):
@@ -96,23 +154,36 @@ def _write_json(path: str, obj: dict):
 
 
 def tokenizer_from_dir(directory: str):
-    """Restore the tokenizer that `save(directory)` wrote."""
-    cfg_path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.exists(cfg_path):
-        if os.path.exists(os.path.join(directory, BPE_FILE)):
-            return BPETokenizer.from_file(os.path.join(directory, BPE_FILE))
-        raise InputError(f"no tokenizer in {directory} (missing {CONFIG_FILE})")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"{cfg_path}: {e}") from None
-    kind = cfg.get("type")
+    """Restore the tokenizer that `save(directory)` wrote, or load a transformers tokenizer directory's tokenizer.json
+    (its tokenizer_config.json's `eos_token` is the document separator)."""
+    cfg_path, bpe_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, BPE_FILE)
+    cfg = {}
+    if os.path.exists(cfg_path):
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"{cfg_path}: {e}") from None
+    elif not os.path.exists(bpe_path):
+        raise InputError(f"no tokenizer in {directory} (missing {CONFIG_FILE} and {BPE_FILE})")
+    ours = cfg.get("hybridlm", cfg if "type" in cfg else None)   # checkpoints before the transformers keys: top level
+    if ours is None:                                              # a transformers tokenizer directory
+        if not os.path.exists(bpe_path):
+            raise InputError(f"{directory}: no {BPE_FILE} (only fast tokenizers saved as tokenizer.json are supported)")
+        eos = cfg.get("eos_token") or EOS_TOKEN
+        return BPETokenizer.from_file(bpe_path, eos["content"] if isinstance(eos, dict) else eos)
+    kind = ours.get("type")
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        return BPETokenizer.from_file(os.path.join(directory, cfg.get("file", BPE_FILE)))
+        return BPETokenizer.from_file(os.path.join(directory, ours.get("file", BPE_FILE)))
     raise InputError(f"{cfg_path}: unknown tokenizer type {kind!r}")
+
+
+def check_fits(tok, vocab_size: int, source: str):
+    """One clear error when tokenizer `source` emits ids the model (of `vocab_size` ids) has no embedding for."""
+    if tok.vocab_size > vocab_size:
+        raise InputError(f"tokenizer {source} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}")
 
 
 def load_tokenizer(spec: str = "byte", texts: Iterable[str] | None = None):

@@ -6,7 +6,7 @@ layers are refused. Our MLA keeps transformers' row layouts (q_b rows [head, (no
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .convert import (_activation, _decoder_layers, _gated_mlp, _get, _head, _need, _rope_base, _Tensors, _tied,
+from .common import (_activation, _decoder_layers, _gated_mlp, _get, _head, _need, _rope_base, _Tensors, _tied,
                       register)
 
 _ARCH = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}

@@ -10,7 +10,7 @@ import math
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .convert import (_activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need,
+from .common import (_activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need,
                       _rope_base, _Tensors, _tied, register)
 
 ARCH = "DogeForCausalLM"

@@ -15,7 +15,7 @@ from ..context import SeqContext
 from ..errors import ConfigError, InputError
 from ..layers.norm import make_norm
 from ..layers.residual import Residual
-from ..ops.loss import cross_entropy
+from ..ops.loss import cross_entropy, linear_cross_entropy
 from .config import ModelConfig
 from .layout import parse_layout
 from .registry import LETTERS
@@ -23,7 +23,8 @@ from .registry import LETTERS
 
 @dataclass
 class CausalLMOutput:
-    logits: Tensor                   # [B, T, vocab] (or the last `logits_to_keep` positions)
+    logits: Tensor | None            # [B, T, vocab] (or the last `logits_to_keep` positions); None when the
+                                     # loss was fused with the LM head (labels given, return_logits not asked)
     loss: Tensor | None = None       # mean next-token cross-entropy (+ weighted auxiliary losses)
     cache: InferenceCache | None = None
     aux_loss: Tensor | None = None   # sum of the mixers' auxiliary losses (MoE load balancing); training/labels only
@@ -54,7 +55,9 @@ class CausalLM(nn.Module):
     """A causal language model assembled from `config.layout`.
 
     forward(input_ids [B, T], attention_mask [B, T] | None, cache | None, labels [B, T] | None)
-    -> CausalLMOutput. Labels are aligned with input_ids (shifted inside); -100 is ignored.
+    -> CausalLMOutput. Labels are aligned with input_ids (shifted inside); -100 is ignored. With labels the LM
+    head and the loss run fused in token chunks (`ops.loss.linear_cross_entropy`: no [B·T, vocab] float32
+    logits, their exp or their gradient) and `logits` is None, unless `return_logits=True`.
     """
 
     def __init__(self, config: ModelConfig):
@@ -199,20 +202,26 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: InferenceCache | None = None,
                 labels: Tensor | None = None, *, resets: Tensor | None = None,
-                logits_to_keep: int | None = None, aux_loss_weight: float = 0.01) -> CausalLMOutput:
+                logits_to_keep: int | None = None, aux_loss_weight: float = 0.01,
+                return_logits: bool | None = None) -> CausalLMOutput:
         self._check_input(input_ids, attention_mask, cache)
         x = self._hidden(input_ids, self._context(input_ids, attention_mask, cache, resets), cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self.lm_head(x)
+        if return_logits is None:
+            return_logits = labels is None
+        logits = self.lm_head(x) if return_logits else None
         # auxiliary losses matter to training and scoring; a plain inference call skips the module walk
         aux = self._aux_loss() if self.training or labels is not None else None
         loss = None
         if labels is not None:
             # shift the labels, not the logits: slicing [B, T, V] logits would copy them (and their gradient)
-            shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
-            if aux is not None:
+            shifted = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+            if logits is not None:
+                loss = cross_entropy(logits.flatten(0, 1).float(), shifted, ignore_index=-100)
+            else:
+                loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, shifted, ignore_index=-100)
+            if aux is not None and aux_loss_weight:
                 loss = loss + aux_loss_weight * aux
         return CausalLMOutput(logits=logits, loss=loss, cache=cache, aux_loss=aux)
 

@@ -1,9 +1,22 @@
 """ModelConfig: every size and option of a model, plus its layout string."""
 import dataclasses
+import difflib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
 from ..errors import ConfigError
+
+def check_fields(keys, where: str = "config"):
+    """One ConfigError naming each unknown ModelConfig field and the nearest valid names."""
+    names = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(keys) - set(names))
+    if unknown:
+        hints = []
+        for k in unknown:
+            near = difflib.get_close_matches(k, names, n=3, cutoff=0.6)
+            hints.append(f"{k!r}" + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+        raise ConfigError(f"unknown {where} field {', '.join(hints)}")
+
 
 # extra whole-model checks, hook(cfg, parsed_layout_items): e.g. two-hop block structure
 CONFIG_CHECKS: list = []
@@ -127,9 +140,7 @@ class ModelConfig:
         over = self.layer_overrides.get(idx)
         if not over:
             return self
-        unknown = set(over) - {f.name for f in fields(self)}
-        if unknown:
-            raise ConfigError(f"layer_overrides[{idx}] has unknown field(s): {', '.join(sorted(unknown))}")
+        check_fields(over, f"layer_overrides[{idx}]")
         cfg = dataclasses.replace(self, **{**over, "layer_overrides": {}}) if over else self
         return cfg
 
@@ -167,14 +178,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        check_fields(d)
         return cls(**d)
 
     def replace(self, **kw) -> "ModelConfig":
-        unknown = set(kw) - {f.name for f in fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        check_fields(kw)
         return dataclasses.replace(self, **kw)

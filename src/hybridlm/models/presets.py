@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ConfigError
-from .config import ModelConfig
+from .config import ModelConfig, check_fields
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,10 @@ def get(name: str, **overrides) -> ModelConfig:
     n = overrides.pop("n_layers", None) or p.n_layers
     if n < 1:
         raise ConfigError(f"n_layers must be >= 1, got {n}")
+    check_fields(overrides)
     fields = p.fields(n)
     fields.update(overrides)
-    try:
-        return ModelConfig(**fields)
-    except TypeError as e:  # unknown keyword
-        raise ConfigError(f"preset {name!r}: {e}") from None
+    return ModelConfig(**fields)
 
 
 _llama_like = dict(norm="rms", pos_embedding="rope", mlp_gated=True, mlp_act="silu", attn_bias=False,

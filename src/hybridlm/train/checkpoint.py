@@ -30,9 +30,10 @@ CONFIG_FILE, STATE_FILE = "config.json", "trainer_state.json"
 
 
 # --- writing ---------------------------------------------------------------------------------------------
-def _save_model(model: nn.Module, path: str):
+def _save_model(model: nn.Module | dict, path: str):
+    """Weights of a module, or a full state dict (as FSDP consolidation gathers it), to safetensors."""
     tensors, aliases, seen = {}, {}, {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if isinstance(model, nn.Module) else model).items():
         key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
         if key in seen:
             aliases[name] = seen[key]
@@ -83,6 +84,9 @@ def _finish_files(directory: str):
     os.umask(umask)
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
+        if os.path.isdir(path):          # a distributed checkpoint's shards (dist_checkpoint.py)
+            _finish_files(path)
+            continue
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(path, 0o666 & ~umask)
@@ -92,30 +96,47 @@ def _finish_files(directory: str):
 def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     state: dict | None = None, tokenizer=None, name: str = "checkpoint") -> str:
     """Write `directory/name` atomically; returns its path. `model` must be the unwrapped module."""
-    os.makedirs(directory, exist_ok=True)
-    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):  # left by a killed process
-        shutil.rmtree(stale, ignore_errors=True)
     final = os.path.join(directory, name)
-    tmp = tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+    tmp = new_tmp_dir(directory, name)
     try:
         _save_model(model, os.path.join(tmp, MODEL_FILE))
         if optimizer is not None:
             _save_optimizer(optimizer, os.path.join(tmp, OPTIM_FILE))
-        _write_json(os.path.join(tmp, CONFIG_FILE), model.config.to_dict())
-        _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
-        if tokenizer is not None:
-            tokenizer.save(tmp)
-        _finish_files(tmp)
-        old = None
-        if os.path.exists(final):  # a directory cannot be replaced while non-empty: move it aside first
-            old = tempfile.mkdtemp(prefix=f"{name}-old-", dir=directory)
-            os.replace(final, os.path.join(old, name))
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        write_metadata(tmp, model.config, state, tokenizer)
+        publish(tmp, directory, name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return final
+
+
+def new_tmp_dir(directory: str, name: str) -> str:
+    """A fresh temporary directory to write `directory/name` into (removing those a killed process left)."""
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(directory, f"{name}-tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
+
+
+def write_metadata(tmp: str, config, state: dict | None, tokenizer=None):
+    """config.json, trainer_state.json (+ this process's RNG state) and the tokenizer files."""
+    _write_json(os.path.join(tmp, CONFIG_FILE), config.to_dict())
+    _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+
+
+def publish(tmp: str, directory: str, name: str) -> str:
+    """fsync the files written into `tmp` and rename it to `directory/name`, replacing a previous checkpoint."""
+    _finish_files(tmp)
+    final = os.path.join(directory, name)
+    old = None
+    if os.path.exists(final):  # a directory cannot be replaced while non-empty: move it aside first
+        old = tempfile.mkdtemp(prefix=f"{name}-old-", dir=directory)
+        os.replace(final, os.path.join(old, name))
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -203,7 +224,11 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu"):
     from ..models import CausalLM
     ckpt = find_checkpoint(path)
     model = CausalLM(load_config(ckpt))
-    load_model_weights(model, os.path.join(ckpt, MODEL_FILE))
+    if not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
+        from .dist_checkpoint import load_dcp_weights   # saved under FSDP and not consolidated yet
+        load_dcp_weights(model, ckpt)
+    else:
+        load_model_weights(model, os.path.join(ckpt, MODEL_FILE))
     state_path = os.path.join(ckpt, STATE_FILE)
     state = _read_json(state_path) if os.path.exists(state_path) else {}
     state["checkpoint_dir"] = ckpt

@@ -7,7 +7,8 @@ validation, metrics.jsonl, atomic checkpoints, exact resume, and DDP under torch
 Batches depend only on (seed, step, micro-batch, rank), and the checkpoint holds weights, optimizer state
 and RNG state, so a resumed run reproduces the loss curve of an uninterrupted one. Under
 `torchrun --nproc_per_node N` (WORLD_SIZE > 1) each rank draws its own batches, gradients are averaged by
-DDP (gloo on CPU, nccl on CUDA), and rank 0 alone logs, evaluates and checkpoints.
+DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; under FSDP2
+every rank evaluates and writes its shards of a DCP checkpoint (train/dist_checkpoint.py).
 """
 import contextlib
 import json
@@ -19,14 +20,17 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..data.loader import TokenData, batch_generator
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
+from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
 from .checkpoint import find_checkpoint, load_checkpoint, load_optimizer, save_checkpoint, set_rng_state
+from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
 from .optim import lr_at, make_optimizer
+from .parallel import MODES as PARALLEL_MODES
+from .parallel import parallelize
 
 
 @dataclass
@@ -40,10 +44,12 @@ class TrainConfig:
     schedule: str = "cosine"             # cosine | wsd | constant
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0               # 0 = off
     grad_accum: int = 1
     eval_every: int = 200                # 0 = only at the end
-    eval_batches: int = 20
+    eval_tokens: int = DEFAULT_VAL_TOKENS  # the whole val split up to this many tokens, else a fixed sample; 0 = all
+    doc_mask: bool = True                # reset state / mask attention at document boundaries
     save_every: int = 500                # 0 = only at the end
     seed: int = 0
     dtype: str = "float32"               # float32 | bfloat16 (autocast; weights stay float32)
@@ -51,14 +57,18 @@ class TrainConfig:
     grad_checkpointing: bool = False
     log_every: int = 10
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    parallel: str = "auto"               # auto (= ddp) | ddp | fsdp, under torchrun (train/parallel.py)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
         need = [(self.steps >= 1, "steps must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
                 (self.seq_len >= 2, "seq_len must be >= 2"), (self.grad_accum >= 1, "grad_accum must be >= 1"),
                 (self.lr > 0, "lr must be > 0"), (self.warmup >= 0, "warmup must be >= 0"),
-                (self.log_every >= 1, "log_every must be >= 1"),
+                (self.log_every >= 1, "log_every must be >= 1"), (self.eval_tokens >= 0, "eval_tokens must be >= 0"),
+                (self.adam_eps > 0, "adam_eps must be > 0"),
+                (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
+                (self.parallel in PARALLEL_MODES, f"parallel must be auto, ddp or fsdp, got {self.parallel!r}"),
                 (self.schedule in ("cosine", "wsd", "constant"),
                  f"schedule must be cosine, wsd or constant, got {self.schedule!r}")]
         for ok, msg in need:
@@ -73,24 +83,6 @@ class TrainConfig:
     def lr_for(self, step: int) -> float:
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         return lr_at(step, lr=self.lr, total=self.steps, warmup=self.warmup, min_lr=min_lr, schedule=self.schedule)
-
-
-@torch.no_grad()
-def evaluate_loss(model: CausalLM, batches, autocast=None) -> tuple[float, int]:
-    """Mean next-token cross-entropy (no auxiliary losses) over (input_ids [B, T], resets [B, T]) batches
-    -> (loss, number of predicted tokens)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for ids, resets in batches:
-        ids, resets = ids.to(device), resets.to(device)
-        with autocast or contextlib.nullcontext():
-            logits = model(ids, resets=resets).logits
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum").item()
-        count += ids[:, 1:].numel()
-    model.train(was_training)
-    return total / max(count, 1), count
 
 
 def _setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
@@ -158,35 +150,37 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model.to(device)
-    model.gradient_checkpointing = cfg.grad_checkpointing
-    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas)
+    # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
+    par = parallelize(model, cfg.parallel, world=world, device=device, dtype=cfg.dtype, compile=cfg.compile,
+                      checkpointing=cfg.grad_checkpointing)
+    fwd = par.module
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
     if resume:
-        load_optimizer(opt, ckpt)
+        if has_dcp(ckpt):
+            load_training_state(model, opt, ckpt)
+        elif par.sharded:
+            raise CheckpointError(f"{ckpt} was saved without --parallel fsdp (no dcp/ shards); resume it with "
+                                  "--parallel ddp")
+        else:
+            load_optimizer(opt, ckpt)
         set_rng_state(state.get("rng", {}))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if main:
         _write_metrics(metrics_path, _metrics_until(metrics_path, start) if resume else [], "w")
 
-    fwd = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        routed = bool(set(model_cfg.layout) & set("OE"))  # routed experts may get no tokens in a step
-        fwd = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  find_unused_parameters=routed)
-    if cfg.compile:
-        fwd = torch.compile(fwd)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    # FSDP2's mixed-precision policy already computes in bf16
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=cfg.dtype == "bfloat16" and not par.mixed_precision)
 
-    def run_eval() -> tuple[float, float]:
-        batches = data.sequential("val", cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)
-        loss, _ = evaluate_loss(model, batches, autocast)
-        return loss, math.exp(min(loss, 50.0))
+    def run_eval() -> dict:
+        return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens,
+                        seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
     B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     tokens_per_step = B * T * A * world
-    first_loss = loss_val = val_loss = val_ppl = None
+    first_loss = loss_val = val = None
     window_tokens, window_time, train_time = 0, 0.0, 0.0
     ckpt_path = None
     model.train()
@@ -198,9 +192,10 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
         loss_sum = torch.zeros((), device=device)
         for micro in range(A):
             ids, resets = data.get_batch("train", B, T, batch_generator(cfg.seed, step, micro, rank))
-            ids, resets = ids.to(device), resets.to(device)
-            sync = fwd.no_sync() if world > 1 and micro < A - 1 and hasattr(fwd, "no_sync") \
-                else contextlib.nullcontext()
+            ids, resets = ids.to(device), resets.to(device) if cfg.doc_mask else None
+            sync = fwd.no_sync() if par.mode == "ddp" and micro < A - 1 else contextlib.nullcontext()
+            if par.sharded:
+                fwd.set_requires_gradient_sync(micro == A - 1)
             with sync:
                 with autocast:
                     loss = fwd(ids, labels=ids, resets=resets).loss
@@ -229,26 +224,33 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device)
         is_last = done == cfg.steps
         do_eval = is_last or (cfg.eval_every and done % cfg.eval_every == 0)
         row_eval = {}
-        if do_eval and main:
-            val_loss, val_ppl = run_eval()
-            row_eval = {"val_loss": val_loss, "val_ppl": val_ppl}
-            if progress:
-                bar.write(f"step {done:>6}  train loss {loss_val:.4f}  val loss {val_loss:.4f}  "
-                          f"val ppl {val_ppl:.2f}", file=sys.stderr)
+        if do_eval and (main or par.sharded):   # a sharded model evaluates on every rank
+            val = run_eval()
+            row_eval = {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"],
+                        "val_bpb": val["bpb"]}
+            line = f"step {done:>6}  train loss {loss_val:.4f}  {describe(val)}"
+            if main and bar.disable:  # --no-progress hides the bar, not the validation lines
+                print(line, file=sys.stderr, flush=True)
+            elif main:
+                bar.write(line, file=sys.stderr)
         if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
             row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
                    "tokens": tokens_seen, "val_loss": None, "val_ppl": None, **row_eval}
             _write_metrics(metrics_path, [row], "a")
             window_tokens, window_time = 0, 0.0
         if is_last or (cfg.save_every and done % cfg.save_every == 0):
-            if main:
-                st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg),
-                      "tokenizer": tok.to_dict(), "data": data.source, "loss": loss_val, "val_loss": val_loss}
+            st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg),
+                  "tokenizer": tok.to_dict(), "data": data.source, "data_spec": getattr(data, "spec", None),
+                  "loss": loss_val, "val_loss": val and val["loss"]}
+            if par.sharded:   # DCP shards from every rank; the weights consolidated at the end
+                ckpt_path = save_sharded_checkpoint(out_dir, model, opt, st, tok, consolidate=is_last)
+            elif main:
                 ckpt_path = save_checkpoint(out_dir, model, opt, st, tok)
             if world > 1:
                 dist.barrier()
     bar.close()
     return {"steps": cfg.steps, "start_step": start, "first_loss": first_loss, "loss": loss_val,
-            "val_loss": val_loss, "val_ppl": val_ppl, "tokens_seen": tokens_seen, "train_time_s": train_time,
+            "val_loss": val and val["loss"], "val_ppl": val and val["ppl"], "val_tokens": val and val["tokens"],
+            "val_bpb": val and val["bpb"], "val_whole": val and val["whole"], "tokens_seen": tokens_seen, "train_time_s": train_time,
             "tokens_per_s": (cfg.steps - start) * tokens_per_step / train_time if train_time else None,
             "params": model.num_parameters(), "checkpoint": ckpt_path, "out_dir": out_dir}

@@ -1,0 +1,123 @@
+"""Training tokens/s and peak memory per rank under DDP or FSDP2 (train/parallel.py), on random tokens.
+
+    OMP_NUM_THREADS=1 python -m hybridlm.bench.parallel                            # one process
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m hybridlm.bench.parallel --parallel fsdp
+
+`--batch` is the global batch (split over the ranks), so every run does the same work per step. Prints one
+JSON line on rank 0: median tokens/s over the timed steps, and per rank the peak resident memory (CPU:
+ru_maxrss) or peak allocated CUDA memory, the peak of the training steps alone (after the model was built and
+sharded; CPU: VmHWM reset through /proc/self/clear_refs), and the memory in use before the model was built.
+"""
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # Linux: KiB
+
+
+def _reset_peak(device: torch.device):
+    """Start a new peak (CUDA: the allocator's; Linux CPU: VmHWM, through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_since_reset_mb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.parallel", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="mamba2-attention")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=4, help="global batch, split over the ranks")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup-steps)")
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--parallel", default="auto", choices=["auto", "ddp", "fsdp"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--grad-checkpointing", action="store_true")
+    args = p.parse_args(argv)
+
+    from ..models import CausalLM, presets
+    from ..train.optim import make_optimizer
+    from ..train.parallel import parallelize
+    from ..train.trainer import _setup_distributed
+    rank, world, device, _ = _setup_distributed("auto")
+    if args.batch % world:
+        print(f"--batch {args.batch} must be divisible by the {world} ranks", file=sys.stderr)
+        return 2
+    before = _peak_mb(device)
+    torch.manual_seed(0)
+    cfg = presets.get(args.preset, n_layers=args.n_layers, d_model=args.d_model, vocab_size=args.vocab_size,
+                      max_seq_len=max(args.seq_len, 2048))
+    model = CausalLM(cfg).to(device)
+    par = parallelize(model, args.parallel, world=world, device=device, dtype=args.dtype, compile=args.compile,
+                      checkpointing=args.grad_checkpointing)
+    opt = make_optimizer(model, 1e-4)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=args.dtype == "bfloat16" and not par.mixed_precision)
+    g = torch.Generator().manual_seed(rank)
+    # a full model was built on every rank before sharding: the training peak is measured from here on
+    _reset_peak(device)
+    times = []
+    for step in range(args.warmup_steps + args.steps):
+        ids = torch.randint(0, cfg.vocab_size, (args.batch // world, args.seq_len), generator=g).to(device)
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        with autocast:
+            loss = par.module(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+        if step >= args.warmup_steps:
+            times.append(time.perf_counter() - t0)
+    mine = (before, _peak_mb(device), _peak_since_reset_mb(device))
+    peaks = [mine]
+    if world > 1:
+        peaks = [None] * world
+        dist.all_gather_object(peaks, mine)
+        dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"preset": args.preset, "d_model": args.d_model, "n_layers": args.n_layers,
+                          "params": model.num_parameters(), "world": world, "parallel": par.mode,
+                          "compile": args.compile, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
+                          "tokens_per_s": round(args.batch * args.seq_len / statistics.median(times)),
+                          "step_s": [round(t, 3) for t in times],
+                          "peak_mb_per_rank": [round(b) for _, b, _ in peaks],
+                          "train_peak_mb_per_rank": [c and round(c) for _, _, c in peaks],
+                          "before_model_mb_per_rank": [round(a) for a, _, _ in peaks]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

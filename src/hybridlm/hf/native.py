@@ -1,0 +1,100 @@
+"""A hybridlm model as transformers' own LlamaForCausalLM or Mamba2ForCausalLM, when it is exactly one
+(`hybridlm convert --to-hf RUN --as-native`): the result loads without hybridlm installed.
+
+"Exactly" is checked by running the native config back through our converter (hf/convert.py): the ModelConfig it
+gives must equal ours in every field the converter sets and in every option the converter cannot express. The
+weights are placed by inverting the converter itself: each native tensor element is numbered, the converter maps the
+numbers as it would map weights (renames, concatenations, reshapes), and our weights are scattered to where their
+numbers came from, so there is no second, hand-written mapping to keep in sync.
+"""
+import math
+
+import torch
+
+from ..errors import ConfigError
+from ..models.causal_lm import CausalLM
+from ..models.config import ModelConfig
+from .common import CONVERTERS, _Tensors
+
+# options no native class has: they must keep their default (off)
+_MUST_BE_DEFAULT = ("hyper_connections", "layer_overrides", "qk_norm", "residual_scale", "window", "wm_dyn_mask",
+                    "wm_ssd_rope", "rope_dim", "attn_shared_key", "pos_embedding")
+_IGNORED = {"max_seq_len"}   # Mamba-2 has no position limit (the converter writes a large one)
+
+
+def _llama(cfg: ModelConfig, n: int, **special):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden_size,
+                       num_hidden_layers=n, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+                       head_dim=cfg.attn_head_dim, hidden_act=cfg.mlp_act, max_position_embeddings=cfg.max_seq_len,
+                       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+                       attention_bias=cfg.attn_bias, mlp_bias=cfg.mlp_bias, bos_token_id=None, **special)
+
+
+def _mamba2(cfg: ModelConfig, n: int, **special):
+    from transformers import Mamba2Config
+    return Mamba2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=n,
+                        state_size=cfg.ssd_d_state, conv_kernel=cfg.ssd_d_conv, expand=cfg.ssd_expand,
+                        head_dim=cfg.ssd_headdim, num_heads=cfg.ssd_expand * cfg.d_model // cfg.ssd_headdim,
+                        n_groups=cfg.ssd_ngroups, chunk_size=cfg.ssd_chunk_size, use_bias=cfg.ssd_bias,
+                        use_conv_bias=cfg.ssd_conv_bias, layer_norm_epsilon=cfg.norm_eps,
+                        time_step_min=cfg.ssd_dt_min, time_step_max=cfg.ssd_dt_max, time_step_limit=(0.0, math.inf),
+                        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, **special)
+
+
+def _normal(cfg: ModelConfig) -> dict:
+    """Fields with the defaults that mean "derived" resolved, so equal models compare equal."""
+    return dict(cfg.to_dict(), n_kv_heads=cfg.kv_heads, head_dim=cfg.attn_head_dim, mlp_hidden=cfg.mlp_hidden_size)
+
+
+def native_config(cfg: ModelConfig, **special):
+    """transformers' config of the one native class computing exactly `cfg`'s function, else a ConfigError."""
+    from ..models.layout import flatten, parse_layout
+    from ..models.registry import LETTERS
+    letters = "".join(flatten(parse_layout(cfg.layout, LETTERS.keys())))
+    if letters and letters == "AM" * (len(letters) // 2):
+        hf = _llama(cfg, len(letters) // 2, **special)
+    elif letters and set(letters) == {"S"}:
+        hf = _mamba2(cfg, len(letters), **special)
+    else:
+        raise ConfigError(f"--as-native: layout {cfg.layout!r} is neither a Llama '(AM)*n' nor a Mamba-2 'S*n'; "
+                          "export without --as-native")
+    fields = CONVERTERS[hf.model_type].config(hf)
+    ours, back, default = _normal(cfg), _normal(ModelConfig(**fields)), ModelConfig().to_dict()
+    bad = [k for k in fields if k not in _IGNORED and ours[k] != back[k]]
+    bad += [k for k in _MUST_BE_DEFAULT if k not in fields and ours[k] != default[k]]
+    if bad:
+        raise ConfigError(f"--as-native: this model is not exactly a {type(hf).__name__[:-6]}: "
+                          + ", ".join(f"{k}={ours[k]!r}" for k in bad))
+    return hf
+
+
+def to_native(model: CausalLM, **special):
+    """transformers' LlamaForCausalLM / Mamba2ForCausalLM with `model`'s weights (copied), in eval mode."""
+    from transformers import AutoModelForCausalLM
+    hf_cfg = native_config(model.config, **special)
+    hf = AutoModelForCausalLM.from_config(hf_cfg).to(next(model.parameters()).dtype)
+    theirs, seen = {}, set()
+    for k, t in hf.state_dict().items():          # a tied lm_head is the embedding: number it once
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            theirs[k] = t
+    sizes = [t.numel() for t in theirs.values()]
+    offsets = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    numbered = {k: torch.arange(o, o + t.numel(), dtype=torch.float64).view(t.shape)
+                for (k, t), o in zip(theirs.items(), offsets)}
+    placed = CONVERTERS[hf_cfg.model_type].weights(_Tensors(numbered), model.config)
+    flat = torch.empty(offsets[-1], dtype=next(model.parameters()).dtype)
+    filled = torch.zeros(offsets[-1], dtype=torch.bool)
+    ours = model.state_dict()
+    for name, idx in placed.items():
+        idx = idx.reshape(-1).long()
+        flat[idx] = ours[name].detach().reshape(-1).to(flat.dtype)
+        filled[idx] = True
+    if not bool(filled.all()):
+        raise ConfigError(f"--as-native: the converter leaves part of {type(hf).__name__}'s weights unset")
+    with torch.no_grad():
+        for (k, t), o in zip(theirs.items(), offsets):
+            t.copy_(flat[o:o + t.numel()].view(t.shape))
+    return hf.eval()

@@ -1,0 +1,252 @@
+"""Context parallelism: one long sequence split across ranks, for models of SSD (`S`), Rodimus (`R`) and
+attention (`A`, `W`) layers plus any channel mixers.
+
+    out = context_parallel_forward(model, ids, labels=ids)     # ids [B, T] on every rank; T % world == 0
+    out.loss.backward(); all_reduce_grads(model)                # = the single-rank loss and gradients
+
+Rank r runs positions [r·T/W, (r+1)·T/W) of every layer. A recurrent layer is a linear recurrence, so its
+chunk only needs the final state (and the short-conv tail, the last K-1 conv inputs) of the chunk before:
+they pass rank to rank, the state passing of the chunked SSD algorithm lifted to devices
+(004_f196d22cc7fe6dbe.txt, section 8.2). Attention layers see the all-gathered keys and values of ranks
+0..r, their queries being the last T/W positions (the bottom-right aligned causal mask of ops/attention.py).
+
+The model is not changed: it runs its chunk with an `InferenceCache` whose slots, instead of holding state,
+receive it from the previous rank (`.state`/`.conv` reads), send it to the next (`.state` write) and gather
+keys and values (`update`), exactly where a prefill reads and writes its cache; the position offset is the
+cache's `next_pos`. Every message is an autograd function whose backward sends the gradient the other way
+(the gradient of a received state goes back to the rank that computed it; a gathered key's gradient is summed
+over the ranks that attended to it). Messages are chained through a zero scalar "token" added to the loss,
+so backward runs them in exactly the reverse order on every rank and the point-to-point and collective
+calls of different ranks always match. Layers run as a wavefront: rank r starts layer l when rank r-1 has
+finished it, so ranks overlap across layers rather than within one. The sequence is one document (no
+packed-document `resets`: the model takes none with a cache). Any layer that keeps a `RecurrentCache`, `KVCache`
+or `WindowKVCache` runs this way (tested: `S`, `R`, `A`); MLA and the indexer keep other kinds and are refused
+with a ConfigError.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..cache import InferenceCache, KVCache, RecurrentCache, WindowKVCache
+from ..errors import ConfigError, InputError
+from ..ops.loss import cross_entropy
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_HEADER = 12        # per tensor: ndim (0 = none), dtype code, 4 sizes
+
+
+def _header(tensors, device) -> Tensor:
+    """Shapes and dtypes of the tensors about to be sent, on `device` (nccl sends device tensors only)."""
+    h = [0] * _HEADER
+    for i, t in enumerate(tensors):
+        if t is not None:
+            h[6 * i: 6 * i + 2 + t.dim()] = [t.dim(), _DTYPES.index(t.dtype), *t.shape]
+    return torch.tensor(h, dtype=torch.long, device=device)
+
+
+def _empty_from(h: Tensor, i: int, device) -> Tensor | None:
+    ndim, code = int(h[6 * i]), int(h[6 * i + 1])
+    return torch.empty(h[6 * i + 2: 6 * i + 2 + ndim].tolist(), dtype=_DTYPES[code], device=device) if ndim else None
+
+
+class _RecvState(torch.autograd.Function):
+    """token -> (token, conv tail, state) from rank `src`; backward sends their gradients back to `src`."""
+
+    @staticmethod
+    def forward(ctx, token, src, group):
+        h = torch.empty(_HEADER, dtype=torch.long, device=token.device)
+        dist.recv(h, group=group, group_src=src)
+        h = h.cpu()
+        got = [_empty_from(h, i, token.device) for i in range(2)]
+        for t in got:
+            if t is not None:
+                dist.recv(t, group=group, group_src=src)
+        ctx.src, ctx.group, ctx.present = src, group, [t is not None for t in got]
+        empty = token.new_empty(0)
+        return (token.detach().clone(), *(t if t is not None else empty for t in got))
+
+    @staticmethod
+    def backward(ctx, g_token, *grads):
+        for present, g in zip(ctx.present, grads):
+            if present:
+                dist.send(g.contiguous(), group=ctx.group, group_dst=ctx.src)
+        return g_token, None, None
+
+
+class _SendState(torch.autograd.Function):
+    """(token, conv tail, state) -> token, sending both to rank `dst`; backward receives their gradients."""
+
+    @staticmethod
+    def forward(ctx, token, conv, state, dst, group):
+        sent = [conv, state]
+        dist.send(_header(sent, token.device), group=group, group_dst=dst)
+        for t in sent:
+            if t is not None:
+                dist.send(t.detach().contiguous(), group=group, group_dst=dst)
+        ctx.dst, ctx.group = dst, group
+        ctx.like = [(t.shape, t.dtype) if t is not None else None for t in sent]
+        return token.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g_token):
+        grads = []
+        for like in ctx.like:
+            g = None
+            if like is not None:
+                g = torch.empty(like[0], dtype=like[1], device=g_token.device)
+                dist.recv(g, group=ctx.group, group_src=ctx.dst)
+            grads.append(g)
+        return g_token, *grads, None, None
+
+
+class _GatherKV(torch.autograd.Function):
+    """(token, k, v) [B, t, H, D] -> (token, keys, values) [B, (rank+1)·t, H, D] of ranks 0..rank; backward sums
+    each key's gradient over the ranks that read it (an all-reduce of the zero-padded gradients)."""
+
+    @staticmethod
+    def forward(ctx, token, k, v, rank, world, group):
+        ctx.rank, ctx.world, ctx.group, ctx.t = rank, world, group, k.shape[1]
+        out = []
+        for x in (k, v):
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            out.append(torch.cat(parts[: rank + 1], 1))
+        return (token.detach().clone(), *out)
+
+    @staticmethod
+    def backward(ctx, g_token, gk, gv):
+        t, r = ctx.t, ctx.rank
+        mine = []
+        for g in (gk, gv):
+            full = g.new_zeros(g.shape[0], ctx.world * t, *g.shape[2:])
+            full[:, : (r + 1) * t] = g
+            dist.all_reduce(full, group=ctx.group)
+            mine.append(full[:, r * t: (r + 1) * t])
+        return g_token, *mine, None, None, None
+
+
+class _Relay:
+    """A recurrent layer's slot: reading `conv`/`state` receives them from the previous rank (once), writing
+    `state` sends the conv tail written before it and the state to the next rank."""
+
+    def __init__(self, cp: "ContextParallelCache"):
+        self.cp, self._received, self._conv, self._state, self._tail = cp, False, None, None, None
+
+    def _receive(self):
+        if not self._received:
+            self._received = True
+            self._conv, self._state = self.cp.recv()
+
+    @property
+    def conv(self):
+        self._receive()
+        return self._conv
+
+    @conv.setter
+    def conv(self, tail):
+        self._tail = tail
+
+    @property
+    def state(self):
+        self._receive()
+        return self._state
+
+    @state.setter
+    def state(self, final):
+        self.cp.send(self._tail, final)
+
+    nbytes = 0
+
+
+class _Gather:
+    """An attention layer's slot: `update` returns the keys/values of this rank's chunk and every earlier one."""
+
+    def __init__(self, cp: "ContextParallelCache"):
+        self.cp = cp
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cp.gather(k, v)
+
+    nbytes = 0
+
+
+class ContextParallelCache(InferenceCache):
+    """The cache a rank's chunk runs with: slots that talk to the neighbouring ranks, positions from `offset`."""
+
+    def __init__(self, batch_size: int, num_layers: int, *, offset: int, device, group=None):
+        super().__init__(batch_size, num_layers, device=device)
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.next_pos += offset
+        # the message chain; requires grad so that backward reaches every message's backward
+        self.token = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
+
+    def layer(self, idx: int, factory):
+        slot = self.layers[idx]
+        if slot is None:
+            kind = factory()
+            if isinstance(kind, RecurrentCache):
+                slot = _Relay(self)
+            elif type(kind) in (KVCache, WindowKVCache):
+                slot = _Gather(self)
+            else:
+                raise ConfigError(f"context parallelism does not support layer {idx} ({type(kind).__name__} state)")
+            self.layers[idx] = slot
+        return slot
+
+    def recv(self) -> tuple[Tensor | None, Tensor | None]:
+        if self.rank == 0:
+            return None, None
+        self.token, conv, state = _RecvState.apply(self.token, self.rank - 1, self.group)
+        return (conv if conv.numel() else None), (state if state.numel() else None)
+
+    def send(self, conv: Tensor | None, state: Tensor):
+        if self.rank < self.world - 1:
+            self.token = _SendState.apply(self.token, conv, state, self.rank + 1, self.group)
+
+    def gather(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.token, keys, values = _GatherKV.apply(self.token, k, v, self.rank, self.world, self.group)
+        return keys, values
+
+
+@dataclass
+class ContextParallelOutput:
+    logits: Tensor            # [B, T/W, V]: this rank's positions
+    loss: Tensor | None       # this rank's share: the sum over ranks is the mean next-token loss of the sequence
+    start: int                # first position of this rank's chunk
+
+
+def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor | None = None, *,
+                             group=None) -> ContextParallelOutput:
+    """Run `model` on this rank's chunk of input_ids [B, T] (the same full sequence on every rank of `group`).
+    labels [B, T] are aligned with input_ids as in `CausalLM.forward` (-100 ignored)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    B, T = input_ids.shape
+    if T % world or T // world < 2:
+        raise InputError(f"context parallelism needs a sequence length divisible by the {world} ranks with at "
+                         f"least 2 tokens each, got {T}")
+    if T > model.config.max_seq_len:
+        raise InputError(f"sequence length {T} exceeds the model's max_seq_len {model.config.max_seq_len}")
+    t = T // world
+    start = rank * t
+    cache = ContextParallelCache(B, model.num_layers, offset=start, device=input_ids.device, group=group)
+    logits = model(input_ids[:, start: start + t], cache=cache).logits
+    loss = None
+    if labels is not None:
+        # position i predicts labels[i + 1]; the chunk's last position predicts the next chunk's first label
+        target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)[:, start: start + t]
+        n_local, n_all = (target != -100).sum(), (labels[:, 1:] != -100).sum().clamp(min=1)
+        loss = cross_entropy(logits.flatten(0, 1).float(), target.flatten()) * (n_local / n_all)
+        loss = loss + cache.token       # zero: ties the message chain into backward
+    elif cache.token.requires_grad:
+        logits = logits + cache.token
+    return ContextParallelOutput(logits=logits, loss=loss, start=start)
+
+
+def all_reduce_grads(model: nn.Module, group=None):
+    """Sum parameter gradients over the ranks of a context-parallel group (each rank's loss is a share)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)

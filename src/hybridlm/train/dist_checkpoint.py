@@ -1,0 +1,109 @@
+"""Distributed checkpoints (torch.distributed.checkpoint, DCP) for FSDP2 training.
+
+    DIR/checkpoint/
+        dcp/                    model + AdamW state, one shard file per rank + .metadata (reshards on load)
+        model.safetensors       the consolidated weights (written at the end of training, or by `consolidate`)
+        config.json, trainer_state.json, tokenizer files   as in checkpoint.py
+
+Every rank writes its own shards into a temporary directory that rank 0 chose; rank 0 then adds the JSON files
+and renames the directory into place (checkpoint.publish), so a crash never leaves a partial checkpoint. Keys
+are those of `get_state_dict` (plain parameter names, whatever wraps the model), so a checkpoint saved on N
+ranks resumes on M ranks, under DDP, or in one process, and `load_checkpoint` reads the weights without
+a process group when no consolidated file exists.
+"""
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from ..errors import CheckpointError
+from .checkpoint import MODEL_FILE, _save_model, new_tmp_dir, publish, write_metadata
+
+DCP_DIR = "dcp"
+
+
+def has_dcp(checkpoint_dir: str) -> bool:
+    return os.path.isfile(os.path.join(checkpoint_dir, DCP_DIR, ".metadata"))
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _full_weights(model: nn.Module) -> dict:
+    """The whole model's weights on rank 0's CPU (every rank must call; the others get {})."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                            tokenizer=None, *, consolidate: bool = False, name: str = "checkpoint") -> str:
+    """Every rank calls this with the (FSDP2-sharded) CausalLM. Writes `directory/name` with DCP shards of
+    model + optimizer (and model.safetensors when `consolidate`); returns its path."""
+    box = [new_tmp_dir(directory, name) if _rank0() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    tmp = box[0]
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, DCP_DIR))
+        full = _full_weights(model) if consolidate else None
+        if _rank0():
+            if full is not None:
+                _save_model(full, os.path.join(tmp, MODEL_FILE))
+            write_metadata(tmp, model.config, state, tokenizer)
+            publish(tmp, directory, name)
+    except BaseException:
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dist.is_initialized():
+        dist.barrier()           # nobody reads the checkpoint before rank 0 has published it
+    return os.path.join(directory, name)
+
+
+def _load(state: dict, checkpoint_dir: str, no_dist: bool):
+    path = os.path.join(checkpoint_dir, DCP_DIR)
+    try:
+        with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    except Exception as e:  # DCP raises CheckpointException / RuntimeError with per-rank detail
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot load the distributed checkpoint ({first})") from None
+
+
+def load_dcp_weights(model: nn.Module, checkpoint_dir: str):
+    """Weights of a DCP checkpoint into a plain, unsharded model, in this process alone (no process group)."""
+    sd = get_model_state_dict(model)
+    _load({"model": sd}, checkpoint_dir, no_dist=True)
+    set_model_state_dict(model, sd)
+
+
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str):
+    """Resume: model + optimizer from the DCP shards, resharded to however this run is parallelised (FSDP2
+    on any number of ranks, DDP, one process). Every rank calls this."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    _load({"model": model_sd, "optim": optim_sd}, checkpoint_dir, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def consolidate(checkpoint_dir: str) -> str:
+    """Write model.safetensors next to the DCP shards of `checkpoint_dir` (one process); returns its path."""
+    from ..models import CausalLM
+    from .checkpoint import find_checkpoint, load_config
+    ckpt = find_checkpoint(checkpoint_dir)
+    if not has_dcp(ckpt):
+        raise CheckpointError(f"{ckpt} holds no distributed checkpoint ({DCP_DIR}/.metadata is missing)")
+    model = CausalLM(load_config(ckpt))
+    load_dcp_weights(model, ckpt)
+    path = os.path.join(ckpt, MODEL_FILE)
+    tmp = path + ".tmp"
+    _save_model(model, tmp)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,98 @@
+"""Data parallelism applied to a built `CausalLM` from outside (the model never knows): activation
+checkpointing per block, `torch.compile` per block, then DDP or FSDP2 `fully_shard`, in torchtitan's order.
+
+    par = parallelize(model, "fsdp", world=2, device=dev, dtype="bfloat16", compile=True, checkpointing=True)
+    loss = par.module(ids, labels=ids).loss        # what the training step calls
+    opt = make_optimizer(model, ...)               # after sharding: the optimizer must see the sharded params
+
+FSDP2 units: every block, the embedding, the final norm + lm_head together, then the root (which keeps what
+is left: positional embedding, hyper-connection head). A tied lm_head shares the embedding's weight, and a
+parameter lives in one unit, so with tied weights embedding, norm and lm_head all stay in the root unit.
+bf16 runs under FSDP2 use `MixedPrecisionPolicy`: parameters are gathered in bf16 for compute, gradients are
+reduced in float32 and the sharded master weights stay float32 (recurrent states are float32 inside the ops).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+
+MODES = ("auto", "ddp", "fsdp")
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass
+class Parallel:
+    """What `parallelize` did. `module` is what a training step calls; `mode` is none | ddp | fsdp."""
+    module: nn.Module
+    mode: str
+    mixed_precision: bool = False    # FSDP2 casts parameters itself: the caller must not autocast as well
+
+    @property
+    def sharded(self) -> bool:
+        """Every rank must take part in forward passes and checkpoints (FSDP gathers parameters)."""
+        return self.mode == "fsdp"
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the wrappers' prefixes (activation checkpointing, torch.compile)."""
+    for p in _WRAPPER_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+def _apply_block_wrappers(model: nn.Module, checkpointing: bool, compile: bool):
+    """Activation checkpointing, then torch.compile, on each block in place (module names keep their index)."""
+    if checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        model.gradient_checkpointing = False     # the model's own switch would checkpoint twice
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(blk)
+    if compile:
+        for blk in model.blocks:
+            blk.compile()
+
+
+def _fully_shard(model: nn.Module, dtype: str) -> bool:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = dtype == "bfloat16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp \
+        else MixedPrecisionPolicy()
+    last = len(model.blocks) - 1
+    for i, blk in enumerate(model.blocks):
+        # the last block's parameters are needed again at once by backward: keep them gathered
+        fully_shard(blk, mp_policy=policy, reshard_after_forward=i < last)
+    if not model.config.tie_embeddings:
+        fully_shard(model.embed, mp_policy=policy)
+        fully_shard([model.norm, model.lm_head], mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=policy)
+    return mp
+
+
+def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device: torch.device | None = None,
+                dtype: str = "float32", compile: bool = False, checkpointing: bool = False) -> Parallel:
+    """Wrap `model` (already on `device`) for training on `world` ranks. mode auto = ddp; with world 1 there is
+    nothing to shard or synchronise, so only the per-block wrappers apply. Modifies `model` in place (FSDP2
+    swaps its parameters for sharded DTensors): build the optimizer afterwards."""
+    if mode not in MODES:
+        raise ConfigError(f"parallel must be one of {', '.join(MODES)}, got {mode!r}")
+    # parameters flagged `_no_weight_decay` lose the flag when FSDP2 re-creates them: remember them by name
+    no_decay = {clean_name(n) for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
+    _apply_block_wrappers(model, checkpointing, compile)
+    if world <= 1:
+        return Parallel(model, "none")
+    if not dist.is_initialized():
+        raise ConfigError(f"parallel {mode} on {world} ranks needs torch.distributed initialised (run under torchrun)")
+    if mode == "fsdp":
+        mp = _fully_shard(model, dtype)
+        for n, p in model.named_parameters():
+            if clean_name(n) in no_decay:
+                p._no_weight_decay = True
+        return Parallel(model, "fsdp", mixed_precision=mp)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    routed = bool(set(model.config.layout) & set("OE"))  # routed experts may get no tokens in a step
+    ddp = DDP(model, device_ids=[device.index] if device is not None and device.type == "cuda" else None,
+              find_unused_parameters=routed)
+    return Parallel(ddp, "ddp")
