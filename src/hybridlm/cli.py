@@ -25,6 +25,8 @@ COMMANDS = {
     "convert": ("hybridlm.commands.convert", "transformers checkpoint directory <-> hybridlm checkpoint"),
     "ablate": ("hybridlm.commands.ablate", "a paper's ablation table at small scale from a recipe (--list)"),
     "report": ("hybridlm.commands.report", "docs/results.md from the outputs of ablate, mqar and bench"),
+    "mqar": ("hybridlm.commands.mqar", "multi-query associative recall accuracy over layouts, widths and lengths"),
+    "plot": ("hybridlm.commands.plot", "training and validation curves of several runs on one PNG"),
 }
 
 

@@ -118,9 +118,8 @@ def format_table(res: dict) -> str:
 
 def plot(res: dict, stem: str) -> list[str]:
     """Three PNGs next to the JSON: throughput vs length, decode latency vs context, state bytes vs context."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import pyplot
+    plt = pyplot()
     paths = []
     presets = list(res["configs"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -164,13 +164,9 @@ def format_table(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> str | None:
-    """Write a PNG; returns a note instead when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: plot skipped (pip install 'hybridlm[plot]')"
+    """Write a PNG."""
+    from ..plots import pyplot
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"train {r['arch']}\n{r['batch']}x{r['seq_len']}" for r in res["train"]] + \
              [f"decode {r['arch']}\nctx {r['context']}" for r in res["decode"]]

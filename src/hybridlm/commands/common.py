@@ -108,3 +108,4 @@ def other_tokenizer(spec: str, vocab_size: int):
     tok = load_tokenizer(spec)
     check_fits(tok, vocab_size, spec)
     return tok
+

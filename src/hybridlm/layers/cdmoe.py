@@ -18,7 +18,6 @@ token only. x [B, T, d] -> [B, T, d].
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.moe import expert_neurons, product_key_topk

@@ -139,9 +139,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 def plot_curves(names: list[str], run_dirs: list[str], path: str, title: str = ""):
     """Training loss (lines) and validation loss (markers) of each run against tokens seen."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import pyplot
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, d) in enumerate(zip(names, run_dirs)):
         rows = read_metrics(d)

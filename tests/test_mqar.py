@@ -1,0 +1,115 @@
+"""MQAR data generators, the `hybridlm mqar` sweep and `hybridlm plot` (through the CLI)."""
+import json
+
+import pytest
+import torch
+
+from hybridlm.cli import main as cli
+from hybridlm.data.mqar import IGNORE, curriculum, mqar
+from hybridlm.errors import InputError
+
+
+def _structure(x, y, num_pairs, vocab):
+    """Check one batch: returns nothing, asserts every MQAR invariant row by row."""
+    half = vocab // 2
+    for row, lab in zip(x.tolist(), y.tolist()):
+        answers = [t for t, v in enumerate(lab) if v != IGNORE]
+        assert len(answers) == num_pairs                              # one answer per pair
+        keys = [row[t - 1] for t in answers]                          # the query right before each answer
+        assert len(set(keys)) == num_pairs and all(1 <= k < half for k in keys)
+        for k, t in zip(keys, answers):
+            first = row.index(k)                                      # the key's pair comes first ...
+            assert first < t - 1 and row[first + 1] == lab[t]         # ... and its value is the answer
+            assert half <= lab[t] < vocab
+            assert row.count(k) == 2                                  # pair + query: no other repeat
+        assert sum(1 for t in range(len(row)) if row[t] in keys) == 2 * num_pairs
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_generator_structure(hard):
+    x, y = mqar(16, 64, 8, 64, seed=3, hard=hard)
+    assert x.shape == y.shape == (16, 64) and x.dtype == y.dtype == torch.long
+    assert 0 <= x.min() and x.max() < 64
+    _structure(x, y, 8, 64)
+
+
+def test_zoology_layout_and_hard_filler():
+    x, y = mqar(64, 64, 4, 128, seed=0)
+    assert (x[:, 0:8:2] < 64).all() and (x[:, 1:8:2] >= 64).all()    # pairs packed first: key, value, ...
+    assert (x[:, 8:] != 0).sum(1).eq(4).all()                         # then only the queries; 0 elsewhere
+    xh, yh = mqar(64, 64, 4, 128, seed=0, hard=True)
+    assert ((xh != 0).sum(1) > 40).all()                              # random filler everywhere
+    queries = (yh != IGNORE).nonzero()[:, 1] - 1
+    assert (queries >= 32).all()                                      # queries after the pairs' half
+    # power law (a = 0.01): most queries sit in the first slots of the query section
+    gaps = ((y != IGNORE).nonzero()[:, 1] - 1 - 8) // 2
+    assert (gaps < 8).float().mean() > 0.3
+
+
+def test_deterministic_under_seed():
+    a = mqar(8, 128, 16, 256, seed=7, hard=True)
+    b = mqar(8, 128, 16, 256, seed=7, hard=True)
+    c = mqar(8, 128, 16, 256, seed=8, hard=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    torch.manual_seed(123)                                            # the global RNG plays no part
+    assert torch.equal(a[0], mqar(8, 128, 16, 256, seed=7, hard=True)[0])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_curriculum_and_bad_sizes():
+    assert curriculum(64) == [8, 16, 32, 64] and curriculum(2) == [1, 2]
+    with pytest.raises(InputError, match="too short for 16 key-value pairs"):
+        mqar(4, 60, 16, 256)
+    with pytest.raises(InputError, match="vocab_size"):
+        mqar(4, 64, 16, 20)
+
+
+def test_mqar_quick_cli(tmp_path, capsys):
+    out = tmp_path / "mq"
+    assert cli(["mqar", "--quick", "--lr", "3e-3", "1e-2", "--out", str(out)]) == 0
+    data = json.loads((out / "mqar.json").read_text())
+    rows = data["rows"]
+    assert {r["name"] for r in rows} == {"attention", "mamba2"} and len(data["meta"]["trials"]) == 4
+    for r in rows:
+        assert set(r) == {"name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "params", "state_bytes",
+                          "lr", "steps"}
+        assert 0 <= r["accuracy"] <= 1 and r["params"] > 0 and r["state_bytes"] > 0 and r["lr"] in (3e-3, 1e-2)
+    assert rows[0]["layout"] == "(AM)*2"
+    assert (out / "mqar.csv").read_text().startswith("name,layout,d_model")
+    assert (out / "mqar.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--layouts", "x=bogus"], "neither a preset nor a layout"),
+    (["--layouts", "x=A:no_such_field=1"], "no_such_field"),
+    (["--pairs-div", "2"], "too short for 16 key-value pairs"),
+])
+def test_mqar_bad_input(tmp_path, capsys, argv, needle):
+    assert cli(["mqar", "--quick", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hybridlm: error: ") and needle in err[0], err
+
+
+def test_plot_cli(tmp_path, capsys):
+    for i, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        lines = [{"step": s, "loss": 5.0 - s / 10 - i, "lr": 1e-3, "tokens_per_s": 1.0, "tokens": s * 10,
+                  "val_loss": (5.2 - s / 10) if s % 5 == 0 else None, "val_ppl": None} for s in range(1, 11)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    png = tmp_path / "curves.png"
+    assert cli(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert cli(["plot", str(tmp_path / "a"), "--metric", "val_loss", "--out", str(png)]) == 0
+    assert cli(["plot", str(tmp_path / "missing"), "--out", str(png)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_layout_specs():
+    from hybridlm.commands.mqar import build_config, parse_layouts
+    specs = parse_layouts("t=transformer++, x=(AM)*3,r=R:rodimus_d_state=8", layers=2)
+    assert specs == [("t", "transformer++", {}), ("x", "(AM)*3", {}), ("r", "(RM)*2", {"rodimus_d_state": 8})]
+    cfgs = [build_config(v, o, d_model=16, seq_len=32, vocab_size=64, layers=2) for _, v, o in specs]
+    assert [c.layout for c in cfgs] == ["(AM)*2", "(AM)*3", "(RM)*2"]
+    assert cfgs[2].rodimus_d_state == 8 and cfgs[1].n_heads == 1 and cfgs[0].ssd_headdim == 32
+    with pytest.raises(InputError, match="twice"):
+        parse_layouts("a=A,a=S", layers=2)
