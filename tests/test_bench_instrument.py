@@ -2,7 +2,6 @@
 the fresh-process memory probe, and `hybridlm report`'s verdicts."""
 import json
 
-import pytest
 
 from hybridlm.bench.instrument import preset_config
 from hybridlm.bench.memory import step_peak_bytes
