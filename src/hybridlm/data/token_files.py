@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from ..errors import InputError
+from ..jsonio import read_json_object
 
 TOKEN_EXTS = (".npy", ".bin")
 DTYPES = {"uint8", "uint16", "uint32", "int32", "int64"}
@@ -70,18 +71,6 @@ def _read_sidecar(path: str) -> dict:
         raise InputError(f"{path}: raw token ids need a sidecar {os.path.basename(side)} naming their dtype, e.g. "
                          f'{{"dtype": "uint16"}} (nanoGPT\'s .bin files are uint16)')
     return read_json_object(side)
-
-
-def read_json_object(path: str) -> dict:
-    """A JSON file holding an object, or one InputError naming the file."""
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: {e}") from None
-    if not isinstance(meta, dict):
-        raise InputError(f"{path}: expected a JSON object")
-    return meta
 
 
 def check_ids(arr: np.ndarray, vocab_size: int, name: str):

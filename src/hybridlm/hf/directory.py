@@ -8,12 +8,12 @@ nothing is imported before it is needed; a new checkpoint family is one row. Ten
 shapes the transformers model of that config.json has, and handed to a CausalLM built on the meta device without a
 copy, so converting holds one copy of the weights. Needs transformers (`pip install hybridlm[hf]`).
 """
-import json
 import os
 
 import torch
 
 from ..errors import CheckpointError, ConfigError
+from ..jsonio import read_json_object
 from ..models.causal_lm import CausalLM
 from .common import LazyTensor, _Tensors
 
@@ -21,13 +21,7 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def _json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    return read_json_object(path, CheckpointError)
 
 
 def read_tensors(directory: str) -> tuple[dict[str, LazyTensor], dict[str, tuple[list[int], str]]]:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..errors import CheckpointError, ConfigError, HybridLMError
+from ..jsonio import read_json_object
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
 
@@ -50,15 +51,9 @@ def _refuse(path: str, option: str, value, why: str = ""):
 
 def read_config(src_dir: str) -> dict:
     path = os.path.join(src_dir, "config.json")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(hf, dict) or hf.get("model_type") != "rodimus":
-        mt = hf.get("model_type") if isinstance(hf, dict) else None
+    hf = read_json_object(path, CheckpointError)
+    if hf.get("model_type") != "rodimus":
+        mt = hf.get("model_type")
         raise ConfigError(f"{path}: model_type {mt!r} is not a Rodimus checkpoint (expected 'rodimus')")
     return hf
 

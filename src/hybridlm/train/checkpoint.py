@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError, HybridLMError
+from ..jsonio import read_json_object
 
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optimizer.safetensors"
 CONFIG_FILE, STATE_FILE = "config.json", "trainer_state.json"
@@ -303,16 +304,7 @@ def verify_checkpoint(ckpt: str, names: list[str] | None = None):
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing")
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path} should hold a JSON object")
-    return obj
+    return read_json_object(path, CheckpointError)
 
 
 def _read_safetensors(path: str) -> tuple[dict, dict]:
