@@ -121,3 +121,11 @@ def test_bpe_tokenizer_train_and_generate_in_process(tmp_path, capsys):
     assert main(["train", "--tokenizer", "bpe:x", "--data", str(text), "--out", str(tmp_path / "b2")]) == 2
     assert capsys.readouterr().err.strip() == \
         "hybridlm: error: bad tokenizer spec 'bpe:x': expected bpe:<vocab size>, e.g. bpe:4096"
+
+
+def test_demo_smoke(tmp_path, capsys):
+    from hybridlm.cli import main
+    assert main(["demo", "--steps", "2", "--max-bytes", "200000", "--max-new-tokens", "5", "--no-progress",
+                 "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "validation perplexity" in out and "sample (temperature" in out and "demo took" in out

@@ -52,6 +52,14 @@ def tune_allocator() -> bool:
     return all(libc.mallopt(param, value) == 1 for param, value in _MALLOPT)
 
 
+def command_line() -> str:
+    """This process's command as a user would type it ("hybridlm bench ..."), never a path of the machine."""
+    import shlex
+    prog = os.path.basename(sys.argv[0])
+    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return f"hybridlm {args}" if prog in ("hybridlm", "__main__.py") else f"python {prog} {args}".rstrip()
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The full parser; with `argv`, only the command named first gets its arguments (and module import)."""
     parser = argparse.ArgumentParser(prog="hybridlm", description="Efficient hybrid language models: build, "

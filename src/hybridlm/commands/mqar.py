@@ -13,8 +13,8 @@ import json
 import math
 import os
 import platform
-import sys
 
+from ..cli import command_line
 from ..plots import pyplot
 from .common import out, parse_sets
 
@@ -205,8 +205,7 @@ def main(args) -> int:
                                      desc=f"{name} d={d} T={T} lr={lr:g}"))
     meta = {"machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"{os.cpu_count()} cpus"))),
             "device": device, "torch": torch.__version__, "hybridlm": __version__, "python": platform.python_version(),
-            "command": ("hybridlm " + " ".join(sys.argv[1:])
-                        if os.path.basename(sys.argv[0]) in ("hybridlm", "__main__.py") else None),
+            "command": command_line(),
             "settings": {"layouts": args.layouts, "layers": args.layers, "d_models": args.d_models,
                          "seq_lens": args.seq_lens, "pairs": f"T/{div}", "hard": args.hard,
                          "vocab_size": args.vocab_size, "curriculum": not args.no_curriculum, "steps": args.steps,

@@ -14,9 +14,9 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import time
 
+from ..cli import command_line
 from ..errors import ConfigError
 from .recipes import Recipe, RunConfig
 
@@ -30,8 +30,7 @@ def machine_meta() -> dict:
 
     from .. import __version__
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "hybridlm " + " ".join(sys.argv[1:]) if os.path.basename(sys.argv[0]) == "hybridlm"
-            else " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
+            "command": command_line(), "python": platform.python_version(), "torch": torch.__version__,
             "hybridlm": __version__, "machine": platform.machine(), "processor": platform.processor(),
             "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
