@@ -25,6 +25,12 @@ def register(model_type: str, hf_class: str, config: Callable, weights: Callable
     CONVERTERS[model_type] = Converter(hf_class, config, weights)
 
 
+# preset name -> twin(d_model, n_layers, vocab_size, max_seq_len) -> the transformers config of the same model:
+# `presets.get(name, d_model=..., n_layers=...)` is what converting that config gives (tests check it), so
+# `hybridlm bench --twins` times both on the same weights
+TWINS: dict[str, Callable[..., Any]] = {}
+
+
 # ---------------------------------------------------------------------------------------------------
 # shared helpers
 
