@@ -118,6 +118,17 @@ class ModelConfig:
     hc_manifold: bool = True              # mHC: sigmoid pre/post, doubly stochastic res (Sinkhorn); False = HC
     hc_dynamic: bool = True               # per-token dynamic mixing weights on top of the static ones
     hc_sinkhorn_iters: int = 20
+    # Mamba-1 selective scan (B): Mamba, Falcon-Mamba, Jamba (models/mixers_mamba1.py)
+    mamba1_d_state: int = 16              # N: states per channel (A is [d_inner, N])
+    mamba1_d_conv: int = 4                # depthwise causal conv kernel
+    mamba1_expand: int = 2                # d_inner = expand · d_model channels
+    mamba1_dt_rank: int | None = None     # rank of the dt projection; None = ceil(d_model / 16)
+    mamba1_conv_bias: bool = True         # bias on the conv
+    mamba1_bias: bool = False             # biases on in_proj and out_proj
+    mamba1_bcdt_norm: str = "none"        # RMSNorm on dt, B, C after x_proj: none | weight (Jamba) | plain (no
+                                          # weight: Falcon-Mamba)
+    mamba1_norm_eps: float | None = None  # eps of those norms; None = norm_eps
+    mamba1_chunk_size: int = 64           # tokens per chunk of the scan (a chunk holds [B, L, d_inner, N] floats)
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
