@@ -330,7 +330,7 @@ def test_presets_are_configured_as_described():
     assert presets.get("doge-dense").layout == "(AM)*4"
     cheems = presets.get("cheems")
     assert cheems.wm_ssd_rope and cheems.wm_dyn_mask == "position" and cheems.layout == "((SE)*7 FE)*3"
-    assert "O" in presets.get("jamba").layout and "A" in presets.get("jamba").layout
+    assert "O" in presets.get("jamba-ssd").layout and "S" in presets.get("jamba-ssd").layout
 
 
 def test_bad_configs_give_clear_errors():

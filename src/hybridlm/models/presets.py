@@ -91,9 +91,31 @@ register("doge", "Doge: dynamic-mask attention, q/k norm, learnable residual wei
          4, lambda n: dict(layout=f"(AE)*{n}", **_doge))
 register("doge-dense", "Doge as transformers ships it by default: dynamic-mask attention with a gated MLP", 4,
          lambda n: dict(layout=f"(AM)*{n}", **_doge))
-register("jamba", "Jamba baseline: blocks of 7 SSD + 1 attention, routed MoE (16 experts, top 2) every other layer", 2,
+register("jamba-ssd", "Jamba's plan with SSD (Mamba-2) in place of its Mamba-1: blocks of 7 SSD + 1 attention, routed "
+         "MoE (16 experts, top 2) every other layer", 2,
          lambda n: dict(layout=f"(SM SO SM SO AM SO SM SO)*{n}", ssd_d_state=128, wm_moe_experts=16, wm_moe_topk=2,
                         tie_embeddings=False))
+
+
+# Mamba-1 (letter B): Mamba and Jamba as transformers builds them (hf/convert_mamba1.py); the head dim, dt rank and
+# widths are functions of d_model so `--d-model` moves them
+def _dt_rank(f: dict) -> int:
+    return -(-f["d_model"] // 16)
+
+
+def _glu_width(f: dict) -> int:
+    return 64 * -(-int(8 * f["d_model"] / 3) // 64)
+
+
+register("mamba", "Mamba(-1): selective-scan blocks only (d_state 16, expand 2, dt rank d/16), no MLP", 4,
+         lambda n: dict(layout=f"B*{n}", pos_embedding="none", norm_eps=1e-5, tie_embeddings=True,
+                        max_seq_len=1 << 20, mamba1_dt_rank=_dt_rank))
+register("jamba", "Jamba: blocks of 8 layers, Mamba-1 (RMSNorm on dt/B/C) with attention (no positional encoding, "
+         "GQA 8/2) at layer 4; routed MoE (16 experts, softmax top 2, not renormalised) every other layer", 2,
+         lambda n: dict(layout=f"(BM BO BM BO AM BO BM BO)*{n}", pos_embedding="none", norm_eps=1e-6,
+                        tie_embeddings=False, n_heads=8, n_kv_heads=2, head_dim=lambda f: f["d_model"] // 8,
+                        mlp_hidden=_glu_width, mamba1_bcdt_norm="weight", mamba1_dt_rank=_dt_rank,
+                        wm_moe_experts=16, wm_moe_topk=2, wm_moe_hidden=_glu_width, moe_norm_topk=False))
 
 # Rodimus* (001_53f5bc9ef3e67888.txt): n = 64, ℓ = max(d/64, 16), SW-SKA heads of 128 with a window of half the
 # training context, the released code's GLU width 4/3·d (rounded up to 8) in Rodimus++ size presets.

@@ -1,0 +1,166 @@
+"""Converters for the Mamba-1 families (letter B):
+
+  - `MambaForCausalLM` -> "B*n"; `FalconMambaForCausalLM` -> "B*n" with weightless RMSNorms on dt, B, C.
+  - `JambaForCausalLM` -> one letter pair per decoder layer: the mixer (B, or A at i % attn_layer_period ==
+    attn_layer_offset; Jamba's attention has no positional encoding) then the FFN (O, a routed MoE, at i %
+    expert_layer_period == expert_layer_offset when num_experts > 1, else M), e.g. "(BM BO BM BO AM BO BM BO)*4".
+    Its router is a softmax over all experts whose top-k weights are not renormalised.
+
+transformers' Mamba blocks keep the residual in float32 (`residual_in_fp32`); that matters only in half precision.
+"""
+import math
+
+import torch
+from torch import Tensor
+
+from ..models.config import ModelConfig
+from .common import TWINS, _activation, _copy, _fused_attention, _get, _head, _need, _Tensors, _tied, register
+
+# ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
+_MIXER = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
+          "dt_proj.bias": "dt_proj.bias", "A_log": "A_log", "D": "D", "out_proj.weight": "out_proj.weight"}
+_MIXER_OPTIONAL = {"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias", "conv_bias": "conv1d.bias",
+                   "dt_norm": "dt_layernorm.weight", "b_norm": "b_layernorm.weight", "c_norm": "c_layernorm.weight"}
+
+
+def _mixer(out: dict, prefix: str, s: _Tensors, has_norm_weights: bool):
+    _copy(out, prefix, s, _MIXER)
+    opt = _MIXER_OPTIONAL if has_norm_weights else {k: v for k, v in _MIXER_OPTIONAL.items() if "norm" not in k}
+    _copy(out, prefix, s, opt, optional=True)
+    out[prefix + "conv_weight"] = s["conv1d.weight"].squeeze(1)           # [C, 1, K] -> [C, K]
+
+
+def _expand(arch: str, hidden: int, inner: int) -> int:
+    _need(inner % hidden == 0, arch, f"intermediate size {inner} that is not a multiple of hidden_size {hidden}")
+    return inner // hidden
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mamba / Falcon-Mamba -> "B*n"
+
+def _mamba_config(hf, arch: str, falcon: bool) -> dict:
+    _activation(arch, _get(hf, "hidden_act", "silu"), "conv")
+    inner = int(_get(hf, "intermediate_size", None) or hf.expand * hf.hidden_size)
+    fields = dict(
+        layout=f"B*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
+        max_seq_len=int(_get(hf, "max_position_embeddings", 1 << 20)),   # no positional limit unless the config sets one
+        tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
+        mamba1_d_state=hf.state_size, mamba1_d_conv=hf.conv_kernel, mamba1_expand=_expand(arch, hf.hidden_size, inner),
+        mamba1_dt_rank=int(hf.time_step_rank), mamba1_conv_bias=bool(_get(hf, "use_conv_bias", True)),
+        mamba1_bias=bool(_get(hf, "use_bias", False)),
+    )
+    if falcon:
+        fields.update(mamba1_bcdt_norm="plain", mamba1_norm_eps=float(_get(hf, "mixer_rms_eps", 1e-6)))
+    return fields
+
+
+def mamba_config(hf) -> dict:
+    return _mamba_config(hf, "MambaForCausalLM", falcon=False)
+
+
+def falcon_mamba_config(hf) -> dict:
+    return _mamba_config(hf, "FalconMambaForCausalLM", falcon=True)
+
+
+def mamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = _head(sd, cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
+    n_layers = sum(1 for k in sd if k.startswith("backbone.layers.") and k.endswith(".mixer.A_log"))
+    for i in range(n_layers):
+        s, b = _Tensors(sd, f"backbone.layers.{i}."), f"blocks.{i}."
+        _copy(out, b, s, {"norm.weight": "norm.weight"})
+        _mixer(out, b + "mixer.", _Tensors(s, "mixer."), has_norm_weights=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Jamba -> e.g. "(BM BO BM BO AM BO BM BO)*4"
+
+JAMBA = "JambaForCausalLM"
+
+
+def jamba_layout(n: int, attn_period: int, attn_offset: int, expert_period: int, expert_offset: int,
+                 moe: bool) -> str:
+    """Jamba's layer plan as a layout string, written as a repeated group when the plan repeats."""
+    pairs = [("A" if i % attn_period == attn_offset else "B") +
+             ("O" if moe and i % expert_period == expert_offset else "M") for i in range(n)]
+    p = math.lcm(attn_period, expert_period if moe else 1)
+    if n % p or n == p:
+        return " ".join(pairs)
+    return f"({' '.join(pairs[:p])})*{n // p}"
+
+
+def jamba_config(hf) -> dict:
+    _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, JAMBA, "attention_dropout")
+    act = _activation(JAMBA, hf.hidden_act, "MLP and conv")
+    E = int(_get(hf, "num_experts", 1) or 1)
+    n_heads = hf.num_attention_heads
+    fields = dict(
+        layout=jamba_layout(hf.num_hidden_layers, hf.attn_layer_period, hf.attn_layer_offset,
+                            hf.expert_layer_period, hf.expert_layer_offset, moe=E > 1),
+        vocab_size=hf.vocab_size, d_model=hf.hidden_size, max_seq_len=int(_get(hf, "max_position_embeddings", 2048)),
+        tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.rms_norm_eps), pos_embedding="none",
+        n_heads=n_heads, n_kv_heads=_get(hf, "num_key_value_heads") or n_heads,
+        head_dim=_get(hf, "head_dim") or hf.hidden_size // n_heads,
+        mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True,
+        mamba1_d_state=hf.mamba_d_state, mamba1_d_conv=hf.mamba_d_conv, mamba1_expand=int(hf.mamba_expand),
+        mamba1_dt_rank=int(hf.mamba_dt_rank), mamba1_conv_bias=bool(hf.mamba_conv_bias),
+        mamba1_bias=bool(hf.mamba_proj_bias), mamba1_bcdt_norm="weight",
+    )
+    if E > 1:   # softmax over all experts, top-k weights used as they are
+        fields.update(wm_moe_experts=E, wm_moe_topk=int(hf.num_experts_per_tok), wm_moe_hidden=hf.intermediate_size,
+                      wm_moe_shared=False, moe_router="softmax", moe_norm_topk=False)
+    return fields
+
+
+def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
+    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
+    for i in range(n_layers):
+        s = _Tensors(sd, f"model.layers.{i}.")
+        a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
+        _copy(out, a, s, {"norm.weight": "input_layernorm.weight"})
+        _copy(out, m, s, {"norm.weight": "pre_ff_layernorm.weight"})
+        if "mamba.A_log" in s:
+            _mixer(out, a + "mixer.", _Tensors(s, "mamba."), has_norm_weights=True)
+        else:
+            _fused_attention(out, a + "mixer.", s)
+        f = _Tensors(s, "feed_forward.")
+        if "router.weight" in f:
+            gate_up, h = f["experts.gate_up_proj"], cfg.wm_moe_hidden          # [E, 2h, d]: rows [gate; up]
+            out[m + "mixer.router.weight"] = f["router.weight"]
+            out[m + "mixer.w_gate"] = gate_up[:, :h].transpose(1, 2)
+            out[m + "mixer.w_up"] = gate_up[:, h:].transpose(1, 2)
+            out[m + "mixer.w_down"] = f["experts.down_proj"].transpose(1, 2)   # [E, d, h] -> [E, h, d]
+        else:
+            out[m + "mixer.w_in.weight"] = torch.cat((f["gate_proj.weight"], f["up_proj.weight"]), 0)
+            out[m + "mixer.w_out.weight"] = f["down_proj.weight"]
+    return out
+
+
+register("mamba", "MambaForCausalLM", mamba_config, mamba_weights)
+register("falcon_mamba", "FalconMambaForCausalLM", falcon_mamba_config, mamba_weights)
+register("jamba", JAMBA, jamba_config, jamba_weights)
+
+
+# ---------------------------------------------------------------------------------------------------
+# twins of the presets (bench: the same model in transformers)
+
+def _mamba_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
+    from transformers import MambaConfig
+    return MambaConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, state_size=16,
+                       expand=2, max_position_embeddings=max_seq_len, conv_kernel=4, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                       pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def _jamba_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
+    """`n_layers` counts the preset's unit: 8 decoder layers (one attention, four MoE)."""
+    from transformers import JambaConfig
+    return JambaConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=8 * n_layers,
+                       intermediate_size=64 * -(-int(8 * d_model / 3) // 64), num_attention_heads=8,
+                       num_key_value_heads=2, max_position_embeddings=max_seq_len, rms_norm_eps=1e-6,
+                       num_experts=16, num_experts_per_tok=2, mamba_d_state=16, tie_word_embeddings=False,
+                       pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+TWINS["mamba"] = _mamba_twin
+TWINS["jamba"] = _jamba_twin
