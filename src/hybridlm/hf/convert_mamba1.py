@@ -112,6 +112,19 @@ def jamba_config(hf) -> dict:
     return fields
 
 
+def _experts(f: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    """w_gate, w_up [E, d, h] and w_down [E, h, d] from transformers' fused experts (gate_up_proj [E, 2h, d] with rows
+    [gate; up], down_proj [E, d, h]) or from the per-expert checkpoint format (experts.{e}.gate_proj.weight [h, d], ...)
+    that released Jamba checkpoints and save_pretrained use."""
+    if "experts.gate_up_proj" in f:
+        gate_up, h = f["experts.gate_up_proj"], cfg.wm_moe_hidden
+        return {"w_gate": gate_up[:, :h].transpose(1, 2), "w_up": gate_up[:, h:].transpose(1, 2),
+                "w_down": f["experts.down_proj"].transpose(1, 2)}
+    E = cfg.wm_moe_experts
+    return {ours: torch.stack([f[f"experts.{e}.{theirs}.weight"] for e in range(E)]).transpose(1, 2)
+            for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))}
+
+
 def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
     n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
@@ -126,11 +139,8 @@ def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
             _fused_attention(out, a + "mixer.", s)
         f = _Tensors(s, "feed_forward.")
         if "router.weight" in f:
-            gate_up, h = f["experts.gate_up_proj"], cfg.wm_moe_hidden          # [E, 2h, d]: rows [gate; up]
             out[m + "mixer.router.weight"] = f["router.weight"]
-            out[m + "mixer.w_gate"] = gate_up[:, :h].transpose(1, 2)
-            out[m + "mixer.w_up"] = gate_up[:, h:].transpose(1, 2)
-            out[m + "mixer.w_down"] = f["experts.down_proj"].transpose(1, 2)   # [E, d, h] -> [E, h, d]
+            out.update({m + "mixer." + k: v for k, v in _experts(f, cfg).items()})
         else:
             out[m + "mixer.w_in.weight"] = torch.cat((f["gate_proj.weight"], f["up_proj.weight"]), 0)
             out[m + "mixer.w_out.weight"] = f["down_proj.weight"]
