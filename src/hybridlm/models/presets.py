@@ -113,7 +113,7 @@ register("mamba", "Mamba(-1): selective-scan blocks only (d_state 16, expand 2, 
 register("jamba", "Jamba: blocks of 8 layers, Mamba-1 (RMSNorm on dt/B/C) with attention (no positional encoding, "
          "GQA 8/2) at layer 4; routed MoE (16 experts, softmax top 2, not renormalised) every other layer", 2,
          lambda n: dict(layout=f"(BM BO BM BO AM BO BM BO)*{n}", pos_embedding="none", norm_eps=1e-6,
-                        tie_embeddings=False, n_heads=8, n_kv_heads=2, head_dim=lambda f: f["d_model"] // 8,
+                        tie_embeddings=False, n_heads=8, n_kv_heads=2, head_dim=lambda f: f["d_model"] // f["n_heads"],
                         mlp_hidden=_glu_width, mamba1_bcdt_norm="weight", mamba1_dt_rank=_dt_rank,
                         wm_moe_experts=16, wm_moe_topk=2, wm_moe_hidden=_glu_width, moe_norm_topk=False))
 
