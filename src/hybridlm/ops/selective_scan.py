@@ -10,8 +10,9 @@ float64 inputs). `resets` [b, t] bool marks document starts: the decay is 0 ther
 Unlike SSD the decay differs per (channel, state) entry, so the chunked form of ssd.py would need a [b, d, L, L, n]
 mask. Instead each chunk of L tokens runs a log-depth (Hillis-Steele) scan on [b, L, d, n] tensors: only products
 of decays, never the ratios exp(-cumsum) that overflow under strong decay, so it is exact. Chunks run in turn, each
-starting from the previous chunk's final state; under autograd each chunk is recomputed in the backward
-(activation checkpointing), so training keeps one chunk's [b, L, d, n] intermediates, not the sequence's.
+starting from the previous chunk's final state. A chunk's backward is the reverse scan, written by hand
+(`_ChunkScan`); under autograd each chunk is also recomputed in the backward (activation checkpointing), so training
+keeps one chunk's [b, L, d, n] tensors at a time, not the sequence's.
 """
 import torch
 from torch import Tensor
@@ -58,18 +59,45 @@ def selective_scan_recurrent(x, dt, A, B, C, D=None, *, initial_state=None, rese
     return y.to(x.dtype), h.reshape(b, d, n)
 
 
-def _chunk(a: Tensor, u: Tensor, C: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
-    """One chunk: a, u [b, L, g, c, n]; C [b, L, g, n]; h0 [b, g, c, n] -> (y [b, L, g, c], h_L [b, g, c, n]).
-    Hillis-Steele: after the step with offset k, (a_t, u_t) summarise tokens (t-2k, t]; log2(L) steps."""
-    u = torch.cat((torch.addcmul(u[:, :1], a[:, :1], h0.unsqueeze(1)), u[:, 1:]), 1)   # fold h0 into token 0
+def _scan(a: Tensor, u: Tensor) -> Tensor:
+    """All states of h_t = a_t h_{t-1} + u_t (h_{-1} = 0) along dim 1, by Hillis-Steele: after the step with
+    offset k, (a_t, u_t) summarise tokens (t-2k, t]; log2(L) steps of products, never ratios."""
     L, k = u.shape[1], 1
     while k < L:
         u = torch.cat((u[:, :k], torch.addcmul(u[:, k:], a[:, k:], u[:, :-k])), 1)
         if 2 * k < L:
             a = torch.cat((a[:, :k], a[:, k:] * a[:, :-k]), 1)
         k *= 2
-    y = (u @ C.unsqueeze(-1)).squeeze(-1)                                 # [b, L, g, c]: h_t · C_t
-    return y, u[:, -1]
+    return u
+
+
+class _ChunkScan(torch.autograd.Function):
+    """One chunk: a, u [b, L, g, c, n]; C [b, L, g, n]; h0 [b, g, c, n] -> (y [b, L, g, c], h_L [b, g, c, n]).
+    The backward is the reverse scan G_t = a_{t+1} G_{t+1} + gy_t ⊗ C_t (G = dloss/dh_t), written by hand: autograd
+    through the forward's slices would zero-fill a full-size gradient per slice and step."""
+
+    @staticmethod
+    def forward(ctx, a, u, C, h0):
+        u = torch.cat((torch.addcmul(u[:, :1], a[:, :1], h0.unsqueeze(1)), u[:, 1:]), 1)   # fold h0 into token 0
+        H = _scan(a, u)                                                      # h_t for every t
+        ctx.save_for_backward(a, H, C, h0)
+        return (H @ C.unsqueeze(-1)).squeeze(-1), H[:, -1]
+
+    @staticmethod
+    def backward(ctx, gy, gh):
+        a, H, C, h0 = ctx.saved_tensors
+        v = gy.unsqueeze(-1) * C.unsqueeze(-2)                               # gy_t ⊗ C_t: [b, L, g, c, n]
+        if gh is not None:
+            v[:, -1] += gh
+        a_next = torch.cat((a[:, 1:], torch.zeros_like(a[:, :1])), 1)        # a_{t+1}
+        G = _scan(a_next.flip(1), v.flip(1)).flip(1)
+        prev = torch.cat((h0.unsqueeze(1), H[:, :-1]), 1)                    # h_{t-1}
+        gC = (gy.unsqueeze(-2) @ H).squeeze(-2) if ctx.needs_input_grad[2] else None
+        return G * prev, G, gC, a[:, 0] * G[:, 0]
+
+
+def _chunk(a: Tensor, u: Tensor, C: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    return _ChunkScan.apply(a, u, C, h0)
 
 
 def _chunk_from_inputs(x, dt, A, B, C, h0, resets):
