@@ -119,7 +119,8 @@ def test_presets():
 def test_info_shows_the_layout():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "hybridlm", "info", "--preset", "jamba", "--n-layers", "1", "--d-model",
-                        "32", "--set", "n_heads=4", "--set", "n_kv_heads=1", "--set", "head_dim=8", "--context", "4", "8"],
+                        "32", "--set", "n_heads=4", "--set", "n_kv_heads=1", "--set", "head_dim=8",
+                        "--context", "4", "8"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "BM BO BM BO AM BO BM BO" in r.stdout and "bytes/token" in r.stdout

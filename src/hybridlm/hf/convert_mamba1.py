@@ -43,7 +43,7 @@ def _mamba_config(hf, arch: str, falcon: bool) -> dict:
     inner = int(_get(hf, "intermediate_size", None) or hf.expand * hf.hidden_size)
     fields = dict(
         layout=f"B*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 1 << 20)),   # no positional limit unless the config sets one
+        max_seq_len=int(_get(hf, "max_position_embeddings", 1 << 20)),   # no positional limit unless set
         tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
         mamba1_d_state=hf.state_size, mamba1_d_conv=hf.conv_kernel, mamba1_expand=_expand(arch, hf.hidden_size, inner),
         mamba1_dt_rank=int(hf.time_step_rank), mamba1_conv_bias=bool(_get(hf, "use_conv_bias", True)),
@@ -156,10 +156,11 @@ register("jamba", JAMBA, jamba_config, jamba_weights)
 # twins of the presets (bench: the same model in transformers)
 
 def _mamba_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
+    """max_position_embeddings is no MambaConfig field: an extra attribute the converter reads as max_seq_len."""
     from transformers import MambaConfig
     return MambaConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, state_size=16,
-                       expand=2, max_position_embeddings=max_seq_len, conv_kernel=4, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
-                       pad_token_id=None, bos_token_id=None, eos_token_id=None)
+                       expand=2, max_position_embeddings=max_seq_len, conv_kernel=4, layer_norm_epsilon=1e-5,
+                       tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
 def _jamba_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
