@@ -129,3 +129,9 @@ def test_bad_inputs():
         delta_rule_chunked(q, k, v, beta, g[..., None].expand(B, 8, H, 3))
     with pytest.raises(InputError, match="chunk_size"):
         delta_rule_chunked(q, k, v, beta, g, chunk_size=0)
+
+
+def test_bench_runs():
+    from hybridlm.bench.delta_speed import bench_delta
+    res = bench_delta(T=40, H=2, K=8, V=8, repeats=1, per_channel=True)
+    assert res["recurrent_s"] > 0 and res["chunked_s"] > 0

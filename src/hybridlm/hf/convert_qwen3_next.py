@@ -24,7 +24,8 @@ _GDN = {"in_proj_qkvz.weight": "linear_attn.in_proj_qkvz.weight", "in_proj_ba.we
 def _is_moe(hf, i: int) -> bool:
     """transformers' rule for a sparse MoE block at layer i."""
     only = _get(hf, "mlp_only_layers") or []
-    return i not in only and (_get(hf, "num_experts", 0) or 0) > 0 and (i + 1) % hf.decoder_sparse_step == 0
+    step = _get(hf, "decoder_sparse_step", 1) or 1
+    return i not in only and (_get(hf, "num_experts", 0) or 0) > 0 and (i + 1) % step == 0
 
 
 def layout_of(blocks: list[str]) -> str:
