@@ -134,3 +134,16 @@ def test_preset_builds_and_decodes():
     ids = torch.randint(0, 61, (1, 19))
     with torch.no_grad():
         assert_close(decode_logits(m, ids, 11), m(ids).logits, 1e-4, 1e-4)
+
+
+def test_bfloat16_model_is_close_and_keeps_a_float32_state():
+    m = model("groups")
+    ids = torch.randint(0, 61, (2, 19))
+    with torch.no_grad():
+        ref = m(ids).logits
+        m16 = m.to(torch.bfloat16)
+        cache = m16.make_cache(2)
+        got = m16(ids, cache=cache).logits
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert cache.layers[0].state.dtype == torch.float32
+    assert_close(got.float(), ref, 0.05, 0.1)
