@@ -13,25 +13,7 @@ Per chunk (b = in-chunk cumsum of the clamped log decay w, doc = in-chunk reset 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, LOWP: tl.constexpr):
-    if LOWP:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _row(X, it, j):
-    """Row j of a register tile X [Q, D] -> [D]."""
-    return tl.sum(tl.where(it[:, None] == j, X, 0.0), 0)
-
-
-@triton.jit
-def _at(x, it, j):
-    """Element j of a register vector x [Q]."""
-    return tl.sum(tl.where(it == j, x, 0), 0)
+from ._common import dot as _dot
 
 
 @triton.jit
@@ -59,6 +41,27 @@ def _load_chunk(q_ptr, k_ptr, v_ptr, w_ptr, r_ptr, ib, ih, c, T, H, K, V, scale,
         r = tl.zeros([Q], dtype=tl.int32)
         doc = r
     return q, k, v, w_raw, w, r, doc, offk, offv, mtk, mtv
+
+
+@triton.jit
+def _key_row(k_ptr, v_ptr, w_ptr, r_ptr, ib, ih, tj, T, H, K, V, b_j, doc_j, LOG_DECAY_MIN,
+             BK: tl.constexpr, BV: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """Key row tj: k [BK], v [BV], and the running log decay b_j [BK] / document index doc_j [1] advanced past it
+    (the same clamp and reset masking as _load_chunk). Loaded rather than sliced out of the chunk tiles:
+    a register tile has no cheap row access."""
+    ik = tl.arange(0, BK)
+    iv = tl.arange(0, BV)
+    t1 = tj + tl.arange(0, 1)                                          # [1]: masks are tensors
+    row = (ib * T + tj) * H + ih
+    k_j = tl.load(k_ptr + row * K + ik, mask=(ik < K) & (t1 < T), other=0.0).to(tl.float32)
+    v_j = tl.load(v_ptr + row * V + iv, mask=(iv < V) & (t1 < T), other=0.0).to(tl.float32)
+    w_j = tl.load(w_ptr + row * K + ik, mask=(ik < K) & (t1 < T), other=0.0).to(tl.float32)
+    w_j = tl.minimum(tl.maximum(w_j, LOG_DECAY_MIN), 0.0)
+    if HAS_RESETS:
+        r_j = tl.load(r_ptr + ib * T + t1, mask=t1 < T, other=0).to(tl.int32)
+        w_j = tl.where(r_j != 0, 0.0, w_j)
+        doc_j += r_j
+    return k_j, v_j, b_j + w_j, doc_j
 
 
 @triton.jit
@@ -97,10 +100,17 @@ def gla_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, r_ptr, h0_ptr, o_ptr, states_ptr,
         o = _dot(qg, S, LOWP)
         # intra-chunk scores, one key column at a time with the exact pairwise decay
         A = tl.zeros([Q, Q], dtype=tl.float32)
-        for j in range(0, Q):
-            seen = (it >= j) & (doc == _at(doc, it, j))
-            E = tl.exp(tl.where(seen[:, None], b - _row(b, it, j)[None, :], float("-inf")))
-            a_j = tl.sum(q * E * _row(k, it, j)[None, :], 1)
+        b_j = tl.zeros([BK], dtype=tl.float32)                         # key j's log decay from the chunk start
+        doc_j = tl.zeros([1], dtype=tl.int32)                          # key j's document in the chunk
+        nj = T - c * Q                                                 # keys in this chunk: skip the padding
+        if nj > Q:
+            nj = Q
+        for j in range(0, nj):
+            k_j, v_j, b_j, doc_j = _key_row(k_ptr, v_ptr, w_ptr, r_ptr, ib, ih, c * Q + j, T, H, K, V, b_j, doc_j,
+                                            LOG_DECAY_MIN, BK, BV, HAS_RESETS)
+            seen = (it >= j) & (doc == doc_j)
+            E = tl.exp(tl.where(seen[:, None], b - b_j[None, :], float("-inf")))
+            a_j = tl.sum(q * E * k_j[None, :], 1)
             A = tl.where(it[None, :] == j, a_j[:, None], A)
         o += _dot(A, v, LOWP)
         tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mtv)
@@ -157,13 +167,19 @@ def gla_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, r_ptr, states_ptr, do_ptr, dfinal
         A = tl.zeros([Q, Q], dtype=tl.float32)
         dq_i = tl.zeros([Q, BK], dtype=tl.float32)
         dk_i = tl.zeros([Q, BK], dtype=tl.float32)
-        for j in range(0, Q):
-            seen = (it >= j) & (doc == _at(doc, it, j))
-            E = tl.exp(tl.where(seen[:, None], b - _row(b, it, j)[None, :], float("-inf")))
-            k_j = _row(k, it, j)
+        b_j = tl.zeros([BK], dtype=tl.float32)                         # key j's log decay from the chunk start
+        doc_j = tl.zeros([1], dtype=tl.int32)                          # key j's document in the chunk
+        nj = T - c * Q                                                 # keys in this chunk: skip the padding
+        if nj > Q:
+            nj = Q
+        for j in range(0, nj):
+            k_j, v_j, b_j, doc_j = _key_row(k_ptr, v_ptr, w_ptr, r_ptr, ib, ih, c * Q + j, T, H, K, V, b_j, doc_j,
+                                            LOG_DECAY_MIN, BK, BV, HAS_RESETS)
+            seen = (it >= j) & (doc == doc_j)
+            E = tl.exp(tl.where(seen[:, None], b - b_j[None, :], float("-inf")))
             qE = q * E
             A = tl.where(it[None, :] == j, tl.sum(qE * k_j[None, :], 1)[:, None], A)
-            dA_j = tl.where(seen, tl.sum(do * _row(v, it, j)[None, :], 1), 0.0)    # dL/dA[:, j]
+            dA_j = tl.where(seen, tl.sum(do * v_j[None, :], 1), 0.0)    # dL/dA[:, j]
             dq_i += dA_j[:, None] * E * k_j[None, :]
             dk_i = tl.where(it[:, None] == j, tl.sum(dA_j[:, None] * qE, 0)[None, :], dk_i)
         dv += _dot(tl.trans(A), do, LOWP)

@@ -15,14 +15,7 @@ Per chunk (Q tokens, a_l = dt_l·A with a = 0 at a reset, acum = in-chunk cumsum
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, LOWP: tl.constexpr):
-    # bf16/fp16 inputs: tensor-core bf16 products with fp32 accumulation (as mamba_ssm); fp32 inputs: exact
-    if LOWP:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        return tl.dot(a, b, input_precision="ieee")
+from ._common import dot as _dot
 
 
 @triton.jit

@@ -1,0 +1,232 @@
+"""Our Triton kernels (ops/triton) equal the PyTorch ops they replace on GPU: chunked SSD and chunked GLA,
+forward and gradients, float32 and bf16, odd lengths, initial states, resets, ngroups > 1.
+
+Without CUDA the kernels run under Triton's interpreter on CPU tensors at small sizes (seconds); with CUDA
+the same tests run compiled at full head sizes. Skipped when triton is not installed (`hybridlm[gpu]`)."""
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from conftest import assert_close                                   # noqa: E402
+from hybridlm.errors import InputError                              # noqa: E402
+from hybridlm.ops import triton as tri                              # noqa: E402
+from hybridlm.ops.gla import gla_chunked, gla_recurrent             # noqa: E402
+from hybridlm.ops.ssd import ssd_chunked, ssd_recurrent             # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1 (conftest sets it)",
+                allow_module_level=True)
+_ssd_mod = importlib.import_module("hybridlm.ops.triton.ssd")
+_gla_mod = importlib.import_module("hybridlm.ops.triton.gla")
+ssd_triton, gla_triton = _ssd_mod.ssd_chunked_triton, _gla_mod.gla_chunked_triton
+
+# interpreter: tiny heads; CUDA: the issue's head sizes
+SSD_SIZE = dict(b=2, h=4, p=64, n=128) if CUDA else dict(b=2, h=4, p=8, n=16)
+GLA_SIZE = dict(b=2, h=2, k=128, v=128) if CUDA else dict(b=2, h=2, k=16, v=8)
+LENGTHS = [1, 200, 1000] if CUDA else [1, 37]       # odd lengths: a partial last chunk
+CHUNK = 64 if CUDA else 16
+
+
+def _leaves(ts):
+    return [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point()) for t in ts]
+
+
+def _fwd_bwd(fn, ts, kw, seed=1):
+    """(outputs, grads) of a random linear functional of (y, final_state); grads None where unused."""
+    leaves = _leaves(ts)
+    y, s = fn(*leaves[:-1], initial_state=leaves[-1], **kw)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    gy = torch.randn(y.shape, generator=g, device=DEV)
+    gs = torch.randn(s.shape, generator=g, device=DEV)
+    ((y.float() * gy).sum() + (s * gs).sum()).backward()
+    return (y.detach(), s.detach()), [None if x is None else x.grad for x in leaves]
+
+
+def _compare(a, b, names, tol, gtol):
+    (ya, sa), ga = a
+    (yb, sb), gb = b
+    assert ya.dtype == yb.dtype and sa.dtype == torch.float32
+    assert_close(ya, yb, rtol=tol, atol=tol, msg="y")
+    assert_close(sa, sb, rtol=tol, atol=tol, msg="final state")
+    for name, x, y in zip(names, ga, gb):
+        assert (x is None) == (y is None), name
+        if y is not None:
+            assert x.dtype == y.dtype, name
+            assert_close(x, y, rtol=gtol, atol=gtol, msg=f"grad {name}")
+
+
+# ---------------------------------------------------------------- SSD
+
+
+def ssd_inputs(T, g=2, dtype=torch.float32, b=None, h=None, p=None, n=None):
+    s = dict(SSD_SIZE, **{k: v for k, v in dict(b=b, h=h, p=p, n=n).items() if v is not None})
+    b, h, p, n = s["b"], s["h"], s["p"], s["n"]
+    x = torch.randn(b, T, h, p, device=DEV)
+    dt = F.softplus(torch.randn(b, T, h, device=DEV) - 1)
+    A = -(torch.rand(h, device=DEV) * 3 + 0.1)
+    B, C = (torch.randn(b, T, g, n, device=DEV) * n ** -0.5 for _ in range(2))
+    h0 = torch.randn(b, h, p, n, device=DEV)
+    return [x.to(dtype), dt.to(dtype), A, B.to(dtype), C.to(dtype), h0]
+
+
+SSD_NAMES = "x dt A B C h0".split()
+
+
+def _ssd_ref(*args, **kw):  # the PyTorch path even for CUDA tensors
+    os.environ["HYBRIDLM_TRITON"] = "0"
+    try:
+        return ssd_chunked(*args, **kw)
+    finally:
+        del os.environ["HYBRIDLM_TRITON"]
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("g,use_h0", [(1, False), (2, True)])
+def test_ssd_equals_reference(T, g, use_h0):
+    ts = ssd_inputs(T, g=g)
+    if not use_h0:
+        ts[-1] = None
+    ref = _fwd_bwd(_ssd_ref, ts, dict(chunk_size=CHUNK))
+    _compare(_fwd_bwd(ssd_triton, ts, dict(chunk_size=CHUNK)), ref, SSD_NAMES, 1e-4, 2e-4)
+
+
+def test_ssd_equals_token_recurrence():
+    ts = ssd_inputs(23, g=2)
+    ref = _fwd_bwd(ssd_recurrent, ts, {})
+    _compare(_fwd_bwd(ssd_triton, ts, dict(chunk_size=16)), ref, SSD_NAMES, 1e-4, 2e-4)
+
+
+def test_ssd_resets():
+    T = 300 if CUDA else 40
+    ts = ssd_inputs(T, g=2)
+    resets = torch.zeros(ts[0].shape[0], T, dtype=torch.bool, device=DEV)
+    # a reset at the first token (drops the initial state), two in a row, one on a chunk boundary, one mid-chunk
+    resets[0, 0] = resets[0, 5] = resets[0, 6] = True
+    resets[1, 16] = resets[1, T - 3] = True
+    kw = dict(chunk_size=16, resets=resets)
+    _compare(_fwd_bwd(ssd_triton, ts, kw), _fwd_bwd(_ssd_ref, ts, kw), SSD_NAMES, 1e-4, 2e-4)
+    # the packed row equals separate runs
+    (y, s), _ = _fwd_bwd(ssd_triton, ts, kw)
+    row = [t[1:2] if t.dim() > 1 else t for t in ts[:5]]
+    y1, _ = ssd_triton(*(t[:, :16] if t.dim() > 1 else t for t in row), initial_state=ts[5][1:2], chunk_size=16)
+    y2, s2 = ssd_triton(*(t[:, 16:] if t.dim() > 1 else t for t in row), chunk_size=16, resets=resets[1:2, 16:])
+    assert_close(y[1:2], torch.cat([y1, y2], 1), rtol=1e-4, atol=1e-4)
+    assert_close(s[1:2], s2, rtol=1e-4, atol=1e-4)
+
+
+def test_ssd_bf16():
+    T = 500 if CUDA else 37
+    ts = ssd_inputs(T, g=2, dtype=torch.bfloat16)
+    ref = _fwd_bwd(_ssd_ref, [t.float() if t.dtype == torch.bfloat16 else t for t in ts], dict(chunk_size=CHUNK))
+    (y, s), grads = _fwd_bwd(ssd_triton, ts, dict(chunk_size=CHUNK))
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert_close(y, ref[0][0], rtol=3e-2, atol=3e-2, msg="y")
+    assert_close(s, ref[0][1], rtol=3e-2, atol=3e-2, msg="final state")
+    for name, a, b, t in zip(SSD_NAMES, grads, ref[1], ts):
+        assert a.dtype == t.dtype, name
+        assert_close(a, b, rtol=5e-2, atol=5e-2, msg=f"grad {name}")
+
+
+# ---------------------------------------------------------------- GLA
+
+
+def gla_inputs(T, dtype=torch.float32):
+    b, h, k, v = GLA_SIZE["b"], GLA_SIZE["h"], GLA_SIZE["k"], GLA_SIZE["v"]
+    q, kk = (torch.randn(b, T, h, k, device=DEV) for _ in range(2))
+    vv = torch.randn(b, T, h, v, device=DEV)
+    w = -F.softplus(2 * torch.randn(b, T, h, k, device=DEV) - 1)   # slow and fast channels
+    s0 = torch.randn(b, h, k, v, device=DEV)
+    return [q.to(dtype), kk.to(dtype), vv.to(dtype), w.to(dtype), s0]
+
+
+GLA_NAMES = "q k v log_decay s0".split()
+
+
+def _gla_ref(*args, **kw):
+    os.environ["HYBRIDLM_TRITON"] = "0"
+    try:
+        return gla_chunked(*args, **kw)
+    finally:
+        del os.environ["HYBRIDLM_TRITON"]
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("use_h0", [False, True])
+def test_gla_equals_reference(T, use_h0):
+    ts = gla_inputs(T)
+    if not use_h0:
+        ts[-1] = None
+    kw = dict(chunk_size=CHUNK)
+    _compare(_fwd_bwd(gla_triton, ts, kw), _fwd_bwd(_gla_ref, ts, kw), GLA_NAMES, 1e-4, 2e-4)
+
+
+def test_gla_equals_token_recurrence_with_clamp_and_scale():
+    ts = gla_inputs(21)
+    ts[3][0, 4] = -60.0                                  # below LOG_DECAY_MIN: clamped, no gradient
+    kw = dict(scale=0.3)
+    ref = _fwd_bwd(_gla_ref, ts, kw)
+    out = _fwd_bwd(gla_triton, ts, dict(kw, chunk_size=16))
+    _compare(out, ref, GLA_NAMES, 1e-4, 2e-4)
+    assert out[1][3][0, 4].abs().max() == 0
+    rec = _fwd_bwd(gla_recurrent, [t.clamp(min=-40) if i == 3 else t for i, t in enumerate(ts)], kw)
+    assert_close(out[0][0], rec[0][0], rtol=1e-4, atol=1e-4)
+
+
+def test_gla_resets():
+    T = 300 if CUDA else 40
+    ts = gla_inputs(T)
+    resets = torch.zeros(ts[0].shape[0], T, dtype=torch.bool, device=DEV)
+    resets[0, 0] = resets[0, 5] = resets[0, 6] = True
+    resets[1, 16] = resets[1, T - 3] = True
+    kw = dict(chunk_size=16, resets=resets)
+    out = _fwd_bwd(gla_triton, ts, kw)
+    _compare(out, _fwd_bwd(_gla_ref, ts, kw), GLA_NAMES, 1e-4, 2e-4)
+    assert out[1][3][1, 16].abs().max() == 0             # the decay at a document start is unused
+
+
+def test_gla_bf16():
+    T = 500 if CUDA else 37
+    ts = gla_inputs(T, dtype=torch.bfloat16)
+    ref = _fwd_bwd(_gla_ref, [t.float() for t in ts], dict(chunk_size=CHUNK))
+    (o, s), grads = _fwd_bwd(gla_triton, ts, dict(chunk_size=CHUNK))
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert_close(o, ref[0][0], rtol=3e-2, atol=3e-2, msg="o")
+    assert_close(s, ref[0][1], rtol=3e-2, atol=3e-2, msg="final state")
+    for name, a, b, t in zip(GLA_NAMES, grads, ref[1], ts):
+        assert a.dtype == t.dtype, name
+        assert_close(a, b, rtol=5e-2, atol=5e-2, msg=f"grad {name}")
+
+
+# ---------------------------------------------------------------- dispatch and input checks
+
+
+def test_dispatch(monkeypatch):
+    x = torch.zeros(1, 2, 2, 4, device=DEV)
+    assert tri.enabled(x) == CUDA                            # CPU tensors keep the PyTorch path
+    assert not tri.enabled(x.double())
+    monkeypatch.setenv("HYBRIDLM_TRITON", "0")
+    assert not tri.enabled(x)
+
+
+def test_bad_inputs_raise_input_error():
+    ts = ssd_inputs(5, g=2)
+    with pytest.raises(InputError, match="h % g"):
+        ssd_triton(ts[0], ts[1], ts[2], ts[3][:, :, :1].expand(-1, -1, 3, -1), ts[4])
+    with pytest.raises(InputError, match="initial_state"):
+        ssd_triton(*ts[:5], initial_state=ts[5][:, :1])
+    with pytest.raises(InputError, match="resets"):
+        ssd_triton(*ts[:5], resets=torch.zeros(1, 5, dtype=torch.bool, device=DEV))
+    q, k, v, w, s0 = gla_inputs(5)
+    with pytest.raises(InputError, match="v must be"):
+        gla_triton(q, k, v[:, :4], w)
+    with pytest.raises(InputError, match="chunk_size"):
+        gla_triton(q, k, v, w, chunk_size=0)
