@@ -29,9 +29,9 @@ _ssd_mod = importlib.import_module("hybridlm.ops.triton.ssd")
 _gla_mod = importlib.import_module("hybridlm.ops.triton.gla")
 ssd_triton, gla_triton = _ssd_mod.ssd_chunked_triton, _gla_mod.gla_chunked_triton
 
-# interpreter: tiny heads; CUDA: the head sizes
-SSD_SIZE = dict(b=2, h=4, p=64, n=128) if CUDA else dict(b=2, h=4, p=8, n=16)
-GLA_SIZE = dict(b=2, h=2, k=128, v=128) if CUDA else dict(b=2, h=2, k=16, v=8)
+# interpreter (one program per batch row and head, run one after another): tiny; CUDA: the head sizes
+SSD_SIZE = dict(b=2, h=4, p=64, n=128) if CUDA else dict(b=1, h=4, p=8, n=16)
+GLA_SIZE = dict(b=2, h=2, k=128, v=128) if CUDA else dict(b=1, h=2, k=16, v=8)
 LENGTHS = [1, 200, 1000] if CUDA else [1, 37]       # odd lengths: a partial last chunk
 CHUNK = 64 if CUDA else 16
 
@@ -109,18 +109,19 @@ def test_ssd_resets():
     T = 300 if CUDA else 40
     ts = ssd_inputs(T, g=2)
     resets = torch.zeros(ts[0].shape[0], T, dtype=torch.bool, device=DEV)
-    # a reset at the first token (drops the initial state), two in a row, one on a chunk boundary, one mid-chunk
-    resets[0, 0] = resets[0, 5] = resets[0, 6] = True
-    resets[1, 16] = resets[1, T - 3] = True
+    # at the first token (drops the initial state), two in a row, on a chunk boundary, mid-chunk
+    resets[0, [0, 5, 6, 16, T - 3]] = True
     kw = dict(chunk_size=16, resets=resets)
-    _compare(_fwd_bwd(ssd_triton, ts, kw), _fwd_bwd(_ssd_ref, ts, kw), SSD_NAMES, 1e-4, 2e-4)
-    # the packed row equals separate runs
-    (y, s), _ = _fwd_bwd(ssd_triton, ts, kw)
-    row = [t[1:2] if t.dim() > 1 else t for t in ts[:5]]
-    y1, _ = ssd_triton(*(t[:, :16] if t.dim() > 1 else t for t in row), initial_state=ts[5][1:2], chunk_size=16)
-    y2, s2 = ssd_triton(*(t[:, 16:] if t.dim() > 1 else t for t in row), chunk_size=16, resets=resets[1:2, 16:])
-    assert_close(y[1:2], torch.cat([y1, y2], 1), rtol=1e-4, atol=1e-4)
-    assert_close(s[1:2], s2, rtol=1e-4, atol=1e-4)
+    out = _fwd_bwd(ssd_triton, ts, kw)
+    _compare(out, _fwd_bwd(_ssd_ref, ts, kw), SSD_NAMES, 1e-4, 2e-4)
+    # the packed row equals separate runs (split at the boundary reset)
+    (y, s) = out[0]
+    row = [t[:1] if t.dim() > 1 else t for t in ts[:5]]
+    y1, _ = ssd_triton(*(t[:, :16] if t.dim() > 1 else t for t in row), initial_state=ts[5][:1], chunk_size=16,
+                       resets=resets[:1, :16])
+    y2, s2 = ssd_triton(*(t[:, 16:] if t.dim() > 1 else t for t in row), chunk_size=16, resets=resets[:1, 16:])
+    assert_close(y[:1], torch.cat([y1, y2], 1), rtol=1e-4, atol=1e-4)
+    assert_close(s[:1], s2, rtol=1e-4, atol=1e-4)
 
 
 def test_ssd_bf16():
@@ -185,12 +186,12 @@ def test_gla_resets():
     T = 300 if CUDA else 40
     ts = gla_inputs(T)
     resets = torch.zeros(ts[0].shape[0], T, dtype=torch.bool, device=DEV)
-    resets[0, 0] = resets[0, 5] = resets[0, 6] = True
-    resets[1, 16] = resets[1, T - 3] = True
+    resets[0, [0, 5, 6, 16, T - 3]] = True
     kw = dict(chunk_size=16, resets=resets)
     out = _fwd_bwd(gla_triton, ts, kw)
     _compare(out, _fwd_bwd(_gla_ref, ts, kw), GLA_NAMES, 1e-4, 2e-4)
-    assert out[1][3][1, 16].abs().max() == 0             # the decay at a document start is unused
+    assert out[1][3][0, 16].abs().max() == 0             # the decay at a document start is unused
+    assert out[1][4].abs().max() == 0                    # the initial state is dropped at token 0
 
 
 def test_gla_bf16():
@@ -224,9 +225,22 @@ def test_bad_inputs_raise_input_error():
     with pytest.raises(InputError, match="initial_state"):
         ssd_triton(*ts[:5], initial_state=ts[5][:, :1])
     with pytest.raises(InputError, match="resets"):
-        ssd_triton(*ts[:5], resets=torch.zeros(1, 5, dtype=torch.bool, device=DEV))
+        ssd_triton(*ts[:5], resets=torch.zeros(ts[0].shape[0] + 1, 5, dtype=torch.bool, device=DEV))
     q, k, v, w, s0 = gla_inputs(5)
     with pytest.raises(InputError, match="v must be"):
         gla_triton(q, k, v[:, :4], w)
     with pytest.raises(InputError, match="chunk_size"):
         gla_triton(q, k, v, w, chunk_size=0)
+
+
+def test_bench_kernels():
+    from hybridlm.bench.kernels import run_kernels
+    from hybridlm.errors import ConfigError
+    if not CUDA:
+        with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+            run_kernels()
+        return
+    res = run_kernels([(1, 256)], repeats=2, log=lambda *a: None)
+    assert [r["op"] for r in res["rows"]] == ["ssd", "gla"]
+    for r in res["rows"]:
+        assert 0 < r["ours"]["fwd_ms"] and 0 < r["ours"]["fwd_bwd_ms"]

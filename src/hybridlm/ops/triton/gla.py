@@ -15,7 +15,8 @@ def _block(n: int) -> int:
 
 class _GLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, w, h0, resets, scale, Q):
+    def forward(ctx, q, k, v, w, h0, resets, scale, Q, save):
+        # save: whether a backward can follow (the states entering each chunk are kept for it)
         B, T, H, K = q.shape
         V = v.shape[-1]
         q, k, v, w = (t.contiguous() for t in (q, k, v, w))
@@ -24,7 +25,6 @@ class _GLA(torch.autograd.Function):
         NC = triton.cdiv(T, Q)
         o = q.new_empty(B, T, H, V)
         final = q.new_empty(B, H, K, V, dtype=torch.float32)
-        save = any(ctx.needs_input_grad)
         states = q.new_empty(B, H, NC, K, V, dtype=torch.float32) if save else final
         if T:
             gla_fwd_kernel[(B * H,)](q, k, v, w, r if r is not None else q, h0c if h0c is not None else q,
@@ -56,7 +56,7 @@ class _GLA(torch.autograd.Function):
                                      HAS_RESETS=r is not None, LOWP=q.dtype != torch.float32)
         elif ctx.has_h0:
             dh0.copy_(dfinal)
-        return dq, dk, dv, dw, dh0, None, None, None
+        return dq, dk, dv, dw, dh0, None, None, None, None
 
 
 def gla_chunked_triton(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: float | None = None,
@@ -74,4 +74,6 @@ def gla_chunked_triton(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, sc
         raise InputError(f"gla: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     Q = min(64, _block(min(chunk_size, max(q.shape[1], 1))))
-    return _GLA.apply(q, k, v, log_decay, initial_state, resets, scale, Q)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, log_decay, initial_state))
+    return _GLA.apply(q, k, v, log_decay, initial_state, resets, scale, Q, save)

@@ -38,7 +38,8 @@ def _check(x, dt, A, B, C, initial_state, resets):
 
 class _SSD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, h0, resets, Q):
+    def forward(ctx, x, dt, A, B, C, h0, resets, Q, save):
+        # save: whether a backward can follow (the states entering each chunk are kept for it)
         b, T, h, p = x.shape
         g, n = B.shape[2], B.shape[3]
         x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
@@ -47,7 +48,6 @@ class _SSD(torch.autograd.Function):
         NC = triton.cdiv(T, Q)
         y = torch.empty_like(x)
         final = x.new_empty(b, h, p, n, dtype=torch.float32)
-        save = any(ctx.needs_input_grad)
         states = x.new_empty(b, h, NC, p, n, dtype=torch.float32) if save else final
         lowp = x.dtype != torch.float32
         if T:
@@ -86,7 +86,7 @@ class _SSD(torch.autograd.Function):
         dB = dBh.view(b, T, g, h // g, n).sum(3).to(B.dtype)
         dC = dCh.view(b, T, g, h // g, n).sum(3).to(C.dtype)
         dA = dAt.sum((0, 1)).to(A.dtype)
-        return dx, ddt.to(dt.dtype), dA, dB, dC, dh0, None, None
+        return dx, ddt.to(dt.dtype), dA, dB, dC, dh0, None, None, None
 
 
 def ssd_chunked_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk_size: int = 64,
@@ -98,4 +98,6 @@ def ssd_chunked_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *
     _check(x, dt, A, B, C, initial_state, resets)
     if chunk_size < 1:
         raise InputError(f"ssd: chunk_size must be >= 1, got {chunk_size}")
-    return _SSD.apply(x, dt, A, B, C, initial_state, resets, _chunk(chunk_size, max(x.shape[1], 1)))
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, dt, A, B, C, initial_state))
+    return _SSD.apply(x, dt, A, B, C, initial_state, resets, _chunk(chunk_size, max(x.shape[1], 1)), save)
