@@ -16,6 +16,7 @@ from conftest import assert_close                                   # noqa: E402
 from hybridlm.errors import InputError                              # noqa: E402
 from hybridlm.ops import triton as tri                              # noqa: E402
 from hybridlm.ops.gla import gla_chunked, gla_recurrent             # noqa: E402
+from hybridlm.ops.moe import expert_neurons_ref                     # noqa: E402
 from hybridlm.ops.ssd import ssd_chunked, ssd_recurrent             # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -27,7 +28,9 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 _ssd_mod = importlib.import_module("hybridlm.ops.triton.ssd")
 _gla_mod = importlib.import_module("hybridlm.ops.triton.gla")
+_moe_mod = importlib.import_module("hybridlm.ops.triton.cdmoe")
 ssd_triton, gla_triton = _ssd_mod.ssd_chunked_triton, _gla_mod.gla_chunked_triton
+experts_triton = _moe_mod.expert_neurons_triton
 
 # interpreter (one program per batch row and head, run one after another): tiny; CUDA: the head sizes
 SSD_SIZE = dict(b=2, h=4, p=64, n=128) if CUDA else dict(b=1, h=4, p=8, n=16)
@@ -207,6 +210,57 @@ def test_gla_bf16():
         assert_close(a, b, rtol=5e-2, atol=5e-2, msg=f"grad {name}")
 
 
+# ---------------------------------------------------------------- CDMoE experts
+
+MOE_SIZE = dict(N=64, d=1024, E=16384, k=64) if CUDA else dict(N=5, d=40, E=30, k=6)
+
+
+def moe_inputs(weighting, dtype=torch.float32):
+    N, d, E, k = MOE_SIZE["N"], MOE_SIZE["d"], MOE_SIZE["E"], MOE_SIZE["k"]
+    x = torch.randn(N, d, device=DEV)
+    down, up = torch.randn(E, d, device=DEV) * d ** -0.5, torch.randn(E, d, device=DEV)
+    ids = torch.randint(0, E, (N, k), device=DEV)
+    ids[0, 1] = ids[0, 0]                                # a row twice in one token: its gradients add up
+    ids[1, 0] = ids[0, 0]                                # and across tokens
+    gates = torch.rand(N, k, device=DEV) if weighting != "scale" else None
+    scale = torch.randn(N, k, device=DEV) if weighting != "gates" else None
+    cast = (lambda t: None if t is None else t.to(dtype))
+    return cast(x), cast(down), cast(up), ids, cast(gates), cast(scale)
+
+
+def _moe_fwd_bwd(fn, x, down, up, ids, gates, scale, act):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, down, up, gates, scale)]
+    y = fn(leaves[0], leaves[1], leaves[2], ids, leaves[3], act=act, scale=leaves[4])
+    gy = torch.randn(y.shape, generator=torch.Generator(device=DEV).manual_seed(2), device=DEV)
+    y.backward(gy.to(y.dtype))
+    return y.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("act", [F.silu, F.relu, F.gelu])
+@pytest.mark.parametrize("weighting", ["gates", "scale", "both"])
+def test_experts_equal_reference(act, weighting):
+    ins = moe_inputs(weighting)
+    y, g = _moe_fwd_bwd(experts_triton, *ins, act)
+    y_ref, g_ref = _moe_fwd_bwd(expert_neurons_ref, *ins, act)
+    assert_close(y, y_ref, rtol=1e-5, atol=1e-5, msg="y")
+    for name, a, b in zip("x down up gates scale".split(), g, g_ref):
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
+
+
+def test_experts_bf16():
+    ins = moe_inputs("gates", dtype=torch.bfloat16)
+    y, g = _moe_fwd_bwd(experts_triton, *ins, F.silu)
+    y_ref, g_ref = _moe_fwd_bwd(expert_neurons_ref, *(t.float() if t is not None and t.is_floating_point() else t
+                                                      for t in ins), F.silu)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, y_ref, rtol=2e-2, atol=2e-2, msg="y")
+    for name, a, b in zip("x down up gates".split(), g, g_ref):
+        assert a.dtype == torch.bfloat16, name
+        assert_close(a, b, rtol=3e-2, atol=3e-2, msg=f"grad {name}")
+
+
 # ---------------------------------------------------------------- dispatch and input checks
 
 
@@ -231,6 +285,11 @@ def test_bad_inputs_raise_input_error():
         gla_triton(q, k, v[:, :4], w)
     with pytest.raises(InputError, match="chunk_size"):
         gla_triton(q, k, v, w, chunk_size=0)
+    x, down, up, ids, gates, _ = moe_inputs("gates")
+    with pytest.raises(InputError, match="act"):
+        experts_triton(x, down, up, ids, gates, act=torch.tanh)
+    with pytest.raises(InputError, match="gates"):
+        experts_triton(x, down, up, ids, gates[:, :1])
 
 
 def test_bench_kernels():

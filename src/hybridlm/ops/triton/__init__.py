@@ -2,9 +2,10 @@
 
     ssd_chunked_triton   chunked SSD (Mamba-2), forward and backward       (ops/triton/ssd.py)
     gla_chunked_triton   chunked gated linear attention, vector decay        (ops/triton/gla.py)
+    expert_neurons_triton  CDMoE single-neuron experts, gathered and summed  (ops/triton/cdmoe.py)
 
-Triton is imported lazily: importing hybridlm never needs it. `ops.ssd.ssd_chunked` and `ops.gla.gla_chunked`
-call these automatically for CUDA tensors when `enabled()`; CPU tensors keep the PyTorch path. Under
+Triton is imported lazily: importing hybridlm never needs it. `ops.ssd.ssd_chunked`, `ops.gla.gla_chunked` and
+`ops.moe.expert_neurons` call these automatically for CUDA tensors when `enabled()`; CPU tensors keep the PyTorch path. Under
 TRITON_INTERPRET=1 the entry points also run on CPU tensors (that is how the tests check them without a GPU).
 HYBRIDLM_TRITON=0 turns the automatic dispatch off.
 """
@@ -12,6 +13,10 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
+
+# the activations the CDMoE kernel implements, by the callables the layers pass (layers/mlp.py ACTIVATIONS)
+CDMOE_ACTS = {F.silu: "silu", F.relu: "relu", torch.relu: "relu", F.gelu: "gelu"}
 
 
 @functools.cache
@@ -42,4 +47,9 @@ def ssd_chunked_triton(*args, **kwargs):
 
 def gla_chunked_triton(*args, **kwargs):
     from .gla import gla_chunked_triton as f
+    return f(*args, **kwargs)
+
+
+def expert_neurons_triton(*args, **kwargs):
+    from .cdmoe import expert_neurons_triton as f
     return f(*args, **kwargs)
