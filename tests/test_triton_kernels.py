@@ -300,6 +300,6 @@ def test_bench_kernels():
             run_kernels()
         return
     res = run_kernels([(1, 256)], repeats=2, log=lambda *a: None)
-    assert [r["op"] for r in res["rows"]] == ["ssd", "gla"]
+    assert [r["op"] for r in res["rows"]] == ["ssd", "gla", "cdmoe"]
     for r in res["rows"]:
         assert 0 < r["ours"]["fwd_ms"] and 0 < r["ours"]["fwd_bwd_ms"]

@@ -1,7 +1,8 @@
 """`hybridlm bench --kernels`: forward and forward+backward time of our Triton chunk kernels (ops/triton) at the
 shapes of issue 15, next to mamba_ssm's `mamba_chunk_scan_combined` and flash-linear-attention's `chunk_gla` on
-the same inputs when those packages are installed (never a dependency), and our PyTorch ops on the same GPU.
-Needs CUDA and triton (`pip install 'hybridlm[gpu]'`).
+the same inputs when those packages are installed (never a dependency), and our PyTorch ops on the same GPU;
+and the CDMoE expert kernel (16,384 single-neuron experts, 64 per token, d_model 1024) against a gated MLP with
+the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`).
 
     hybridlm bench --kernels                       # batch 8, T 2048 / 8192 / 16384, bf16
     hybridlm bench --kernels --shapes 8x4096 --repeats 20
@@ -19,6 +20,7 @@ SHAPES = [(8, 2048), (8, 8192), (8, 16384)]
 QUICK_SHAPES = [(8, 2048)]
 SSD_HEADS = dict(h=32, p=64, n=128, g=1)       # Mamba-2 at d_model 1024: 32 heads of 64, d_state 128
 GLA_HEADS = dict(h=16, k=128, v=128)           # 16 heads of 128 (FLA's GLA benchmark layout)
+CDMOE = dict(d_model=1024, experts=16384, k=64)
 
 
 def _cuda_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
@@ -124,6 +126,45 @@ def bench_gla(b: int, T: int, repeats: int, log=print) -> dict:
     return row
 
 
+def bench_cdmoe(b: int, T: int, repeats: int, log=print) -> dict:
+    """Tokens/s of the experts' forward+backward (ids given: product-key retrieval not included) against a
+    gated MLP whose 3·d·f weights equal the 2·k·d active expert weights (f = 2k/3)."""
+    from ..ops.moe import expert_neurons
+    from ..ops.triton import expert_neurons_triton
+    d, E, k = CDMOE["d_model"], CDMOE["experts"], CDMOE["k"]
+    N = b * T
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(N, d, generator=gen, **bf)
+    down, up = torch.randn(E, d, generator=gen, **bf) * d ** -0.5, torch.randn(E, d, generator=gen, **bf)
+    ids = torch.randint(0, E, (N, k), device="cuda", generator=gen)
+    gates = torch.rand(N, k, generator=gen, **bf)
+    f = round(2 * k / 3)
+    w_gu, w_d = torch.randn(d, 2 * f, generator=gen, **bf) * d ** -0.5, torch.randn(f, d, generator=gen, **bf)
+    gy = torch.randn_like(x)
+    row = {"op": "cdmoe", "batch": b, "seq_len": T, **CDMOE, "mlp_hidden": f, "dtype": "bf16"}
+    x_, down_, up_, gates_, w_gu_, w_d_ = _leaves(x, down, up, gates, w_gu, w_d)
+    row["ours"] = _measure(lambda: (expert_neurons_triton(x_, down_, up_, ids, gates_),), (gy,), repeats)
+
+    def torch_path():
+        os.environ["HYBRIDLM_TRITON"] = "0"
+        try:
+            return (expert_neurons(x_, down_, up_, ids, gates_),)
+        finally:
+            del os.environ["HYBRIDLM_TRITON"]
+    row["pytorch"] = _measure(torch_path, (gy,), max(2, repeats // 4))
+
+    def mlp():
+        g, u = (x_ @ w_gu_).chunk(2, -1)
+        return (F.silu(g) * u @ w_d_,)
+    row["gated_mlp"] = _measure(mlp, (gy,), repeats)
+    a, m = row["ours"].get("fwd_bwd_ms"), row["gated_mlp"].get("fwd_bwd_ms")
+    row["tokens_per_s_ratio_vs_mlp"] = m / a if a and m else None      # the issue's target: >= 0.5
+    log(f"cdmoe {b:>3d}x{T:<6d} ours {row['ours']} | gated MLP (f={f}) {row['gated_mlp']} | "
+        f"pytorch {row['pytorch']} | tokens/s ours / MLP {row['tokens_per_s_ratio_vs_mlp']}")
+    return row
+
+
 def _ratio(row: dict, ref: str) -> None:
     """ours / reference forward+backward time (the issue's target: <= 1.2), None when either is missing."""
     a, b = row["ours"].get("fwd_bwd_ms"), row[ref].get("fwd_bwd_ms")
@@ -144,8 +185,9 @@ def format_row(r: dict) -> str:
 
 
 def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) -> dict:
-    """Every shape (batch, T) for SSD and GLA. Returns {"rows": [...], "device", "shapes", "heads"}; ratios
-    <= 1.2 meet the issue's 'within 1.2x of mamba_ssm / FLA' target."""
+    """Every shape (batch, T) for SSD, GLA and the CDMoE experts. Returns {"rows": [...], "device", "shapes",
+    "heads"}; SSD/GLA ratio_fwd_bwd <= 1.2 meets the issue's 'within 1.2x of mamba_ssm / FLA' target, CDMoE
+    tokens_per_s_ratio_vs_mlp >= 0.5 its 'half the tokens/s of a gated MLP'."""
     if not torch.cuda.is_available():
         raise ConfigError("bench --kernels times the Triton GPU kernels and needs a CUDA GPU; on a CPU the "
                           "kernels are checked by tests/test_triton_kernels.py under TRITON_INTERPRET=1")
@@ -159,5 +201,6 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
     for b, T in shapes:
         rows.append(bench_ssd(b, T, repeats, log))
         rows.append(bench_gla(b, T, repeats, log))
+        rows.append(bench_cdmoe(b, T, repeats, log))
     return {"rows": rows, "device": torch.cuda.get_device_name(), "shapes": shapes,
-            "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS}, "torch": torch.__version__}
+            "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "cdmoe": CDMOE}, "torch": torch.__version__}
