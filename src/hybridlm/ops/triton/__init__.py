@@ -7,7 +7,8 @@
 Triton is imported lazily: importing hybridlm never needs it. `ops.ssd.ssd_chunked`, `ops.gla.gla_chunked` and
 `ops.moe.expert_neurons` call these automatically for CUDA tensors when `enabled()`; CPU tensors keep the PyTorch path. Under
 TRITON_INTERPRET=1 the entry points also run on CPU tensors (that is how the tests check them without a GPU).
-HYBRIDLM_TRITON=0 turns the automatic dispatch off.
+HYBRIDLM_TRITON=0 turns the automatic dispatch off. The entry points are opaque to torch.compile (a graph
+break per call): the kernels are already fused, and tracing them is not what a compiled model needs to gain.
 """
 import functools
 import os
@@ -40,16 +41,19 @@ def enabled(*tensors: torch.Tensor) -> bool:
     return available()
 
 
+@torch.compiler.disable
 def ssd_chunked_triton(*args, **kwargs):
     from .ssd import ssd_chunked_triton as f
     return f(*args, **kwargs)
 
 
+@torch.compiler.disable
 def gla_chunked_triton(*args, **kwargs):
     from .gla import gla_chunked_triton as f
     return f(*args, **kwargs)
 
 
+@torch.compiler.disable
 def expert_neurons_triton(*args, **kwargs):
     from .cdmoe import expert_neurons_triton as f
     return f(*args, **kwargs)

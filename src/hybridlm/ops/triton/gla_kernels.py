@@ -70,7 +70,7 @@ def gla_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, r_ptr, h0_ptr, o_ptr, states_ptr,
                    Q: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    HAS_H0: tl.constexpr, HAS_RESETS: tl.constexpr, SAVE_STATES: tl.constexpr,
                    LOWP: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)                                # int64 offsets: states exceed 2**31 elements
     ib = pid // H
     ih = pid % H
     it = tl.arange(0, Q)
@@ -126,7 +126,7 @@ def gla_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, r_ptr, states_ptr, do_ptr, dfinal
                    T, H, K, V, NC, scale, LOG_DECAY_MIN,
                    Q: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    HAS_H0: tl.constexpr, HAS_RESETS: tl.constexpr, LOWP: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)                                # int64 offsets: states exceed 2**31 elements
     ib = pid // H
     ih = pid % H
     it = tl.arange(0, Q)

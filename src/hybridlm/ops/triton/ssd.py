@@ -73,18 +73,17 @@ class _SSD(torch.autograd.Function):
         dx = torch.empty_like(x)
         ddt = x.new_empty(b, T, h, dtype=torch.float32)
         dAt = torch.empty_like(ddt)
-        dBh = x.new_empty(b, T, h, n, dtype=torch.float32)
-        dCh = torch.empty_like(dBh)
+        dBg = x.new_zeros(b, T, g, n, dtype=torch.float32)
+        dCg = torch.zeros_like(dBg)
         dh0 = x.new_empty(b, h, p, n, dtype=torch.float32) if ctx.has_h0 else None
         if T:
             ssd_bwd_kernel[(b * h,)](x, dt, A, B, C, r if r is not None else x, states, dy, dfinal,
-                                     dx, ddt, dAt, dBh, dCh, dh0 if dh0 is not None else x,
+                                     dx, ddt, dAt, dBg, dCg, dh0 if dh0 is not None else x,
                                      T, h, g, p, n, NC, Q=ctx.Q, BP=_block(p), BN=_block(n),
                                      HAS_H0=ctx.has_h0, HAS_RESETS=r is not None, LOWP=x.dtype != torch.float32)
         elif ctx.has_h0:
             dh0.copy_(dfinal)
-        dB = dBh.view(b, T, g, h // g, n).sum(3).to(B.dtype)
-        dC = dCh.view(b, T, g, h // g, n).sum(3).to(C.dtype)
+        dB, dC = dBg.to(B.dtype), dCg.to(C.dtype)
         dA = dAt.sum((0, 1)).to(A.dtype)
         return dx, ddt.to(dt.dtype), dA, dB, dC, dh0, None, None, None
 

@@ -24,7 +24,7 @@ def ssd_fwd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, r_ptr, h0_ptr, y_ptr, sta
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_H0: tl.constexpr, HAS_RESETS: tl.constexpr, SAVE_STATES: tl.constexpr,
                    LOWP: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)                                # int64 offsets: states exceed 2**31 elements
     ib = pid // H
     ih = pid % H
     ig = ih // (H // G)
@@ -90,8 +90,8 @@ def ssd_bwd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, r_ptr, states_ptr, dy_ptr
                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    HAS_H0: tl.constexpr, HAS_RESETS: tl.constexpr, LOWP: tl.constexpr):
     """Gradients per token: dx, ddt [b, T, h] (through x·dt and the decay), dAt = d(a)·dt [b, T, h] (summed
-    into dA by the caller), dB, dC per head [b, T, h, n] (summed over each group's heads by the caller)."""
-    pid = tl.program_id(0)
+    into dA by the caller), dB, dC [b, T, g, n] float32 (zeroed by the caller; every head of a group adds in)."""
+    pid = tl.program_id(0).to(tl.int64)                                # int64 offsets: states exceed 2**31 elements
     ib = pid // H
     ih = pid % H
     ig = ih // (H // G)
@@ -163,8 +163,9 @@ def ssd_bwd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, r_ptr, states_ptr, dy_ptr
         tl.store(dx_ptr + ((ib * T + t[:, None]) * H + ih) * P + ip[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mtp)
         tl.store(ddt_ptr + (ib * T + t) * H + ih, ddt, mask=mt)
         tl.store(dAt_ptr + (ib * T + t) * H + ih, da * dt, mask=mt)
-        tl.store(dB_ptr + ((ib * T + t[:, None]) * H + ih) * N + i_n[None, :], dB, mask=mtn)
-        tl.store(dC_ptr + ((ib * T + t[:, None]) * H + ih) * N + i_n[None, :], dC, mask=mtn)
+        # a group's heads add into its B/C gradients: [b, T, g, n] float32, not one copy per head
+        tl.atomic_add(dB_ptr + ((ib * T + t[:, None]) * G + ig) * N + i_n[None, :], dB, mask=mtn)
+        tl.atomic_add(dC_ptr + ((ib * T + t[:, None]) * G + ig) * N + i_n[None, :], dC, mask=mtn)
         # d(state entering this chunk) = decay · d(state after) + the outputs' reads of it
         dh = decay * dh + _dot(tl.trans(dy * w[:, None]), Cm, LOWP)
     if HAS_H0:
