@@ -4,9 +4,10 @@
     gla_chunked_triton   chunked gated linear attention, vector decay        (ops/triton/gla.py)
     expert_neurons_triton  CDMoE single-neuron experts, gathered and summed  (ops/triton/cdmoe.py)
 
-Triton is imported lazily: importing hybridlm never needs it. `ops.ssd.ssd_chunked`, `ops.gla.gla_chunked` and
-`ops.moe.expert_neurons` call these automatically for CUDA tensors when `enabled()`; CPU tensors keep the PyTorch path. Under
-TRITON_INTERPRET=1 the entry points also run on CPU tensors (that is how the tests check them without a GPU).
+Triton is imported lazily: importing hybridlm never needs it. `ops.ssd.ssd_chunked`, `ops.gla.gla_chunked`
+and `ops.moe.expert_neurons` call these automatically for CUDA tensors when `enabled()`; CPU tensors keep the
+PyTorch path. Under TRITON_INTERPRET=1 the entry points also run on CPU tensors (that is how the tests check
+them without a GPU).
 HYBRIDLM_TRITON=0 turns the automatic dispatch off. The entry points are opaque to torch.compile (a graph
 break per call): the kernels are already fused, and tracing them is not what a compiled model needs to gain.
 """
