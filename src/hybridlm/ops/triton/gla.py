@@ -9,9 +9,11 @@ from ..gla import LOG_DECAY_MIN, _check
 from .gla_kernels import gla_bwd_kernel, gla_fwd_kernel
 
 
-# compiled for sm_90 without a GPU, ptxas reports ~10 KB (forward) and ~19 KB (backward) of spills per thread
-# at 4 warps for K = V = 128, chunk 64; 8 warps halve the tiles per thread. Untuned on a GPU so far.
+# Compiled for sm_90 without a GPU (K = V = 128, bf16), ptxas reports these spills per thread (forward /
+# backward): chunk 64 at 4 warps 10 / 19 KB, at 8 warps 1.7 / 9 KB; chunk 32 at 8 warps 0.5 / 2.8 KB. Hence
+# chunks of at most 32 tokens and 8 warps; untuned on a GPU so far.
 NUM_WARPS = 8
+MAX_CHUNK = 32
 
 
 def _block(n: int) -> int:
@@ -72,14 +74,14 @@ def gla_chunked_triton(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, sc
     initial_state [B, H, K, V] or None; resets [B, T] bool or None. Returns (o [B, T, H, V] in q's dtype,
     final_state [B, H, K, V] float32), differentiable in q, k, v, log_decay and initial_state.
     log_decay is clamped to [LOG_DECAY_MIN, 0] as in gla_chunked. chunk_size is a speed knob (a power of
-    two in [16, 64] is used). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    two in [16, MAX_CHUNK] is used). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
     _check(q, k, v, log_decay, initial_state, resets)
     if chunk_size < 1:
         raise InputError(f"gla: chunk_size must be >= 1, got {chunk_size}")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise InputError(f"gla: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    Q = min(64, _block(min(chunk_size, max(q.shape[1], 1))))
+    Q = min(MAX_CHUNK, _block(min(chunk_size, max(q.shape[1], 1))))
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (q, k, v, log_decay, initial_state))
     return _GLA.apply(q, k, v, log_decay, initial_state, resets, scale, Q, save)
