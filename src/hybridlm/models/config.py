@@ -118,6 +118,13 @@ class ModelConfig:
     hc_manifold: bool = True              # mHC: sigmoid pre/post, doubly stochastic res (Sinkhorn); False = HC
     hc_dynamic: bool = True               # per-token dynamic mixing weights on top of the static ones
     hc_sinkhorn_iters: int = 20
+    # Kimi Delta Attention (K) and Kimi-Linear (models/mixers_kda.py, hf/convert_kimi_linear.py); Kimi's MLA is
+    # plain `L` with pos_embedding="none" (no rotation anywhere: the shared key part stays unrotated)
+    kda_heads: int | None = None          # K: heads (None = n_heads)
+    kda_head_dim: int | None = None       # K: key = value dim per head; state D × D per head (None = d_model // heads)
+    kda_d_conv: int = 4                   # K: short-conv kernel on q, k, v
+    kda_rank: int | None = None           # K: rank of the low-rank forget-gate and output-gate projections
+                                          # (None = kda_head_dim, as released)
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
