@@ -1,8 +1,8 @@
 """Converter for transformers' Kimi-Linear (`KimiLinearForCausalLM`): each decoder layer is a token mixer, `K`
 (Kimi Delta Attention, `linear_attention`) or `L` (MLA with no positional encoding, `full_attention`), then a
-channel mixer, `M` (dense SwiGLU) or `O` (DeepSeek-style routed MoE, `sparse`). The released 48B-A3B model is
-"KM KO KO LO (KO KO KO LO)*5 KO KO LO". Kimi has no RoPE anywhere, so the model is pos_embedding="none" (our MLA
-then leaves its shared key part unrotated, as transformers does).
+channel mixer, `M` (dense SwiGLU) or `O` (DeepSeek-style routed MoE, `sparse`). The released 48B-A3B model (full
+attention at layers 4, 8, ..., 24 and 27) is "KM (KO KO LO KO)*6 KO LO". Kimi has no RoPE anywhere, so the model is
+pos_embedding="none" (our MLA then leaves its shared key part unrotated, as transformers does).
 
 Weights: q/k/v projections -> our fused `qkv` (rows [q; k; v], the order of transformers' concatenated conv),
 conv1d [3HD, 1, K] -> [3HD, K], A_log [1, 1, H, 1] -> [H]; the MLA keeps transformers' row layouts (as for

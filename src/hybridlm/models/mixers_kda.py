@@ -4,13 +4,13 @@ from .registry import need, register
 
 def kda_sizes(cfg) -> tuple[int, int, int]:
     """(heads, head dim, gate rank) a config resolves to."""
-    heads = cfg.kda_heads or cfg.n_heads
-    dim = cfg.kda_head_dim or (cfg.d_model // heads if heads >= 1 else 0)
-    return heads, dim, cfg.kda_rank or dim
+    heads = cfg.n_heads if cfg.kda_heads is None else cfg.kda_heads
+    dim = cfg.kda_head_dim if cfg.kda_head_dim is not None else (cfg.d_model // heads if heads >= 1 else 0)
+    return heads, dim, dim if cfg.kda_rank is None else cfg.kda_rank
 
 
 def _validate_kda(cfg):
-    heads = cfg.kda_heads or cfg.n_heads
+    heads = kda_sizes(cfg)[0]
     need(heads >= 1, f"kda_heads must be >= 1, got {heads}")
     need(cfg.kda_head_dim is not None or cfg.d_model % heads == 0,
          f"d_model ({cfg.d_model}) must be divisible by kda_heads ({heads}), or set kda_head_dim")
