@@ -12,27 +12,10 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .common import _activation, _decoder_layers, _gated_mlp, _get, _head, _need, _Tensors, _tied, register
+from ..models.layout import fold_layout
+from .common import TWINS, _activation, _decoder_layers, _gated_mlp, _get, _head, _need, _Tensors, _tied, register
 
 ARCH = "KimiLinearForCausalLM"
-
-
-def compress_layout(tokens: list[str]) -> str:
-    """Per-layer tokens ("KM", "LO", ...) -> a layout string with the longest repeats folded as (...)*n."""
-    out, i = [], 0
-    while i < len(tokens):
-        best = (1, 1)                                     # (period, repeats)
-        for p in range(1, 9):
-            r = 1
-            while tokens[i + r * p: i + (r + 1) * p] == tokens[i: i + p] and i + (r + 1) * p <= len(tokens):
-                r += 1
-            if r > 1 and p * r > best[0] * best[1]:
-                best = (p, r)
-        p, r = best
-        unit = " ".join(tokens[i: i + p])
-        out.append(unit if r == 1 else (f"({unit})*{r}" if p > 1 or len(unit) > 1 else f"{unit}*{r}"))
-        i += p * r
-    return " ".join(out)
 
 
 def _layer_types(hf) -> tuple[list[str], list[str]]:
@@ -48,14 +31,13 @@ def _layer_types(hf) -> tuple[list[str], list[str]]:
 
 def kimi_config(hf) -> dict:
     mixers, mlps = _layer_types(hf)
-    _need("sparse" not in mlps, ARCH, "routed-MoE (sparse) MLP layers")
     _need((_get(hf, "num_key_value_heads") or hf.num_attention_heads) == hf.num_attention_heads, ARCH,
           "num_key_value_heads != num_attention_heads (transformers' MLA expands every head)")
     _need(int(_get(hf, "pretraining_tp", 1) or 1) == 1, ARCH, f"pretraining_tp {_get(hf, 'pretraining_tp')}")
     act = _activation(ARCH, hf.hidden_act, "MLP and short-conv")
     tokens = [("K" if m == "linear_attention" else "L") + ("M" if f == "dense" else "O") for m, f in zip(mixers, mlps)]
-    return dict(
-        layout=compress_layout(tokens), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
+    fields = dict(
+        layout=fold_layout(tokens), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
         max_seq_len=int(_get(hf, "max_position_embeddings", 1 << 20)), tie_embeddings=_tied(hf), norm="rms",
         norm_eps=float(hf.rms_norm_eps), pos_embedding="none", n_heads=hf.num_attention_heads,
         head_dim=hf.v_head_dim, attn_bias=bool(_get(hf, "attention_bias", False)),
@@ -65,6 +47,18 @@ def kimi_config(hf) -> dict:
         kda_heads=hf.linear_num_heads, kda_head_dim=hf.linear_head_dim, kda_d_conv=hf.linear_conv_kernel_dim,
         kda_rank=hf.linear_head_dim,
     )
+    # DeepSeek-V3's router: sigmoid scores, correction bias, groups, renormalised, scaled (set even when every layer
+    # is dense, so a config round-trips whatever its mlp_layer_types)
+    shared = int(_get(hf, "n_shared_experts", 0) or 0)
+    topk_group = _get(hf, "topk_group")
+    _need(isinstance(topk_group, int) or "sparse" not in mlps, ARCH, f"topk_group {topk_group!r} (not an integer)")
+    fields.update(wm_moe_experts=hf.num_local_experts, wm_moe_topk=hf.num_experts_per_tok or 1,
+                  wm_moe_hidden=hf.moe_intermediate_size, wm_moe_shared=shared > 0,
+                  moe_shared_hidden=hf.moe_intermediate_size * shared if shared else None,
+                  moe_router="sigmoid", moe_norm_topk=bool(hf.norm_topk_prob), moe_router_bias=True,
+                  moe_n_group=int(hf.n_group or 1), moe_topk_group=topk_group or 1,
+                  moe_scale=float(hf.routed_scaling_factor))
+    return fields
 
 
 _MLA = {"q_a_proj": "q_a", "q_a_layernorm": "q_norm", "q_b_proj": "q_b", "q_proj": "q_proj",
@@ -88,8 +82,49 @@ def kimi_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
             for key, t in at.items():
                 module, param = key.rsplit(".", 1)
                 out[f"{a}mixer.{_MLA[module]}.{param}"] = t
-        _gated_mlp(out, m + "mixer.", s)
+        if "mlp.gate.weight" in s:                          # routed MoE
+            mo = _Tensors(s, "mlp.")
+            h = cfg.wm_moe_hidden
+            gate_up = mo["experts.gate_up_proj"]                # [E, 2h, d]: rows [gate; up]
+            out[m + "mixer.w_gate"] = gate_up[:, :h].transpose(1, 2)
+            out[m + "mixer.w_up"] = gate_up[:, h:].transpose(1, 2)
+            out[m + "mixer.w_down"] = mo["experts.down_proj"].transpose(1, 2)      # [E, d, h] -> [E, h, d]
+            out[m + "mixer.router.weight"] = mo["gate.weight"]
+            out[m + "mixer.router_bias"] = mo["gate.e_score_correction_bias"]
+            if cfg.wm_moe_shared:
+                out[m + "mixer.shared.w_in.weight"] = torch.cat((mo["shared_experts.gate_proj.weight"],
+                                                                 mo["shared_experts.up_proj.weight"]), 0)
+                out[m + "mixer.shared.w_out.weight"] = mo["shared_experts.down_proj.weight"]
+        else:
+            _gated_mlp(out, m + "mixer.", s)
     return out
 
 
 register("kimi_linear", ARCH, kimi_config, kimi_weights)
+
+
+def kimi_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
+    """The transformers KimiLinearConfig of `presets.get("kimi-linear", ...)` at these sizes."""
+    from transformers import KimiLinearConfig
+
+    from ..models import presets
+    from ..models.mixers_deepseek import mla_sizes
+    cfg = presets.get("kimi-linear", d_model=d_model, n_layers=n_layers, vocab_size=vocab_size,
+                      max_seq_len=max_seq_len)
+    mla = mla_sizes(cfg)
+    return KimiLinearConfig(
+        vocab_size=vocab_size, hidden_size=d_model, intermediate_size=cfg.mlp_hidden_size,
+        moe_intermediate_size=cfg.wm_moe_hidden, num_hidden_layers=n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads, n_shared_experts=1, routed_scaling_factor=cfg.moe_scale,
+        kv_lora_rank=mla["kv_lora_rank"], q_lora_rank=None, qk_rope_head_dim=mla["rope_dim"],
+        v_head_dim=mla["v_dim"], qk_nope_head_dim=mla["qk_nope_dim"], n_group=1, topk_group=1,
+        num_experts_per_tok=cfg.wm_moe_topk, norm_topk_prob=True, hidden_act="silu",
+        max_position_embeddings=max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False,
+        num_local_experts=cfg.wm_moe_experts, linear_head_dim=cfg.kda_head_dim, linear_num_heads=cfg.n_heads,
+        linear_conv_kernel_dim=cfg.kda_d_conv,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)],
+        mlp_layer_types=["dense" if i == 0 else "sparse" for i in range(n_layers)],
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+TWINS["kimi-linear"] = kimi_twin
