@@ -63,41 +63,76 @@ def kimi_config(hf) -> dict:
 
 _MLA = {"q_a_proj": "q_a", "q_a_layernorm": "q_norm", "q_b_proj": "q_b", "q_proj": "q_proj",
         "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "kv_b", "o_proj": "out"}
-_KDA = {"forget_gate.f_a_proj.weight": "f_a.weight", "forget_gate.f_b_proj.weight": "f_b.weight",
-        "forget_gate.dt_bias": "dt_bias", "b_proj.weight": "b_proj.weight", "g_a_proj.weight": "g_a.weight",
-        "g_b_proj.weight": "g_b.weight", "o_norm.weight": "norm_weight", "o_proj.weight": "o_proj.weight"}
+_KDA = {"f_a_proj.weight": "f_a.weight", "f_b_proj.weight": "f_b.weight", "dt_bias": "dt_bias",
+        "b_proj.weight": "b_proj.weight", "g_a_proj.weight": "g_a.weight", "g_b_proj.weight": "g_b.weight",
+        "o_norm.weight": "norm_weight", "o_proj.weight": "o_proj.weight"}
+_FORGET = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")   # under forget_gate. in the loaded model
+
+
+def _kda_weights(out: dict, prefix: str, at: _Tensors):
+    """Loaded-model names (forget_gate.*, one stacked conv1d) or the released files' names (flat, q/k/v_conv1d)."""
+    def get(name):
+        return at[f"forget_gate.{name}"] if name in _FORGET and f"forget_gate.{name}" in at else at[name]
+    out[prefix + "qkv.weight"] = torch.cat([at[f"{p}_proj.weight"] for p in "qkv"], 0)
+    conv = at["conv1d.weight"] if "conv1d.weight" in at else torch.cat([at[f"{p}_conv1d.weight"] for p in "qkv"], 0)
+    out[prefix + "conv_weight"] = conv.squeeze(1)                       # [3HD, 1, K] -> [3HD, K]
+    out[prefix + "A_log"] = get("A_log").reshape(-1)                     # [1, 1, H, 1] -> [H]
+    for theirs, ours in _KDA.items():
+        out[prefix + ours] = get(theirs)
+
+
+def _moe_weights(out: dict, prefix: str, mo: _Tensors, cfg: ModelConfig):
+    """experts.gate_up_proj [E, 2h, d] / down_proj [E, d, h] (loaded model) or experts.{e}.w1/w3/w2 (files)."""
+    if "experts.gate_up_proj" in mo:
+        gate_up = mo["experts.gate_up_proj"]
+        gate, up, down = gate_up[:, :cfg.wm_moe_hidden], gate_up[:, cfg.wm_moe_hidden:], mo["experts.down_proj"]
+    else:
+        gate, up, down = (torch.stack([mo[f"experts.{e}.{w}.weight"] for e in range(cfg.wm_moe_experts)])
+                          for w in ("w1", "w3", "w2"))
+    out[prefix + "w_gate"], out[prefix + "w_up"] = gate.transpose(1, 2), up.transpose(1, 2)   # -> [E, d, h]
+    out[prefix + "w_down"] = down.transpose(1, 2)                                           # -> [E, h, d]
+    out[prefix + "router.weight"] = mo["gate.weight"]
+    out[prefix + "router_bias"] = mo["gate.e_score_correction_bias"]
+    if cfg.wm_moe_shared:
+        out[prefix + "shared.w_in.weight"] = torch.cat((mo["shared_experts.gate_proj.weight"],
+                                                        mo["shared_experts.up_proj.weight"]), 0)
+        out[prefix + "shared.w_out.weight"] = mo["shared_experts.down_proj.weight"]
 
 
 def kimi_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
     for s, a, m in _decoder_layers(sd, out):
         at = _Tensors(s, "self_attn.")
-        if "forget_gate.A_log" in at:                       # KDA
-            out[a + "mixer.qkv.weight"] = torch.cat([at[f"{p}_proj.weight"] for p in "qkv"], 0)
-            out[a + "mixer.conv_weight"] = at["conv1d.weight"].squeeze(1)
-            out[a + "mixer.A_log"] = at["forget_gate.A_log"].reshape(-1)
-            for theirs, ours in _KDA.items():
-                out[a + "mixer." + ours] = at[theirs]
+        if "A_log" in at or "forget_gate.A_log" in at:
+            _kda_weights(out, a + "mixer.", at)
         else:                                              # MLA
             for key, t in at.items():
                 module, param = key.rsplit(".", 1)
                 out[f"{a}mixer.{_MLA[module]}.{param}"] = t
-        if "mlp.gate.weight" in s:                          # routed MoE
-            mo = _Tensors(s, "mlp.")
-            h = cfg.wm_moe_hidden
-            gate_up = mo["experts.gate_up_proj"]                # [E, 2h, d]: rows [gate; up]
-            out[m + "mixer.w_gate"] = gate_up[:, :h].transpose(1, 2)
-            out[m + "mixer.w_up"] = gate_up[:, h:].transpose(1, 2)
-            out[m + "mixer.w_down"] = mo["experts.down_proj"].transpose(1, 2)      # [E, d, h] -> [E, h, d]
-            out[m + "mixer.router.weight"] = mo["gate.weight"]
-            out[m + "mixer.router_bias"] = mo["gate.e_score_correction_bias"]
-            if cfg.wm_moe_shared:
-                out[m + "mixer.shared.w_in.weight"] = torch.cat((mo["shared_experts.gate_proj.weight"],
-                                                                 mo["shared_experts.up_proj.weight"]), 0)
-                out[m + "mixer.shared.w_out.weight"] = mo["shared_experts.down_proj.weight"]
+        mlp = "mlp." if any(k.startswith("mlp.") for k in s) else "block_sparse_moe."   # the files' name for both
+        if f"{mlp}gate.weight" in s:
+            _moe_weights(out, m + "mixer.", _Tensors(s, mlp), cfg)
         else:
-            _gated_mlp(out, m + "mixer.", s)
+            ms = _Tensors(s, mlp)
+            out[m + "mixer.w_in.weight"] = torch.cat((ms["gate_proj.weight"], ms["up_proj.weight"]), 0)
+            out[m + "mixer.w_out.weight"] = ms["down_proj.weight"]
     return out
+
+
+def convert_kimi_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | None = None) -> str:
+    """A transformers-format Kimi-Linear directory (the released files' tensor names, which transformers renames and
+    stacks on load) -> a hybridlm checkpoint. Shapes are checked when the converted weights are loaded."""
+    from transformers import AutoConfig
+
+    from .convert import config_from_transformers
+    from .directory import read_tensors, save_converted
+    hf_config = AutoConfig.from_pretrained(src_dir)
+    cfg = config_from_transformers(hf_config)
+    sd = kimi_weights(_Tensors(read_tensors(src_dir)[0]), cfg)
+    if dtype is not None:
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    return save_converted(out_dir, cfg, sd, src_dir)
 
 
 register("kimi_linear", ARCH, kimi_config, kimi_weights)
