@@ -112,6 +112,8 @@ def test_config_mapping():
     (dict(num_key_value_heads=2), "num_key_value_heads"),
     (dict(hidden_act="gelu"), "activation"),
     (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer type"),
+    (dict(mla_use_nope=False), "mla_use_nope"),
+    (dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
 ])
 def test_unsupported_options_raise(kw, match):
     cfg = transformers.KimiLinearConfig(**{**COMMON, **kw})

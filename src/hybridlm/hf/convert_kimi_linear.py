@@ -35,6 +35,10 @@ def kimi_config(hf) -> dict:
           "num_key_value_heads != num_attention_heads (transformers' MLA expands every head)")
     _need(int(_get(hf, "pretraining_tp", 1) or 1) == 1, ARCH, f"pretraining_tp {_get(hf, 'pretraining_tp')}")
     act = _activation(ARCH, hf.hidden_act, "MLP and short-conv")
+    # options of the released config.json that transformers reads past (it always runs NoPE MLA and sigmoid routing)
+    _need(_get(hf, "mla_use_nope", True) is not False, ARCH, "mla_use_nope false (MLA with RoPE)")
+    router = _get(hf, "moe_router_activation_func", "sigmoid")
+    _need(router == "sigmoid", ARCH, f"moe_router_activation_func {router!r} (only sigmoid)")
     tokens = [("K" if m == "linear_attention" else "L") + ("M" if f == "dense" else "O") for m, f in zip(mixers, mlps)]
     fields = dict(
         layout=fold_layout(tokens), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
