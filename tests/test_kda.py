@@ -117,6 +117,16 @@ def test_bf16_trains_and_state_is_float32():
     assert cache.layers[0].state.dtype == torch.float32 and cache.layers[0].state.shape == (2, 2, 16, 16)
 
 
+def test_float64_decode_and_padding_tight():
+    m = model("KM LM", pos_embedding="none").double()
+    ids = torch.randint(0, 61, (2, 21))
+    with torch.no_grad():
+        full = m(ids).logits
+        assert full.dtype == torch.float64
+        assert_close(decode_logits(m, ids, 7), full, atol=1e-10, rtol=1e-10)
+        assert_close(padded_logits(m, ids, torch.randint(0, 61, (2, 4))), full, atol=1e-10, rtol=1e-10)
+
+
 def test_bfloat16_weights_close_to_float32():
     m = model("KM")
     ids = torch.randint(0, 61, (2, 19))

@@ -25,8 +25,8 @@ from .short_conv import cached_short_conv
 
 
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(Σx² + eps) in float32 (FLA's form: eps added, not F.normalize's max(‖x‖, eps))."""
-    x = x.float()
+    """x / sqrt(Σx² + eps) in float32 or wider (FLA's form: eps added, not F.normalize's max(‖x‖, eps))."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -67,7 +67,7 @@ class KimiDeltaAttention(nn.Module):
         step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(cached_short_conv(qkv, self.conv_weight, None, slot, ctx.resets))
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
-        q, k = _l2norm(q), _l2norm(k)                                  # float32, as FLA
+        q, k = _l2norm(q), _l2norm(k)                                  # float32 (at least), as FLA
 
         f32 = torch.promote_types(x.dtype, torch.float32)
         f = self.f_b(self.f_a(x)).to(f32) + self.dt_bias.to(f32)
@@ -88,8 +88,8 @@ class KimiDeltaAttention(nn.Module):
             if slot is not None:
                 slot.state = final
         # gated RMSNorm per head: norm in float32, weight, then sigmoid output gate
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
+        of = o.to(f32)
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(f32)
         gate = self.g_b(self.g_a(x)).view(B, T, H, D)
-        y = (of * torch.sigmoid(gate.float())).to(x.dtype)
+        y = (of * torch.sigmoid(gate.to(f32))).to(x.dtype)
         return self.o_proj(y.reshape(B, T, H * D))
