@@ -5,15 +5,17 @@ attention at layers 4, 8, ..., 24 and 27) is "KM (KO KO LO KO)*6 KO LO". Kimi ha
 pos_embedding="none" (our MLA then leaves its shared key part unrotated, as transformers does).
 
 Weights: q/k/v projections -> our fused `qkv` (rows [q; k; v], the order of transformers' concatenated conv),
-conv1d [3HD, 1, K] -> [3HD, K], A_log [1, 1, H, 1] -> [H]; the MLA keeps transformers' row layouts (as for
-DeepSeek-V3).
+conv1d [3HD, 1, K] -> [3HD, K], A_log [1, 1, H, 1] -> [H]; experts.gate_up_proj [E, 2h, d] -> w_gate, w_up
+[E, d, h]; the MLA keeps transformers' row layouts (as for DeepSeek-V3). The weights function also reads the
+released files' names (flat forget-gate tensors, q/k/v_conv1d, block_sparse_moe.experts.{e}.w1/w2/w3), which
+transformers renames and stacks only on load: `convert_kimi_dir` converts such a directory.
 """
 import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import TWINS, _activation, _decoder_layers, _gated_mlp, _get, _head, _need, _Tensors, _tied, register
+from .common import TWINS, _activation, _decoder_layers, _get, _head, _need, _Tensors, _tied, register
 
 ARCH = "KimiLinearForCausalLM"
 
