@@ -4,6 +4,10 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# without a GPU our Triton kernels (ops/triton, tests/test_triton_kernels.py) run under Triton's interpreter;
+# triton reads the switch when it is first imported, so it is set before any test module can import it
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ Results go to stdout as a table and to a JSON file, with PNG plots next to it.
     hybridlm bench --compare-hf --quick         # tiny smoke version (seconds)
     hybridlm bench --presets transformer++,mamba2,rodimus --params 10M --layers 4 --shapes 4x512,1x16384
     hybridlm bench --presets mamba2 --vocab-size 32768 --shapes 1x16384 --memory   # training-step peak memory
+    hybridlm bench --kernels                    # our Triton SSD / GLA kernels vs mamba_ssm / FLA (CUDA)
 """
 import argparse
 import json
@@ -21,6 +22,7 @@ SUITES["mla"] = "hybridlm.bench.mla_decode:run_suite"  # MLA latent cache size a
 SUITES["rodimus"] = "hybridlm.bench.rodimus:run_suite"  # GLA op speed, cache/latency vs context, vs Mamba-2
 SUITES["hf"] = "hybridlm.bench.hf_wrapper:run_suite"  # transformers generate() through HybridLMForCausalLM vs ours
 SUITES["twins"] = "hybridlm.bench.twins:run_suite"  # every public-hybrid preset vs its transformers twin, training
+SUITES["delta"] = "hybridlm.bench.delta_speed:run_suite"  # gated delta rule: chunked WY form vs token loop
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -84,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--no-compile", action="store_true",
                    help="skip the torch.compile'd decode rows (compilation needs a C++ compiler and ~10 s)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--kernels", action="store_true",
+                   help="time our Triton SSD and GLA chunk kernels, forward and forward+backward, against "
+                        "mamba_ssm / flash-linear-attention when installed (needs CUDA and triton; --shapes, "
+                        "--repeats and --quick apply)")
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
                    help="run a named suite instead (wm: CDMoE vs MLP and doge vs transformers Doge-MoE)")
 
@@ -196,6 +202,15 @@ def plot(res: dict, path: str) -> str | None:
 def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernels:
+        from .kernels import run_kernels
+        res = {"mode": "kernels", **run_kernels(args.shapes, repeats=args.repeats or 10, quick=args.quick),
+               "meta": _meta(args)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+        print(f"results: {args.out}")
+        return 0
     if args.suite:
         import importlib
         mod, fn = SUITES[args.suite].split(":")

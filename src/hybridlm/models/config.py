@@ -134,6 +134,15 @@ class ModelConfig:
     kda_d_conv: int = 4                   # K: short-conv kernel on q, k, v
     kda_rank: int | None = None           # K: rank of the low-rank forget-gate and output-gate projections
                                           # (None = kda_head_dim, as released)
+    # Gated DeltaNet (G, models/mixers_delta.py) and Qwen3-Next's gated attention
+    gdn_k_heads: int | None = None        # G: query/key heads (None = n_heads)
+    gdn_v_heads: int | None = None        # G: value heads, a multiple of gdn_k_heads (None = gdn_k_heads)
+    gdn_k_dim: int | None = None          # G: query/key head dim (None = head_dim)
+    gdn_v_dim: int | None = None          # G: value head dim (None = gdn_k_dim)
+    gdn_conv: int = 4                     # G: depthwise causal short-conv kernel over q, k, v
+    gdn_chunk_size: int = 64              # G: chunk of the chunked delta rule (speed only)
+    attn_output_gate: bool = False        # A: q projection also yields a per-channel gate, sigmoid(gate) ⊙ attention
+                                          # output before the out projection (Qwen3-Next)
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):

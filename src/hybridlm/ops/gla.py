@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridlm.errors import InputError
+from hybridlm.ops.triton import enabled as triton_enabled
 
 # gla_chunked clamps log_decay to [LOG_DECAY_MIN, 0]: exp(-40) ≈ 4e-18 is invisible next to float32
 # rounding, and the floor keeps in-chunk cumulative sums small enough that their differences stay precise
@@ -176,8 +177,13 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
       - the diagonal SUBCHUNK x SUBCHUNK blocks use the exact pairwise form exp(b_t - b_i) per channel.
     Resets are applied as document masks (not -inf decays), so they are exact and NaN-free.
     log_decay is clamped to [LOG_DECAY_MIN, 0] = [-40, 0] to keep in-chunk cumulative sums precise.
+    CUDA tensors go to our Triton kernels (ops/triton) when triton imports and HYBRIDLM_TRITON is not 0.
     """
     _check(q, k, v, log_decay, initial_state, resets)
+    if triton_enabled(q, k, v, log_decay) and len({q.dtype, k.dtype, v.dtype}) == 1:
+        from hybridlm.ops.triton import gla_chunked_triton
+        return gla_chunked_triton(q, k, v, log_decay, scale=scale, initial_state=initial_state, resets=resets,
+                                  chunk_size=chunk_size)
     if chunk_size < 1:
         raise InputError(f"gla_chunked: chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = q.shape

@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .triton import CDMOE_ACTS
+from .triton import enabled as triton_enabled
+
 __all__ = [
     "product_key_topk",
     "product_key_topk_ref",
@@ -249,7 +252,12 @@ def expert_neurons(
 
     Gradients reach x, gates, scale and both tables; the table grads are dense [E, d] tensors that
     are zero outside the selected rows. Never builds an [N, k, d] tensor (see the comment above).
+    CUDA tensors go to our Triton kernel (ops/triton) for silu / relu / gelu when triton imports and
+    HYBRIDLM_TRITON is not 0.
     """
+    if act in CDMOE_ACTS and triton_enabled(x, down_weight, up_weight):
+        from .triton import expert_neurons_triton
+        return expert_neurons_triton(x, down_weight, up_weight, expert_ids, gates, act=act, scale=scale)
     pairs = _Pairs(expert_ids, down_weight.shape[0])
     h = _PairProduct.apply(down_weight, x.contiguous(), pairs, "c")  # [P]
     if scale is not None:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .triton import enabled as triton_enabled
+
 
 def _log_decay(dt: Tensor, A: Tensor, resets: Tensor | None) -> Tensor:
     a = dt.float() * A.float()                                    # [b, t, h], <= 0
@@ -76,7 +78,13 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int = 64, initial_state=None, res
 
     Layout: heads are split as (group, head-in-group) so B/C are never repeated over heads, and the
     state/output matmuls run per (batch, chunk, group) over all of that group's heads at once
-    ([Q, n] x [n, heads*p]), with no expanded operands; the scan over chunks carries the state."""
+    ([Q, n] x [n, heads*p]), with no expanded operands; the scan over chunks carries the state.
+
+    CUDA tensors go to our Triton kernels (ops/triton) when triton imports and HYBRIDLM_TRITON is not 0."""
+    if triton_enabled(x, dt, B, C):
+        from .triton import ssd_chunked_triton
+        return ssd_chunked_triton(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state,
+                                  resets=resets)
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g

@@ -1,0 +1,206 @@
+"""`hybridlm bench --kernels`: forward and forward+backward time of our Triton chunk kernels (ops/triton) at the
+shapes of issue 15, next to mamba_ssm's `mamba_chunk_scan_combined` and flash-linear-attention's `chunk_gla` on
+the same inputs when those packages are installed (never a dependency), and our PyTorch ops on the same GPU;
+and the CDMoE expert kernel (16,384 single-neuron experts, 64 per token, d_model 1024) against a gated MLP with
+the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`).
+
+    hybridlm bench --kernels                       # batch 8, T 2048 / 8192 / 16384, bf16
+    hybridlm bench --kernels --shapes 8x4096 --repeats 20
+"""
+import os
+import statistics
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+SHAPES = [(8, 2048), (8, 8192), (8, 16384)]
+QUICK_SHAPES = [(8, 2048)]
+SSD_HEADS = dict(h=32, p=64, n=128, g=1)       # Mamba-2 at d_model 1024: 32 heads of 64, d_state 128
+GLA_HEADS = dict(h=16, k=128, v=128)           # 16 heads of 128 (FLA's GLA benchmark layout)
+CDMOE = dict(d_model=1024, experts=16384, k=64)
+
+
+def _cuda_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn` over `repeats` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _measure(fn: Callable[[], tuple], grads: tuple, repeats: int) -> dict:
+    """fn() -> (output, ...); forward and forward+backward (output gradient `grads[0]`) medians in ms."""
+    def fwd_bwd():
+        fn()[0].backward(grads[0])
+    try:
+        with torch.no_grad():
+            fwd = _cuda_ms(fn, repeats)
+        return {"fwd_ms": fwd, "fwd_bwd_ms": _cuda_ms(fwd_bwd, repeats)}
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"error": "out of memory"}
+
+
+def _leaves(*ts):
+    return [t.detach().requires_grad_() for t in ts]
+
+
+def bench_ssd(b: int, T: int, repeats: int, log=print) -> dict:
+    from ..ops.ssd import ssd_chunked
+    from ..ops.triton import ssd_chunked_triton
+    h, p, n, g = SSD_HEADS["h"], SSD_HEADS["p"], SSD_HEADS["n"], SSD_HEADS["g"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(b, T, h, p, device="cuda", generator=gen, dtype=torch.bfloat16)
+    dt = F.softplus(torch.randn(b, T, h, device="cuda", generator=gen) - 2)
+    A = -torch.rand(h, device="cuda", generator=gen) * 4 - 0.5
+    B, C = (torch.randn(b, T, g, n, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    gy = torch.randn_like(x)
+    row = {"op": "ssd", "batch": b, "seq_len": T, **SSD_HEADS, "dtype": "bf16"}
+    x_, dt_, A_, B_, C_ = _leaves(x, dt, A, B, C)
+    ours = lambda: ssd_chunked_triton(x_, dt_, A_, B_, C_, chunk_size=64)
+    row["ours"] = _measure(ours, (gy,), repeats)
+    y_ours = ours()[0].detach()
+
+    def torch_path():
+        os.environ["HYBRIDLM_TRITON"] = "0"
+        try:
+            return ssd_chunked(x_, dt_, A_, B_, C_, chunk_size=64)
+        finally:
+            del os.environ["HYBRIDLM_TRITON"]
+    row["pytorch"] = _measure(torch_path, (gy,), max(2, repeats // 4))
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError:
+        row["mamba_ssm"] = {"error": "not installed"}
+    else:
+        theirs = lambda: (mamba_chunk_scan_combined(x_, dt_, A_, B_, C_, chunk_size=256),)
+        row["mamba_ssm"] = _measure(theirs, (gy,), repeats)
+        row["mamba_ssm"]["max_abs_diff_y"] = (theirs()[0].detach().float() - y_ours.float()).abs().max().item()
+    _ratio(row, "mamba_ssm")
+    log(format_row(row))
+    return row
+
+
+def bench_gla(b: int, T: int, repeats: int, log=print) -> dict:
+    from ..ops.gla import gla_chunked
+    from ..ops.triton import gla_chunked_triton
+    h, k, v = GLA_HEADS["h"], GLA_HEADS["k"], GLA_HEADS["v"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, kk = (torch.randn(b, T, h, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    vv = torch.randn(b, T, h, v, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = F.logsigmoid(torch.randn(b, T, h, k, device="cuda", generator=gen)) / 16     # as FLA's GLA tests
+    go = torch.randn_like(vv)
+    row = {"op": "gla", "batch": b, "seq_len": T, **GLA_HEADS, "dtype": "bf16"}
+    q_, k_, v_, w_ = _leaves(q, kk, vv, w)
+    ours = lambda: gla_chunked_triton(q_, k_, v_, w_, chunk_size=64)
+    row["ours"] = _measure(ours, (go,), repeats)
+    o_ours = ours()[0].detach()
+
+    def torch_path():
+        os.environ["HYBRIDLM_TRITON"] = "0"
+        try:
+            return gla_chunked(q_, k_, v_, w_, chunk_size=64)
+        finally:
+            del os.environ["HYBRIDLM_TRITON"]
+    row["pytorch"] = _measure(torch_path, (go,), max(2, repeats // 4))
+    try:
+        from fla.ops.gla import chunk_gla
+    except ImportError:
+        row["fla"] = {"error": "not installed"}
+    else:
+        theirs = lambda: chunk_gla(q_, k_, v_, w_, scale=k ** -0.5, output_final_state=True)
+        row["fla"] = _measure(theirs, (go,), repeats)
+        row["fla"]["max_abs_diff_o"] = (theirs()[0].detach().float() - o_ours.float()).abs().max().item()
+    _ratio(row, "fla")
+    log(format_row(row))
+    return row
+
+
+def bench_cdmoe(b: int, T: int, repeats: int, log=print) -> dict:
+    """Tokens/s of the experts' forward+backward (ids given: product-key retrieval not included) against a
+    gated MLP whose 3·d·f weights equal the 2·k·d active expert weights (f = 2k/3)."""
+    from ..ops.moe import expert_neurons
+    from ..ops.triton import expert_neurons_triton
+    d, E, k = CDMOE["d_model"], CDMOE["experts"], CDMOE["k"]
+    N = b * T
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(N, d, generator=gen, **bf)
+    down, up = torch.randn(E, d, generator=gen, **bf) * d ** -0.5, torch.randn(E, d, generator=gen, **bf)
+    ids = torch.randint(0, E, (N, k), device="cuda", generator=gen)
+    gates = torch.rand(N, k, generator=gen, **bf)
+    f = round(2 * k / 3)
+    w_gu, w_d = torch.randn(d, 2 * f, generator=gen, **bf) * d ** -0.5, torch.randn(f, d, generator=gen, **bf)
+    gy = torch.randn_like(x)
+    row = {"op": "cdmoe", "batch": b, "seq_len": T, **CDMOE, "mlp_hidden": f, "dtype": "bf16"}
+    x_, down_, up_, gates_, w_gu_, w_d_ = _leaves(x, down, up, gates, w_gu, w_d)
+    row["ours"] = _measure(lambda: (expert_neurons_triton(x_, down_, up_, ids, gates_),), (gy,), repeats)
+
+    def torch_path():
+        os.environ["HYBRIDLM_TRITON"] = "0"
+        try:
+            return (expert_neurons(x_, down_, up_, ids, gates_),)
+        finally:
+            del os.environ["HYBRIDLM_TRITON"]
+    row["pytorch"] = _measure(torch_path, (gy,), max(2, repeats // 4))
+
+    def mlp():
+        g, u = (x_ @ w_gu_).chunk(2, -1)
+        return (F.silu(g) * u @ w_d_,)
+    row["gated_mlp"] = _measure(mlp, (gy,), repeats)
+    a, m = row["ours"].get("fwd_bwd_ms"), row["gated_mlp"].get("fwd_bwd_ms")
+    row["tokens_per_s_ratio_vs_mlp"] = m / a if a and m else None      # the issue's target: >= 0.5
+    log(f"cdmoe {b:>3d}x{T:<6d} ours {row['ours']} | gated MLP (f={f}) {row['gated_mlp']} | "
+        f"pytorch {row['pytorch']} | tokens/s ours / MLP {row['tokens_per_s_ratio_vs_mlp']}")
+    return row
+
+
+def _ratio(row: dict, ref: str) -> None:
+    """ours / reference forward+backward time (the issue's target: <= 1.2), None when either is missing."""
+    a, b = row["ours"].get("fwd_bwd_ms"), row[ref].get("fwd_bwd_ms")
+    row["ratio_fwd_bwd"] = a / b if a and b else None
+
+
+def format_row(r: dict) -> str:
+    """One table line: ours, the reference package and our PyTorch ops, forward and forward+backward ms."""
+    ref = "mamba_ssm" if r["op"] == "ssd" else "fla"
+
+    def cell(m: dict, key: str) -> str:
+        return f"{m[key]:9.2f}" if key in m else f"{m.get('error', '-')[:9]:>9s}"
+    ratio = r["ratio_fwd_bwd"]
+    return (f"{r['op']:4s} {r['batch']:>3d}x{r['seq_len']:<6d} ours {cell(r['ours'], 'fwd_ms')} "
+            f"{cell(r['ours'], 'fwd_bwd_ms')} | {ref:9s} {cell(r[ref], 'fwd_ms')} {cell(r[ref], 'fwd_bwd_ms')} | "
+            f"pytorch {cell(r['pytorch'], 'fwd_ms')} {cell(r['pytorch'], 'fwd_bwd_ms')} | "
+            f"ours/{ref} fwd+bwd {'-' if ratio is None else f'{ratio:.2f}'}")
+
+
+def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) -> dict:
+    """Every shape (batch, T) for SSD, GLA and the CDMoE experts. Returns {"rows": [...], "device", "shapes",
+    "heads"}; SSD/GLA ratio_fwd_bwd <= 1.2 meets the issue's 'within 1.2x of mamba_ssm / FLA' target, CDMoE
+    tokens_per_s_ratio_vs_mlp >= 0.5 its 'half the tokens/s of a gated MLP'."""
+    if not torch.cuda.is_available():
+        raise ConfigError("bench --kernels times the Triton GPU kernels and needs a CUDA GPU; on a CPU the "
+                          "kernels are checked by tests/test_triton_kernels.py under TRITON_INTERPRET=1")
+    from ..ops.triton import available
+    if not available():
+        raise ConfigError("bench --kernels needs triton: pip install 'hybridlm[gpu]'")
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    repeats = min(repeats, 3) if quick else repeats
+    log("times in ms (median, CUDA events): forward, forward+backward")
+    rows = []
+    for b, T in shapes:
+        rows.append(bench_ssd(b, T, repeats, log))
+        rows.append(bench_gla(b, T, repeats, log))
+        rows.append(bench_cdmoe(b, T, repeats, log))
+    return {"rows": rows, "device": torch.cuda.get_device_name(), "shapes": shapes,
+            "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "cdmoe": CDMOE}, "torch": torch.__version__}
