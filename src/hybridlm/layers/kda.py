@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-# the one line to switch to the chunked fast form once ops/delta_rule.py has it
-from ..ops.delta_rule import delta_rule_recurrent as delta_rule
+# the chunked form (delta_rule_recurrent is the reference; this one line picks the op)
+from ..ops.delta_rule import delta_rule_chunked as delta_rule
 from ..ops.delta_rule import delta_rule_step
 from .mamba2 import init_dt_bias
 from .short_conv import cached_short_conv
