@@ -97,6 +97,7 @@ register("llama", "LlamaForCausalLM", llama_config, llama_weights)
 register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
 from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
 from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
+from . import convert_kimi_linear  # noqa: E402,F401  (registers Kimi-Linear; imports only .common)
 from . import convert_qwen3_next  # noqa: E402,F401  (registers Qwen3-Next; imports only .common)
 from . import convert_mamba1  # noqa: E402,F401  (registers Mamba, Falcon-Mamba, Jamba; imports only .common)
 

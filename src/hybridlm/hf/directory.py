@@ -115,6 +115,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
 
 # config.json model_type -> (module, function(src_dir, out_dir, dtype=None) -> checkpoint path)
 FROM_HF = {t: (__name__, "convert_transformers_dir") for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
+FROM_HF["kimi_linear"] = ("hybridlm.hf.convert_kimi_linear", "convert_kimi_dir")   # files named as released
 FROM_HF["qwen3_next"] = (__name__, "convert_transformers_dir")
 FROM_HF.update({t: (__name__, "convert_transformers_dir") for t in ("mamba", "falcon_mamba", "jamba")})   # Mamba-1: B
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases

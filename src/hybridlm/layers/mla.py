@@ -27,6 +27,7 @@ class MLA(nn.Module):
     """x [B, T, d_model] -> [B, T, d_model].
 
     q_lora_rank 0 = direct query projection (DeepSeek-V2-Lite); otherwise q = W_uq RMSNorm(W_dq x).
+    rotate=False (NoPE, Kimi-Linear's MLA): the decoupled query/key parts are not rotated.
     `mode`: "auto" (absorbed for cached decoding of up to `absorb_max_tokens` tokens, expanded otherwise),
     "expanded" or "absorbed". `bias` (DeepSeek's attention_bias) applies to the down projections and the
     output, never to the up projections (absorption needs them linear).
@@ -35,11 +36,12 @@ class MLA(nn.Module):
     def __init__(self, d_model: int, n_heads: int, *, layer_idx: int, kv_lora_rank: int, q_lora_rank: int,
                  qk_nope_dim: int, rope_dim: int, v_dim: int, rope_base: float = 10000.0,
                  rope_interleaved: bool = True, bias: bool = False, absorb: bool = True, dropout: float = 0.0,
-                 latent_eps: float = 1e-6):
+                 latent_eps: float = 1e-6, rotate: bool = True):
         super().__init__()
         self.layer_idx, self.n_heads = layer_idx, n_heads
         self.kv_lora_rank, self.nope, self.rope, self.v_dim = kv_lora_rank, qk_nope_dim, rope_dim, v_dim
         self.rope_base, self.rope_interleaved = rope_base, rope_interleaved
+        self.rotate = rotate          # False: NoPE (Kimi-Linear), the shared key part is used unrotated
         self.mode = "auto" if absorb else "expanded"
         self.absorb_max_tokens = 1
         self.scale = 1.0 / math.sqrt(qk_nope_dim + rope_dim)
@@ -74,9 +76,10 @@ class MLA(nn.Module):
         q_nope, q_rope = q.view(B, T, H, self.nope + self.rope).split((self.nope, self.rope), dim=-1)
         c, k_rope = self.kv_a(x).split((R, self.rope), dim=-1)
         c = self.kv_norm(c)
-        cos, sin = ctx.rope(self.rope, self.rope_base)
-        q_rope = apply_rope(q_rope, cos, sin, interleaved=self.rope_interleaved)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.rope_interleaved).squeeze(2)
+        if self.rotate:
+            cos, sin = ctx.rope(self.rope, self.rope_base)
+            q_rope = apply_rope(q_rope, cos, sin, interleaved=self.rope_interleaved)
+            k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.rope_interleaved).squeeze(2)
         if cache is not None:   # ck = [latent | roped key] of every token so far [B, S, R + rope]
             ck = cache.layer(self.layer_idx, LatentCache).update(c, k_rope)
         else:

@@ -127,6 +127,13 @@ class ModelConfig:
     hc_manifold: bool = True              # mHC: sigmoid pre/post, doubly stochastic res (Sinkhorn); False = HC
     hc_dynamic: bool = True               # per-token dynamic mixing weights on top of the static ones
     hc_sinkhorn_iters: int = 20
+    # Kimi Delta Attention (K) and Kimi-Linear (models/mixers_kda.py, hf/convert_kimi_linear.py); Kimi's MLA is
+    # plain `L` with pos_embedding="none" (no rotation anywhere: the shared key part stays unrotated)
+    kda_heads: int | None = None          # K: heads (None = n_heads)
+    kda_head_dim: int | None = None       # K: key = value dim per head; state D × D per head (None = d_model // heads)
+    kda_d_conv: int = 4                   # K: short-conv kernel on q, k, v
+    kda_rank: int | None = None           # K: rank of the low-rank forget-gate and output-gate projections
+                                          # (None = kda_head_dim, as released)
     # Gated DeltaNet (G, models/mixers_delta.py) and Qwen3-Next's gated attention
     gdn_k_heads: int | None = None        # G: query/key heads (None = n_heads)
     gdn_v_heads: int | None = None        # G: value heads, a multiple of gdn_k_heads (None = gdn_k_heads)

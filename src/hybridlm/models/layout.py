@@ -99,3 +99,22 @@ def flatten(items: list) -> list[str]:
     for it in items:
         out.extend(it if isinstance(it, tuple) else [it])
     return out
+
+
+def fold_layout(tokens: list[str]) -> str:
+    """Per-layer tokens ("KM", "LO", ...) -> a layout string, the longest repeat at each point folded as (...)*n
+    (periods up to 8 tokens): ["KM", "KO", "KO", "LO"] -> "KM (KO)*2 LO". Converters use it to print layouts."""
+    out, i = [], 0
+    while i < len(tokens):
+        best = (1, 1)                                     # (period, repeats)
+        for p in range(1, 9):
+            r = 1
+            while tokens[i + r * p: i + (r + 1) * p] == tokens[i: i + p] and i + (r + 1) * p <= len(tokens):
+                r += 1
+            if r > 1 and p * r > best[0] * best[1]:
+                best = (p, r)
+        p, r = best
+        unit = " ".join(tokens[i: i + p])
+        out.append(unit if r == 1 else (f"({unit})*{r}" if p > 1 or len(unit) > 1 else f"{unit}*{r}"))
+        i += p * r
+    return " ".join(out)

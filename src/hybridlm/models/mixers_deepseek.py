@@ -30,8 +30,11 @@ def _validate_mla(cfg):
     need(s["q_lora_rank"] >= 0, f"mla_q_lora_rank must be >= 0 (0 = direct query projection), got {s['q_lora_rank']}")
     need(s["qk_nope_dim"] >= 0 and s["v_dim"] >= 1,
          f"mla_qk_nope_dim must be >= 0 and mla_v_dim >= 1, got {s['qk_nope_dim']} and {s['v_dim']}")
-    need(s["rope_dim"] >= 2 and s["rope_dim"] % 2 == 0,
-         f"mla_rope_dim ({s['rope_dim']}) must be even and >= 2 (RoPE rotates pairs of channels)")
+    if cfg.pos_embedding == "none":   # NoPE MLA (Kimi-Linear): the shared key part is never rotated
+        need(s["rope_dim"] >= 0, f"mla_rope_dim must be >= 0, got {s['rope_dim']}")
+    else:
+        need(s["rope_dim"] >= 2 and s["rope_dim"] % 2 == 0,
+             f"mla_rope_dim ({s['rope_dim']}) must be even and >= 2 (RoPE rotates pairs of channels)")
 
 
 def _validate_indexed(cfg):
@@ -60,7 +63,7 @@ def _mla(cfg, idx):
     from ..layers.mla import MLA
     return MLA(cfg.d_model, cfg.n_heads, layer_idx=idx, **mla_sizes(cfg), rope_base=cfg.rope_base,
                rope_interleaved=cfg.mla_rope_interleaved, bias=cfg.attn_bias, absorb=cfg.mla_absorb,
-               dropout=cfg.dropout)
+               dropout=cfg.dropout, rotate=cfg.pos_embedding != "none")
 
 
 def _indexed(cfg, idx):

@@ -164,6 +164,33 @@ for _name, (_gpt3_layers, _d) in {"125m": (12, 768), "350m": (24, 1024), "760m":
     register(f"rodimus++-{_name}", f"Rodimus++ scaling size {_name} (appendix E.2): d {_d}, {_gpt3_layers} two-hop "
              f"blocks, SW-SKA {_d // 128}×128, window 1024", _gpt3_layers, _rodimus_size(_d, 50277, 2048, plus=True))
 
+
+# Kimi-Linear (transformers' kimi_linear, hf/convert_kimi_linear.py): 3 KDA layers : 1 NoPE MLA layer, the first
+# channel mixer dense, then DeepSeek-style routed MoE (sigmoid router, correction bias, one shared expert, scaled
+# by the release's routed_scaling_factor 2.446); heads of 64 (the release: 32 heads of 128 at d 2304)
+def kimi_layout(n: int) -> str:
+    """n layers, every 4th (1-based) MLA, the rest KDA; the first MLP dense, the rest routed MoE."""
+    from .layout import fold_layout
+    return fold_layout([("L" if (i + 1) % 4 == 0 else "K") + ("M" if i == 0 else "O") for i in range(n)])
+
+
+def _kimi_heads(f: dict) -> int:
+    return max(1, f["d_model"] // 64)
+
+
+def _kimi_expert(f: dict) -> int:
+    return max(8, f["d_model"] // 2)
+
+
+register("kimi-linear", "Kimi-Linear: 3 Kimi Delta Attention : 1 NoPE MLA, first MLP dense then routed MoE "
+         "(8 experts, top 2, sigmoid router, one shared expert)", 4,
+         lambda n: dict(layout=kimi_layout(n), pos_embedding="none", norm_eps=1e-5, tie_embeddings=False,
+                        n_heads=_kimi_heads, head_dim=64, mla_q_lora_rank=0, mla_kv_lora_rank=256,
+                        mla_qk_nope_dim=64, mla_rope_dim=32, mla_v_dim=64,
+                        mlp_hidden=lambda f: 64 * -(-int(8 * f["d_model"] / 3) // 64),
+                        kda_heads=_kimi_heads, kda_head_dim=64, kda_rank=64, wm_moe_experts=8, wm_moe_topk=2,
+                        wm_moe_shared=True, wm_moe_hidden=_kimi_expert, moe_shared_hidden=_kimi_expert,
+                        moe_router="sigmoid", moe_router_bias=True, moe_scale=2.446))
 # Qwen3-Next (transformers' Qwen3NextForCausalLM, converter hf/convert_qwen3_next.py): the released 3:1 pattern of
 # Gated DeltaNet and gated attention (q/k norm, a quarter of each head rotated), every layer a routed MoE with a gated
 # shared expert; heads of 64 here (released: 128 for G, 256 for A), 8 experts (released: 512, top 10).

@@ -1,0 +1,31 @@
+"""The `K` letter: Kimi Delta Attention (layers/kda.py), the linear-attention layer of Kimi-Linear."""
+from .registry import need, register
+
+
+def kda_sizes(cfg) -> tuple[int, int, int]:
+    """(heads, head dim, gate rank) a config resolves to."""
+    heads = cfg.n_heads if cfg.kda_heads is None else cfg.kda_heads
+    dim = cfg.kda_head_dim if cfg.kda_head_dim is not None else (cfg.d_model // heads if heads >= 1 else 0)
+    return heads, dim, dim if cfg.kda_rank is None else cfg.kda_rank
+
+
+def _validate_kda(cfg):
+    heads = kda_sizes(cfg)[0]
+    need(heads >= 1, f"kda_heads must be >= 1, got {heads}")
+    need(cfg.kda_head_dim is not None or cfg.d_model % heads == 0,
+         f"d_model ({cfg.d_model}) must be divisible by kda_heads ({heads}), or set kda_head_dim")
+    _, dim, rank = kda_sizes(cfg)
+    need(dim >= 1, f"kda_head_dim must be >= 1, got {dim}")
+    need(rank >= 1, f"kda_rank must be >= 1, got {rank}")
+    need(cfg.kda_d_conv >= 1, f"kda_d_conv must be >= 1, got {cfg.kda_d_conv}")
+
+
+def _kda(cfg, idx):
+    from ..layers.kda import KimiDeltaAttention
+    heads, dim, rank = kda_sizes(cfg)
+    return KimiDeltaAttention(cfg.d_model, layer_idx=idx, n_heads=heads, head_dim=dim, d_conv=cfg.kda_d_conv,
+                              rank=rank, norm_eps=cfg.norm_eps)
+
+
+register("K", _kda, token=True, validate=_validate_kda,
+         doc="Kimi Delta Attention (Kimi-Linear): gated delta rule with a per-channel forget gate, q/k/v short convs")
