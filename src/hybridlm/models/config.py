@@ -118,11 +118,18 @@ class ModelConfig:
     hc_manifold: bool = True              # mHC: sigmoid pre/post, doubly stochastic res (Sinkhorn); False = HC
     hc_dynamic: bool = True               # per-token dynamic mixing weights on top of the static ones
     hc_sinkhorn_iters: int = 20
+    # Mamba-2 hybrids: Bamba, Nemotron-H, Granite-4.0 (hf/convert_{bamba,nemotron_h,granitemoehybrid}.py)
+    ssd_d_inner: int | None = None        # S: SSD width (heads × ssd_headdim) set directly; None = ssd_expand · d_model
+                                          # (Nemotron-H's mamba_num_heads · mamba_head_dim is not a multiple of d)
+    ssd_dt_limit: tuple[float, float] | None = None   # S: dt = softplus(·) clamped to [lo, hi] (transformers'
+                                          # time_step_limit; Nemotron-H: (time_step_min, inf)); None = no clamp
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         self.layer_overrides = {int(k): v for k, v in self.layer_overrides.items()}
         self.ssd_A_init_range = tuple(self.ssd_A_init_range)
+        if self.ssd_dt_limit is not None:
+            self.ssd_dt_limit = tuple(float(v) for v in self.ssd_dt_limit)
         self.validate()
 
     # derived sizes -------------------------------------------------------------------------------
