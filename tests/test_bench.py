@@ -45,3 +45,13 @@ def test_compare_hf_quick_writes_results(tmp_path, capsys):
 def test_bad_shapes_argument():
     with pytest.raises(SystemExit):
         _args("--shapes", "4by512")
+
+
+def test_twins_bench_smoke():
+    """`hybridlm bench --suite twins` machinery: each preset against its transformers twin, same weights."""
+    pytest.importorskip("transformers")
+    from hybridlm.bench.twins import run
+    res = run(["transformer++", "mamba2"], d_model=32, n_layers=1, vocab_size=64, shapes=((1, 16),), repeats=1,
+              log=lambda *_: None)
+    assert {r["preset"] for r in res["train"]} == {"transformer++", "mamba2"}
+    assert all(r["ours_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 for r in res["train"])

@@ -269,3 +269,86 @@ def test_tokens_are_independent(form):
     xg = x.clone().requires_grad_()
     (gx,) = torch.autograd.grad(fn(xg)[j].sum(), xg)
     assert (gx[others] == 0).all() and gx[j].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- router variants of the public MoE hybrids
+
+
+def _deepseek_route_ref(logits, bias, k, n_group, topk_group, norm, scale):
+    """DeepSeek-V3's group-limited sigmoid routing written out per token (the form Kimi-Linear and Nemotron-H use)."""
+    N, E = logits.shape
+    weights, ids = [], []
+    for n in range(N):
+        s = logits[n].double().sigmoid()
+        choice = s + bias.double()
+        groups = choice.view(n_group, E // n_group)
+        gscore = groups.sort(-1, descending=True).values[:, :2].sum(-1)
+        keep = set(gscore.argsort(descending=True)[:topk_group].tolist())
+        allowed = torch.tensor([e // (E // n_group) in keep for e in range(E)])
+        pick = choice.masked_fill(~allowed, float("-inf")).argsort(descending=True)[:k]
+        w = s[pick]
+        w = w / w.sum() if norm else w
+        weights.append(w * scale)
+        ids.append(pick)
+    return torch.stack(weights), torch.stack(ids)
+
+
+@pytest.mark.parametrize("n_group,topk_group,norm", [(1, 1, True), (4, 2, True), (4, 1, False)])
+def test_route_topk_sigmoid_groups_bias_scale(n_group, topk_group, norm):
+    g = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(9, 16, generator=g), torch.randn(16, generator=g) * 0.3
+    w, ids, probs = route_topk(logits, 3, score="sigmoid", bias=bias, n_group=n_group, topk_group=topk_group,
+                               norm_topk=norm, scale=2.5)
+    w_ref, ids_ref = _deepseek_route_ref(logits, bias, 3, n_group, topk_group, norm, 2.5)
+    order, order_ref = ids.sort(-1), ids_ref.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    torch.testing.assert_close(w.gather(1, order.indices).double(), w_ref.gather(1, order_ref.indices))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(9))
+
+
+def test_routed_moe_matches_transformers_routers():
+    """Our router and experts against transformers' own blocks: Nemotron-H's sigmoid/group/bias router with
+    non-gated squared-ReLU experts, and Jamba's unnormalised softmax top-2."""
+    transformers = pytest.importorskip("transformers")
+    from hybridlm.layers.routed_moe import RoutedMoE
+    from transformers.models.jamba.modeling_jamba import JambaSparseMoeBlock
+    torch.manual_seed(0)
+    d, h, E = 16, 12, 8
+    cfg = transformers.JambaConfig(hidden_size=d, intermediate_size=h, num_experts=E, num_experts_per_tok=2)
+    theirs = JambaSparseMoeBlock(cfg)
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = RoutedMoE(d, h, num_experts=E, top_k=2, norm_topk=False)
+    gate, up = theirs.experts.gate_up_proj.detach().chunk(2, dim=1)          # [E, 2h, d] -> [E, h, d] each
+    ours.load_state_dict({"router.weight": theirs.router.weight.detach(), "w_gate": gate.transpose(1, 2),
+                          "w_up": up.transpose(1, 2), "w_down": theirs.experts.down_proj.detach().transpose(1, 2)})
+    x = torch.randn(2, 5, d)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+    ncfg = transformers.NemotronHConfig(hidden_size=d, n_routed_experts=E, num_experts_per_tok=3, n_group=4,
+                                        topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.7)
+    router = NemotronHTopkRouter(ncfg)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.e_score_correction_bias.normal_(std=0.1)
+    _, w_ref, ids_ref = router(x)
+    w, ids, _ = route_topk(x.view(-1, d) @ router.weight.t(), 3, score="sigmoid", bias=router.e_score_correction_bias,
+                           n_group=4, topk_group=2, norm_topk=True, scale=1.7)
+    order, order_ref = ids.sort(-1), ids_ref.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices))
+
+
+def test_routed_moe_plain_experts_and_gated_shared_expert():
+    from hybridlm.layers.mlp import ACTIVATIONS
+    from hybridlm.layers.routed_moe import RoutedMoE
+    torch.manual_seed(0)
+    moe = RoutedMoE(8, 6, num_experts=4, top_k=2, shared_expert=True, gated=False, act="relu", shared_gate=True,
+                    shared_hidden=10, init_std=0.3)
+    assert moe.w_gate is None and moe.shared.w_in.weight.shape == (10, 8)
+    x = torch.randn(7, 8)
+    weights, ids, _ = route_topk(moe.router(x), 2)
+    ref = routed_experts_ref(x, None, moe.w_up, moe.w_down, ids, weights, act=ACTIVATIONS["relu"])
+    ref = ref + torch.sigmoid(moe.shared_gate(x)) * moe.shared(x)
+    torch.testing.assert_close(moe(x), ref)
+    fast = routed_experts(x, None, moe.w_up, moe.w_down, ids, weights, act=ACTIVATIONS["relu"])
+    torch.testing.assert_close(fast, ref - torch.sigmoid(moe.shared_gate(x)) * moe.shared(x))

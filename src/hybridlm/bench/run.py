@@ -20,6 +20,7 @@ SUITES = {"wm": "hybridlm.bench.wm_speed:run_suite"}   # CDMoE vs gated MLP; dog
 SUITES["mla"] = "hybridlm.bench.mla_decode:run_suite"  # MLA latent cache size and absorbed vs expanded decode
 SUITES["rodimus"] = "hybridlm.bench.rodimus:run_suite"  # GLA op speed, cache/latency vs context, vs Mamba-2
 SUITES["hf"] = "hybridlm.bench.hf_wrapper:run_suite"  # transformers generate() through HybridLMForCausalLM vs ours
+SUITES["twins"] = "hybridlm.bench.twins:run_suite"  # every public-hybrid preset vs its transformers twin, training
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:

@@ -1,35 +1,44 @@
-"""Routed top-k mixture of gated-MLP experts (Switch / Mixtral style), optionally with an always-on shared
+"""Routed top-k mixture of MLP experts (Switch / Mixtral / DeepSeek style), optionally with an always-on shared
 expert (MoE-SEI, as compared in 000_4348bfb066d62081.txt, table 3), and a load-balancing auxiliary loss.
 
 Dropless: every (token, expert) pair is computed, experts run as one batched matmul over expert-sorted
-rows (hybridlm.ops.moe.routed_experts), so a token's output depends on that token only.
+rows (hybridlm.ops.moe.routed_experts), so a token's output depends on that token only. The router is a softmax
+or sigmoid one (`ops.moe.route_topk`: correction bias, group-limited choice, renormalisation, scaling), which covers
+the public MoE hybrids (Jamba, Granite-4.0, Qwen3-Next, Kimi-Linear, Nemotron-H).
 x [B, T, d] -> [B, T, d]; `aux_loss` holds this forward's load-balancing loss (0 for a uniform router).
 """
 import torch
 from torch import Tensor, nn
 
 from ..ops.moe import load_balancing_loss, route_topk, routed_experts
-from .mlp import MLP
+from .mlp import ACTIVATIONS, MLP
 
 
 class RoutedMoE(nn.Module):
     def __init__(self, d_model: int, hidden: int, *, num_experts: int, top_k: int, shared_expert: bool = False,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, act: str = "silu", gated: bool = True, router: str = "softmax",
+                 norm_topk: bool = True, router_bias: bool = False, n_group: int = 1, topk_group: int = 1,
+                 scale: float = 1.0, shared_hidden: int | None = None, shared_gate: bool = False):
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.act = num_experts, top_k, ACTIVATIONS[act]
+        self.route = dict(norm_topk=norm_topk, score=router, n_group=n_group, topk_group=topk_group, scale=scale)
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.w_gate = nn.Parameter(torch.randn(num_experts, d_model, hidden) * init_std)   # SwiGLU experts
+        # DeepSeek's e_score_correction_bias: steered by load statistics, not by gradients
+        self.register_buffer("router_bias", torch.zeros(num_experts) if router_bias else None)
+        self.w_gate = nn.Parameter(torch.randn(num_experts, d_model, hidden) * init_std) if gated else None
         self.w_up = nn.Parameter(torch.randn(num_experts, d_model, hidden) * init_std)
         self.w_down = nn.Parameter(torch.randn(num_experts, hidden, d_model) * init_std)
-        self.shared = MLP(d_model, hidden) if shared_expert else None
+        self.shared = MLP(d_model, shared_hidden or hidden, act=act, gated=gated) if shared_expert else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_expert and shared_gate else None
         self.aux_loss: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids, probs = route_topk(self.router(x), self.top_k)
+        weights, ids, probs = route_topk(self.router(x), self.top_k, bias=self.router_bias, **self.route)
         self.aux_loss = load_balancing_loss(probs, ids, self.num_experts)
-        y = routed_experts(x, self.w_gate, self.w_up, self.w_down, ids, weights)
+        y = routed_experts(x, self.w_gate, self.w_up, self.w_down, ids, weights, act=self.act)
         if self.shared is not None:
-            y = y + self.shared(x)
+            s = self.shared(x)
+            y = y + (s if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * s)
         return y.view(shape)

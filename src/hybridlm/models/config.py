@@ -101,6 +101,15 @@ class ModelConfig:
     wm_moe_topk: int = 2                  # O: experts per token
     wm_moe_hidden: int | None = None      # O: width of each expert (None = the MLP's width)
     wm_moe_shared: bool = False           # O: one always-on shared expert as well (MoE-SEI)
+    moe_router: str = "softmax"           # O: softmax over the experts | sigmoid (independent scores, DeepSeek-V3)
+    moe_norm_topk: bool = True            # O: renormalise the chosen experts' weights to sum to 1
+    moe_router_bias: bool = False         # O: a per-expert bias (e_score_correction_bias) used only to choose experts
+    moe_n_group: int = 1                  # O: expert groups; experts come from the moe_topk_group best groups
+    moe_topk_group: int = 1
+    moe_scale: float = 1.0                # O: routed_scaling_factor on the routed weights
+    moe_shared_hidden: int | None = None  # O: width of the shared expert (None = the experts' width)
+    moe_shared_gate: bool = False         # O: shared expert output × sigmoid(Linear(d, 1)(x)) (Qwen-MoE)
+                                          # O's experts (and shared expert) follow mlp_act and mlp_gated
     # MLA (L), lightning-indexer sparse attention (I), hyper-connections (002_2cec91cb83945854.txt 3.2-3.5, 5)
     mla_kv_lora_rank: int | None = None   # shared K/V latent; None = 4 · head_dim (DeepSeek-V3: 512 = 4 · 128)
     mla_q_lora_rank: int | None = None    # query latent; None = 3 · kv_lora_rank (V3: 1536); 0 = direct query proj.

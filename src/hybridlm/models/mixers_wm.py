@@ -9,6 +9,7 @@ every config that leaves the option off.
 """
 import math
 
+from ..layers.mlp import ACTIVATIONS
 from .registry import LETTERS, need, register
 
 DYN_MASKS = ("none", "position", "dt")
@@ -52,9 +53,15 @@ def _validate_cdmoe(cfg):
 
 
 def _validate_moe(cfg):
-    E, k = cfg.wm_moe_experts, cfg.wm_moe_topk
+    E, k, G = cfg.wm_moe_experts, cfg.wm_moe_topk, cfg.moe_n_group
     need(E >= 1, f"wm_moe_experts must be >= 1, got {E}")
     need(1 <= k <= E, f"wm_moe_topk ({k}) must be between 1 and wm_moe_experts ({E})")
+    need(cfg.moe_router in ("softmax", "sigmoid"), f"moe_router must be softmax or sigmoid, got {cfg.moe_router!r}")
+    need(G >= 1 and E % G == 0, f"moe_n_group ({G}) must be >= 1 and divide wm_moe_experts ({E})")
+    need(1 <= cfg.moe_topk_group <= G, f"moe_topk_group ({cfg.moe_topk_group}) must be between 1 and moe_n_group ({G})")
+    need(k <= cfg.moe_topk_group * (E // G),
+         f"wm_moe_topk ({k}) exceeds the experts in moe_topk_group groups ({cfg.moe_topk_group * (E // G)})")
+    need(cfg.mlp_act in ACTIVATIONS, f"mlp_act must be one of {', '.join(ACTIVATIONS)}, got {cfg.mlp_act!r}")
 
 
 def _validate_rope_ssd(cfg):
@@ -93,7 +100,10 @@ def _cdmoe(cfg, idx):
 def _routed_moe(cfg, idx):
     from ..layers.routed_moe import RoutedMoE
     return RoutedMoE(cfg.d_model, cfg.wm_moe_hidden or cfg.mlp_hidden_size, num_experts=cfg.wm_moe_experts,
-                     top_k=cfg.wm_moe_topk, shared_expert=cfg.wm_moe_shared, init_std=cfg.init_std)
+                     top_k=cfg.wm_moe_topk, shared_expert=cfg.wm_moe_shared, init_std=cfg.init_std,
+                     act=cfg.mlp_act, gated=cfg.mlp_gated, router=cfg.moe_router, norm_topk=cfg.moe_norm_topk,
+                     router_bias=cfg.moe_router_bias, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+                     scale=cfg.moe_scale, shared_hidden=cfg.moe_shared_hidden, shared_gate=cfg.moe_shared_gate)
 
 
 def _with_option(letter: str, on, build, validate, doc: str):

@@ -45,7 +45,7 @@ def active_parameters(model) -> int:
     n = model.num_parameters()
     for m in model.modules():
         if isinstance(m, RoutedMoE):
-            per_expert = (m.w_gate.numel() + m.w_up.numel() + m.w_down.numel()) // m.num_experts
+            per_expert = sum(w.numel() for w in (m.w_gate, m.w_up, m.w_down) if w is not None) // m.num_experts
             n -= (m.num_experts - m.top_k) * per_expert
         elif isinstance(m, CDMoE):
             experts, d = m.down_embed.weight.shape

@@ -283,23 +283,44 @@ def expert_neurons_ref(
 # ---------------------------------------------------------------------------------------------
 
 
-def route_topk(logits: Tensor, k: int, *, norm_topk: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """Softmax router. logits [N, E] -> (weights [N, k], ids [N, k], probs [N, E]).
+def route_topk(logits: Tensor, k: int, *, norm_topk: bool = True, score: str = "softmax",
+               bias: Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+               scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-k router. logits [N, E] -> (weights [N, k], ids [N, k], probs [N, E]), all scoring in float32.
 
-    Softmax in float32 for stability; weights are the top-k probabilities, renormalised to sum to
-    1 per token when norm_topk.
+    score "softmax" (Switch / Mixtral / Qwen) or "sigmoid" (DeepSeek-V3, Kimi, Nemotron-H: independent expert
+    scores). `bias` [E] (DeepSeek's e_score_correction_bias) shifts the scores only to *choose* experts; with
+    `n_group` > 1 experts come only from the `topk_group` groups whose two best (biased) scores sum highest.
+    weights are the chosen experts' unbiased scores, renormalised to sum to 1 when `norm_topk`, times `scale`.
+    probs (for the load-balancing loss) are the scores normalised per token.
     """
-    probs = logits.float().softmax(dim=-1)
-    weights, ids = probs.topk(k, dim=-1)
+    scores = logits.float().softmax(dim=-1) if score == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        N, E = choice.shape
+        grouped = choice.view(N, n_group, E // n_group)
+        best = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)             # [N, n_group]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
     if norm_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if score == "sigmoid" else 0.0))
+    if scale != 1.0:
+        weights = weights * scale
+    probs = scores if score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids, probs
 
 
+def _expert_hidden(h_up: Tensor, h_gate: Tensor | None, act) -> Tensor:
+    return act(h_up) if h_gate is None else act(h_gate) * h_up
+
+
 def routed_experts(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor
+    x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor, act=F.silu
 ) -> Tensor:
-    """Dropless routed SwiGLU experts: y[n] = Σ_i weights[n,i] · expert_{ids[n,i]}(x[n]).
+    """Dropless routed experts: y[n] = Σ_i weights[n,i] · expert_{ids[n,i]}(x[n]), each expert a gated MLP
+    down(act(x·gate) * x·up), or down(act(x·up)) when `w_gate` is None.
 
     x: [N, d]; w_gate, w_up: [E, d, f]; w_down: [E, f, d]; ids, weights: [N, k]. Returns [N, d].
 
@@ -308,7 +329,7 @@ def routed_experts(
     are never read back). The cost is E·C rows, so a badly balanced router pays for its padding.
     """
     N, d = x.shape
-    E = w_gate.shape[0]
+    E = w_up.shape[0]
     k = ids.shape[1]
     flat = ids.reshape(-1)  # [P], pair p = n*k + i
     order = torch.argsort(_sort_key(flat, E), stable=True)  # pairs grouped by expert
@@ -320,17 +341,18 @@ def routed_experts(
     tok = order // k  # [P], token of each sorted pair
 
     buf = x.new_zeros(E * C, d).index_copy(0, slot, x[tok]).view(E, C, d)
-    h = F.silu(torch.bmm(buf, w_gate)) * torch.bmm(buf, w_up)  # [E, C, f]
+    h = _expert_hidden(torch.bmm(buf, w_up), None if w_gate is None else torch.bmm(buf, w_gate), act)  # [E, C, f]
     out = torch.bmm(h, w_down).view(E * C, d)  # [E*C, d]
     y_pairs = out.index_select(0, slot) * weights.reshape(-1)[order, None].to(out.dtype)  # [P, d]
     return x.new_zeros(N, d).index_add(0, tok, y_pairs)
 
 
 def routed_experts_ref(
-    x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor
+    x: Tensor, w_gate: Tensor | None, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor, act=F.silu
 ) -> Tensor:
     """Reference: run every expert on every token ([E, N, d]), then pick and weight."""
-    h = F.silu(torch.einsum("nd,edf->enf", x, w_gate)) * torch.einsum("nd,edf->enf", x, w_up)
+    h = _expert_hidden(torch.einsum("nd,edf->enf", x, w_up),
+                       None if w_gate is None else torch.einsum("nd,edf->enf", x, w_gate), act)
     out = torch.einsum("enf,efd->end", h, w_down)  # [E, N, d]
     picked = out[ids, torch.arange(x.shape[0], device=x.device)[:, None]]  # [N, k, d]
     return (picked * weights[..., None].to(out.dtype)).sum(dim=1)

@@ -1,0 +1,105 @@
+"""Each public-hybrid preset against its transformers twin, on the same weights, in one interleaved run.
+
+    hybridlm bench --suite twins                                   # every preset in hf.common.TWINS
+    python -m hybridlm.bench.twins --presets qwen3-next,bamba --d-model 256 --layers 4 --shapes 4x512
+
+For each preset, `TWINS[preset](d_model, n_layers, vocab_size, max_seq_len)` gives the transformers config of the
+same model; the transformers model is built from it with random weights and converted with `from_transformers`, so
+both compute the same function (the converted logits are checked against transformers' before timing). Then
+forward+backward steps (no optimizer) alternate ours / transformers, every preset's steps interleaved with the
+others', and medians are reported as tokens/s and the ratio ours / transformers.
+"""
+import argparse
+import json
+
+import torch
+
+from . import throughput as tp
+
+
+def twins() -> dict:
+    """hf.common.TWINS (filled by the converters) plus the two pairs `--compare-hf` has always measured."""
+    from .. import presets
+    from ..hf import convert  # noqa: F401  (importing the converters registers their twins)
+    from ..hf.common import TWINS
+    from .compare_hf import ARCHS, hf_config
+    for arch, preset in ARCHS.items():
+        TWINS.setdefault(preset, lambda d, n, v, L, arch=arch, preset=preset: hf_config(
+            presets.get(preset, n_layers=n, d_model=d, vocab_size=v, max_seq_len=L), arch))
+    return TWINS
+
+
+def build_twin(name: str, *, d_model: int, n_layers: int, vocab_size: int, max_seq_len: int, seed: int = 0):
+    """(transformers model, our converted model), same weights, in train mode; raises if their logits differ."""
+    from transformers import AutoModelForCausalLM
+
+    from ..hf.convert import from_transformers
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(twins()[name](d_model, n_layers, vocab_size, max_seq_len)).float().eval()
+    ours = from_transformers(hf)
+    ids = torch.randint(0, vocab_size, (1, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        diff = (ours(ids).logits - hf(ids).logits).abs().max().item()
+    if diff > 1e-3:
+        raise RuntimeError(f"{name}: converted logits differ from transformers' by {diff:.3g}")
+    return hf.train(), ours.train()
+
+
+def run(presets: list[str], *, d_model: int = 256, n_layers: int = 4, vocab_size: int = 8192,
+        shapes=((4, 512),), repeats: int = 5, log=print) -> dict:
+    pairs = {}
+    max_len = max(T for _, T in shapes)
+    for name in presets:
+        pairs[name] = build_twin(name, d_model=d_model, n_layers=n_layers, vocab_size=vocab_size, max_seq_len=max_len)
+    rows = []
+    for B, T in shapes:
+        ids = torch.randint(0, vocab_size, (B, T), generator=torch.Generator().manual_seed(B * 7919 + T))
+        fns = {}
+        for name, (hf, ours) in pairs.items():
+            fns[f"{name}/ours"], fns[f"{name}/hf"] = tp.train_step(ours, ids), tp.train_step(hf, ids)
+        times = tp.interleaved(fns, repeats=repeats)
+        for name, (hf, ours) in pairs.items():
+            o, h = tp.summary(times[f"{name}/ours"], B * T), tp.summary(times[f"{name}/hf"], B * T)
+            row = dict(preset=name, hf_class=type(hf).__name__, layout=ours.config.layout, batch=B, seq_len=T,
+                       parameters=ours.num_parameters(), ours_tokens_per_s=o["per_s"], hf_tokens_per_s=h["per_s"],
+                       ratio=o["per_s"] / h["per_s"])
+            log(f"  {name:16s} {B}x{T}: ours {o['per_s']:8.0f} tok/s  {row['hf_class']:28s} {h['per_s']:8.0f} "
+                f"tok/s  ratio {row['ratio']:.2f}  ({ours.config.layout})")
+            rows.append(row)
+    return {"train": rows, "settings": dict(d_model=d_model, n_layers=n_layers, vocab_size=vocab_size,
+                                            shapes=[list(s) for s in shapes], repeats=repeats),
+            "threads": torch.get_num_threads()}
+
+
+def run_suite(quick: bool = False) -> dict:
+    if quick:
+        return run(sorted(twins()), d_model=64, n_layers=2, vocab_size=256, shapes=((1, 32),), repeats=1)
+    return run(sorted(twins()))
+
+
+def main(argv=None) -> int:
+    from .run import _shapes
+    TWINS = twins()
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.twins", description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default=",".join(sorted(TWINS)), help="comma-separated presets (default: all twins)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4, help="layers of the transformers model")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--shapes", type=_shapes, default=[(4, 512)])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="JSON results file")
+    a = p.parse_args(argv)
+    names = [n.strip() for n in a.presets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TWINS]
+    if unknown:
+        p.error(f"no transformers twin for {', '.join(unknown)} (have: {', '.join(sorted(TWINS))})")
+    res = run(names, d_model=a.d_model, n_layers=a.layers, vocab_size=a.vocab_size, shapes=a.shapes,
+              repeats=a.repeats)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
