@@ -16,13 +16,20 @@ class Converter:
     hf_class: str                                              # e.g. "LlamaForCausalLM"
     config: Callable[[Any], dict]                              # hf config -> ModelConfig fields
     weights: Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
+    with_config: bool = False       # weights(sd, cfg, hf_config): constants to fold into the weights (Granite)
 
 
 CONVERTERS: dict[str, Converter] = {}                          # keyed by transformers' `model_type`
 
 
-def register(model_type: str, hf_class: str, config: Callable, weights: Callable):
-    CONVERTERS[model_type] = Converter(hf_class, config, weights)
+def register(model_type: str, hf_class: str, config: Callable, weights: Callable, *, with_config: bool = False):
+    CONVERTERS[model_type] = Converter(hf_class, config, weights, with_config)
+
+
+def convert_weights(hf_config, sd, cfg: ModelConfig) -> dict[str, Tensor]:
+    """Our state dict from a checkpoint's tensors `sd`, by the converter of `hf_config.model_type`."""
+    conv = CONVERTERS[hf_config.model_type]
+    return conv.weights(sd, cfg, hf_config) if conv.with_config else conv.weights(sd, cfg)
 
 
 # preset name -> twin(d_model, n_layers, vocab_size, max_seq_len) -> the transformers config of the same model:
@@ -203,3 +210,13 @@ def _mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, 
 def _scaled(t: Tensor, scale: float) -> Tensor:
     """t · scale (a constant multiplier folded into a weight), t itself when scale is 1."""
     return t if scale == 1.0 else t * scale
+
+
+def _routed_experts(out: dict[str, Tensor], prefix: str, *, up: Tensor, down: Tensor, gate: Tensor | None = None,
+                    scale: float = 1.0):
+    """Stacked experts in transformers' F.linear layout (up/gate [E, h, d], down [E, d, h]) -> our RoutedMoE's
+    matmul layout (w_up/w_gate [E, d, h], w_down [E, h, d]); `scale` multiplies w_down (a folded constant)."""
+    out[prefix + "w_up"] = up.transpose(1, 2)
+    if gate is not None:
+        out[prefix + "w_gate"] = gate.transpose(1, 2)
+    out[prefix + "w_down"] = _scaled(down, scale).transpose(1, 2)

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
 from .common import (CONVERTERS, Converter, _activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get,
-                     _head, _mamba2_fields, _mamba2_mixer, _need, _rope_base, _Tensors, _tied, register)
+                     _head, convert_weights, _mamba2_fields, _mamba2_mixer, _need, _rope_base, _Tensors, _tied, register)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,6 +84,7 @@ register("llama", "LlamaForCausalLM", llama_config, llama_weights)
 register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
 from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
 from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
+from . import convert_bamba, convert_granitemoehybrid, convert_nemotron_h  # noqa: E402,F401  (Mamba-2 hybrids)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ def to_state_dict(hf_model, **overrides) -> tuple[ModelConfig, dict[str, Tensor]
     conv = _converter(hf_model)
     cfg = config_from_transformers(hf_model.config, **overrides)
     sd = _Tensors({k: v.detach() for k, v in hf_model.state_dict().items()})
-    return cfg, conv.weights(sd, cfg)
+    return cfg, convert_weights(hf_model.config, sd, cfg)
 
 
 def from_transformers(hf_model, **overrides) -> CausalLM:

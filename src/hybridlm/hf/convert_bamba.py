@@ -60,7 +60,8 @@ def bamba_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
     from ..models.presets import spread
     attn = [i for i, c in enumerate(spread(n_layers, 8, "S", "A")) if c == "A"]
     return BambaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=3 * d_model,
-                       num_hidden_layers=n_layers, num_attention_heads=d_model // 64, num_key_value_heads=d_model // 128,
+                       num_hidden_layers=n_layers, num_attention_heads=d_model // 64,
+                       num_key_value_heads=max(1, d_model // 128),
                        max_position_embeddings=max_seq_len, attn_layer_indices=attn, mamba_n_heads=2 * d_model // 64,
                        mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_chunk_size=64,
                        rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
