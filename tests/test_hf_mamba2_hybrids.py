@@ -159,6 +159,7 @@ def test_layouts_and_options():
     (lambda: nemotron_h(), dict(sliding_window=8), "sliding_window"),
     (lambda: nemotron_h(), dict(moe_latent_size=16), "moe_latent_size"),
     (lambda: nemotron_h(), dict(mamba_hidden_act="relu2"), "Mamba activation"),
+    (lambda: nemotron_h(), dict(mlp_bias=True), "mlp_bias"),
     (lambda: granite(), dict(position_embedding_type="alibi"), "position_embedding_type"),
     (lambda: granite(), dict(layer_types=["linear_attention", "moe", "linear_attention"]), "layer_types"),
 ])

@@ -40,6 +40,7 @@ def nemotron_h_config(hf) -> dict:
                          chunk_size=hf.chunk_size, conv_bias=bool(hf.use_conv_bias), proj_bias=bool(hf.use_bias),
                          act=hf.mamba_hidden_act, dt_limit=(float(hf.time_step_min), float("inf"))),
     )
+    _need("moe" not in types or not fields["mlp_bias"], ARCH, "mlp_bias with MoE layers (our experts have no bias)")
     if "moe" in types:  # DeepSeek-V3's router (sigmoid, correction bias, groups); experts and shared expert as the MLP
         fields.update(wm_moe_experts=hf.n_routed_experts, wm_moe_topk=hf.num_experts_per_tok,
                       wm_moe_hidden=hf.moe_intermediate_size, wm_moe_shared=True,
