@@ -255,3 +255,13 @@ def test_relu2_mlp():
     mlp = MLP(8, 16, act="relu2", gated=False)
     x = torch.randn(3, 8)
     assert_close(mlp(x), mlp.w_out(torch.relu(mlp.w_in(x)) ** 2))
+
+
+def test_bfloat16_close_to_float32():
+    """The converted model in bf16 (recurrent state still float32) stays near its float32 logits."""
+    ours = from_transformers(CASES["nemotron-h"]())
+    x = ids(1, 17)
+    with torch.no_grad():
+        ref = ours(x).logits
+        got = ours.to(torch.bfloat16)(x).logits.float()
+    assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
