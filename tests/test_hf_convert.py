@@ -74,7 +74,11 @@ def test_doge_moe_converts_every_weight(tmp_path):
     export_to_hf(str(tmp_path / "run"), str(tmp_path / "back"))
     ids = torch.randint(0, V, (2, 9))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
-    assert torch.equal(back(ids).logits, ours(ids).logits)
+    # the same weights and function; not bitwise: the CPU's vector kernels (embedding_bag in the experts) may sum in
+    # another order for tensors loaded at another memory alignment (seen: 2e-6)
+    assert torch.equal(back.model.state_dict()["blocks.1.mixer.up_embed.weight"],
+                       ours.state_dict()["blocks.1.mixer.up_embed.weight"])
+    assert max_diff(back(ids).logits, ours(ids).logits) <= 1e-5
 
 
 def test_as_native_refuses_what_is_not_exactly_llama_or_mamba2(tmp_path):

@@ -62,15 +62,9 @@ def _activation(arch: str, name: str, where: str) -> str:
     return table[name]
 
 
-def _rope_base(arch: str, hf_cfg) -> float:
-    """The rotary base of a plain (unscaled, full-dim) RoPE config; scaling variants are refused."""
-    return _rope(arch, hf_cfg, None)[0]
-
-
-def _rope(arch: str, hf_cfg, head_dim: int | None) -> tuple[float, int | None]:
-    """(rotary base, rotary channels per head) of a plain (unscaled) RoPE config; scaling variants are refused, and
-    so is a partial_rotary_factor unless `head_dim` is given (then the rotary dim is int(head_dim · factor), as
-    transformers computes it)."""
+def _rope_base(arch: str, hf_cfg, *, allow_partial: bool = False) -> float:
+    """The rotary base of a plain (unscaled, full-dim unless `allow_partial`) RoPE config; scaling variants are
+    refused."""
     params = _get(hf_cfg, "rope_parameters") or {}
     if params and not isinstance(params, dict):
         params = dict(params)
@@ -79,11 +73,21 @@ def _rope(arch: str, hf_cfg, head_dim: int | None) -> tuple[float, int | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         _unsupported(arch, f"rope_scaling / rope_type {rope_type!r} (only plain RoPE)")
-    factor = float(params.get("partial_rotary_factor", 1.0))
-    if factor != 1.0 and head_dim is None:
-        _unsupported(arch, f"partial_rotary_factor {factor}")
+    if not allow_partial and float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        _unsupported(arch, f"partial_rotary_factor {params['partial_rotary_factor']}")
     base = params.get("rope_theta", _get(hf_cfg, "rope_theta", 10000.0))
-    return float(base), None if head_dim is None else int(head_dim * factor)
+    return float(base)
+
+
+def _rope_partial(arch: str, hf_cfg, head_dim: int) -> tuple[float, int]:
+    """(base, rotary channels per head) of a plain RoPE config that may rotate only the first
+    `partial_rotary_factor` · head_dim channels of each head (Qwen3-Next, GLM, Phi)."""
+    params = dict(_get(hf_cfg, "rope_parameters") or {})
+    factor = float(params.get("partial_rotary_factor", _get(hf_cfg, "partial_rotary_factor", 1.0)))
+    dim = int(head_dim * factor)
+    _need(0 < dim <= head_dim and dim % 2 == 0, arch,
+          f"partial_rotary_factor {factor} (rotary dim {dim} of head_dim {head_dim} must be even and > 0)")
+    return _rope_base(arch, hf_cfg, allow_partial=True), dim
 
 
 def _tied(hf_cfg) -> bool:

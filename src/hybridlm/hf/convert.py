@@ -85,6 +85,7 @@ register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
 from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
 from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
 from . import convert_bamba, convert_granitemoehybrid, convert_nemotron_h  # noqa: E402,F401  (Mamba-2 hybrids)
+from . import convert_qwen3_next  # noqa: E402,F401  (registers Qwen3-Next; imports only .common)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from .common import (TWINS, _activation, _copy, _fused_attention, _gated_mlp, _get, _head, _mamba2_fields,
-                     _mamba2_mixer, _need, _rope, _Tensors, _tied, register)
+                     _mamba2_mixer, _need, _rope_partial, _Tensors, _tied, register)
 
 ARCH = "BambaForCausalLM"
 
@@ -23,7 +23,7 @@ def bamba_config(hf) -> dict:
     _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
     n_heads = hf.num_attention_heads
     head_dim = _get(hf, "head_dim") or hf.hidden_size // n_heads
-    base, rope_dim = _rope(ARCH, hf, head_dim)
+    base, rope_dim = _rope_partial(ARCH, hf, head_dim)
     act = _activation(ARCH, hf.hidden_act, "MLP")
     return dict(
         layout=bamba_layout(n, attn), vocab_size=hf.vocab_size, d_model=hf.hidden_size,

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from .common import (TWINS, _activation, _copy, _fused_attention, _get, _head, _mamba2_fields, _mamba2_mixer, _need,
-                     _rope, _routed_experts, _scaled, _Tensors, _tied, register)
+                     _rope_partial, _routed_experts, _scaled, _Tensors, _tied, register)
 
 ARCH = "GraniteMoeHybridForCausalLM"
 _MIXERS = {"linear_attention": "S", "mamba": "S", "full_attention": "A", "attention": "A"}
@@ -36,7 +36,7 @@ def granite_config(hf) -> dict:
     experts = int(_get(hf, "num_local_experts", 0) or 0)
     n_heads = hf.num_attention_heads
     head_dim = _get(hf, "head_dim") or hf.hidden_size // n_heads
-    base, rope_dim = _rope(ARCH, hf, head_dim) if pos == "rope" else (10000.0, None)
+    base, rope_dim = _rope_partial(ARCH, hf, head_dim) if pos == "rope" else (10000.0, None)
     fields = dict(
         layout=" ".join(_MIXERS[t] + ("O" if experts else "M") for t in types), vocab_size=hf.vocab_size,
         d_model=hf.hidden_size, max_seq_len=int(_get(hf, "max_position_embeddings", 2048)), tie_embeddings=_tied(hf),

@@ -70,11 +70,20 @@ def _check_shapes(hf_config, meta: dict, directory: str):
     for name, t in expected.items():
         if name in tied and name not in meta:
             continue
+        if name not in meta and _per_expert(name, t, meta):
+            continue                     # the converter stacks them; load_state_dict(strict) checks the result
         if name not in meta:
             raise CheckpointError(f"{directory}: the safetensors files have no tensor {name!r}")
         shape, path = meta[name]
         if shape != list(t.shape):
             raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, config.json implies {list(t.shape)}")
+
+
+def _per_expert(name: str, t, meta: dict) -> bool:
+    """A fused expert tensor `...experts.<param>` [E, ...] of the in-memory model that the files hold in the per-expert
+    checkpoint format (`...experts.{0..E-1}.<proj>.weight`, as transformers still saves Mixtral-style experts)."""
+    head, sep, _ = name.rpartition("experts.")
+    return bool(sep) and all(any(k.startswith(f"{head}experts.{e}.") for k in meta) for e in range(t.shape[0]))
 
 
 def convert_transformers_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | None = None) -> str:
@@ -116,6 +125,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
 # config.json model_type -> (module, function(src_dir, out_dir, dtype=None) -> checkpoint path)
 FROM_HF = {t: (__name__, "convert_transformers_dir") for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
 FROM_HF.update((t, (__name__, "convert_transformers_dir")) for t in ("bamba", "nemotron_h", "granitemoehybrid"))
+FROM_HF["qwen3_next"] = (__name__, "convert_transformers_dir")
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases
 
 

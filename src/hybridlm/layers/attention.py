@@ -1,6 +1,7 @@
 """Multi-head / grouped-query / multi-query / shared-key softmax attention with RoPE and a KV cache."""
 from functools import partial
 
+import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, WindowKVCache
@@ -49,18 +50,22 @@ class Attention(nn.Module):
     """x [B, T, d] -> [B, T, d]. n_kv_heads < n_heads gives GQA (1 = MQA). rope_dim=0 disables RoPE
     (for models with learned absolute positions); window limits each query to its last `window` keys and
     then caches only those (WindowKVCache). n_kv_heads counts value heads; n_k_heads (default n_kv_heads)
-    key heads: 1 with n_kv_heads = n_heads is shared-key attention (SKA, 001_53f5bc9ef3e67888.txt, 3.2.1)."""
+    key heads: 1 with n_kv_heads = n_heads is shared-key attention (SKA, 001_53f5bc9ef3e67888.txt, 3.2.1).
+    output_gate (Qwen3-Next's gated attention): the q rows of `qkv` hold, per head, [query (D) | gate (D)], and the
+    attention output is multiplied by sigmoid(gate) before `out`."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, layer_idx: int,
                  bias: bool = False, rope_dim: int | None = None, rope_base: float = 10000.0,
                  rope_interleaved: bool = False, window: int | None = None, qk_norm: bool = False,
-                 norm_eps: float = 1e-6, dropout: float = 0.0, n_k_heads: int | None = None):
+                 norm_eps: float = 1e-6, dropout: float = 0.0, n_k_heads: int | None = None,
+                 output_gate: bool = False):
         super().__init__()
+        self.output_gate = output_gate
         self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = layer_idx, n_heads, n_kv_heads, head_dim
         self.n_k_heads = n_k_heads or n_kv_heads
         self.rope_dim = head_dim if rope_dim is None else rope_dim
         self.rope_base, self.rope_interleaved, self.window = rope_base, rope_interleaved, window
-        self.qkv = nn.Linear(d_model, (n_heads + self.n_k_heads + n_kv_heads) * head_dim, bias=bias)
+        self.qkv = nn.Linear(d_model, ((1 + output_gate) * n_heads + self.n_k_heads + n_kv_heads) * head_dim, bias=bias)
         self.out = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.out._is_residual_out = True
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
@@ -71,8 +76,13 @@ class Attention(nn.Module):
         """`bias` [B|1, 1|H, T, S]: extra additive scores (-inf hides a key; the lightning indexer's top-k)."""
         B, T, _ = x.shape
         H, Hk, Hv, D = self.n_heads, self.n_k_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv(x)
-        if self.rope_dim and self.q_norm is None:
+        qkv, gate = self.qkv(x), None
+        if self.output_gate:
+            qg, k, v = qkv.split((2 * H * D, Hk * D, Hv * D), dim=-1)
+            q, gate = qg.view(B, T, H, 2 * D).chunk(2, dim=-1)
+            q, k = norm_and_rope(self, q, k.view(B, T, Hk, D), ctx)
+            v = v.view(B, T, Hv, D)
+        elif self.rope_dim and self.q_norm is None:
             # rotate q and k in one call on their joint [B, T, H + Hk, D] view (half the elementwise ops)
             cos, sin = ctx.rope(self.rope_dim, self.rope_base)
             qk, v = qkv.split(((H + Hk) * D, Hv * D), dim=-1)     # split, not slicing: no zero-filled grads
@@ -88,4 +98,6 @@ class Attention(nn.Module):
             k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)
         y = attention(q, k, v, causal=causal, key_mask=key_mask, window=window,
                       segment_ids=ctx.segment_ids, bias=bias)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
         return self.drop(self.out(y.reshape(B, T, H * D)))

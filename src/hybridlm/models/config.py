@@ -127,6 +127,15 @@ class ModelConfig:
     hc_manifold: bool = True              # mHC: sigmoid pre/post, doubly stochastic res (Sinkhorn); False = HC
     hc_dynamic: bool = True               # per-token dynamic mixing weights on top of the static ones
     hc_sinkhorn_iters: int = 20
+    # Gated DeltaNet (G, models/mixers_delta.py) and Qwen3-Next's gated attention
+    gdn_k_heads: int | None = None        # G: query/key heads (None = n_heads)
+    gdn_v_heads: int | None = None        # G: value heads, a multiple of gdn_k_heads (None = gdn_k_heads)
+    gdn_k_dim: int | None = None          # G: query/key head dim (None = head_dim)
+    gdn_v_dim: int | None = None          # G: value head dim (None = gdn_k_dim)
+    gdn_conv: int = 4                     # G: depthwise causal short-conv kernel over q, k, v
+    gdn_chunk_size: int = 64              # G: chunk of the chunked delta rule (speed only)
+    attn_output_gate: bool = False        # A: q projection also yields a per-channel gate, sigmoid(gate) ⊙ attention
+                                          # output before the out projection (Qwen3-Next)
     # Mamba-2 hybrids: Bamba, Nemotron-H, Granite-4.0 (hf/convert_{bamba,nemotron_h,granitemoehybrid}.py)
     ssd_d_inner: int | None = None        # S: SSD width (heads × ssd_headdim) set directly; None = ssd_expand · d_model
                                           # (Nemotron-H's mamba_num_heads · mamba_head_dim is not a multiple of d)

@@ -142,6 +142,18 @@ for _name, (_gpt3_layers, _d) in {"125m": (12, 768), "350m": (24, 1024), "760m":
     register(f"rodimus++-{_name}", f"Rodimus++ scaling size {_name} (appendix E.2): d {_d}, {_gpt3_layers} two-hop "
              f"blocks, SW-SKA {_d // 128}×128, window 1024", _gpt3_layers, _rodimus_size(_d, 50277, 2048, plus=True))
 
+# Qwen3-Next (transformers' Qwen3NextForCausalLM, converter hf/convert_qwen3_next.py): the released 3:1 pattern of
+# Gated DeltaNet and gated attention (q/k norm, a quarter of each head rotated), every layer a routed MoE with a gated
+# shared expert; heads of 64 here (released: 128 for G, 256 for A), 8 experts (released: 512, top 10).
+register("qwen3-next", "Qwen3-Next: 3 Gated DeltaNet + 1 gated attention per unit, each with a routed MoE (8 experts, "
+         "top 2) plus a sigmoid-gated shared expert", 2,
+         lambda n: dict(layout=f"(GO GO GO AO)*{n}", n_heads=lambda f: 2 * max(1, f["d_model"] // 128), n_kv_heads=2,
+                        head_dim=64, rope_base=10_000_000.0, rope_dim=16, qk_norm=True, attn_output_gate=True,
+                        gdn_k_heads=lambda f: max(1, f["d_model"] // 128),
+                        gdn_v_heads=lambda f: 2 * max(1, f["d_model"] // 128), gdn_k_dim=64, gdn_v_dim=64, gdn_conv=4,
+                        wm_moe_experts=8, wm_moe_topk=2, wm_moe_hidden=lambda f: f["d_model"], wm_moe_shared=True,
+                        moe_shared_gate=True, norm_eps=1e-6, tie_embeddings=False))
+
 # Mamba-2 hybrids converted from transformers (hf/convert_{bamba,nemotron_h,granitemoehybrid}.py), small: heads of 64,
 # SSD heads of 64 (d_state 64); each has a transformers twin in hf.common.TWINS. n_layers counts transformers layers.
 _m2h = dict(head_dim=64, n_heads=lambda f: f["d_model"] // 64, ssd_headdim=64, ssd_d_state=64, ssd_chunk_size=64,

@@ -71,7 +71,8 @@ def _attention(cfg, idx):
                      if cfg.pos_embedding == "rope" else 0,
                      rope_base=cfg.rope_base, rope_interleaved=cfg.rope_interleaved, window=cfg.window,
                      qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, dropout=cfg.dropout,
-                     n_k_heads=cfg.n_k_heads or (1 if cfg.attn_shared_key else None))
+                     n_k_heads=cfg.n_k_heads or (1 if cfg.attn_shared_key else None),
+                     output_gate=cfg.attn_output_gate)
 
 
 def _mlp(cfg, idx):

@@ -12,11 +12,17 @@ q and k are used as given: callers L2-normalise them (as both public models do) 
 
     delta_rule_recurrent  token loop (reference)
     delta_rule_step       one decode token
+    delta_rule_chunked    chunked WY / UT-transform form (training and prefill); `delta_rule` is this one
 """
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hybridlm.errors import InputError
+
+from .gla import LOG_DECAY_MIN, SUBCHUNK, _DiagBlocks, _segsum
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -77,3 +83,107 @@ def delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     if not outs:
         return v.new_zeros(v.shape, dtype=q.dtype), S
     return torch.stack(outs, 1), S
+
+
+def _channel_scores(x: Tensor, y: Tensor, b: Tensor) -> Tensor:
+    """P[t, i] = sum_d x[t, d] y[i, d] exp(b[t, d] - b[i, d]) for i <= t, 0 above the diagonal; x, y, b
+    [..., C, K] -> [..., C, C], b a non-increasing cumulative log decay. As in gla_chunked: diagonal SUBCHUNK
+    blocks use the exact pairwise decay; a query sub-chunk against earlier keys factors the decay through the
+    end g of the preceding sub-chunk, exp(b_t - g) and exp(g - b_i), both <= 1."""
+    C, K = x.shape[-2:]
+    s = SUBCHUNK if C % SUBCHUNK == 0 else C
+    ns, lead = C // s, x.shape[:-2]
+    diag = _DiagBlocks.apply(*(t.reshape(*lead, ns, s, K) for t in (x, y, b))).unbind(-3)   # ns x [..., s, s]
+    rows = []
+    for r in range(ns):
+        e = r * s
+        parts = [diag[r]]
+        if r:
+            g = b[..., e - 1:e, :]
+            parts.insert(0, (x[..., e:e + s, :] * torch.exp(b[..., e:e + s, :] - g)) @
+                         (y[..., :e, :] * torch.exp(g - b[..., :e, :])).transpose(-1, -2))
+        if e + s < C:
+            parts.append(x.new_zeros(*lead, s, C - e - s))
+        rows.append(torch.cat(parts, -1))
+    return torch.cat(rows, -2)
+
+
+def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, *,
+                       scale: float | None = None, initial_state: Tensor | None = None,
+                       resets: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """Fast form: the WY / UT transform of the Gated DeltaNet paper, per chunk of `chunk_size` tokens.
+    Shapes as in the module docstring. Returns (o [B, T, H, V] in q's dtype, final_state [B, H, K, V] float32).
+
+    With b_t the log decay from the chunk start to t (per channel or scalar) and S the state entering the chunk,
+    the delta-rule writes w_t = β_t (v_t - S'_tᵀ k_t) satisfy the unit lower-triangular system
+
+        w_t + β_t Σ_{i<t} ⟨k_t, k_i⟩_{b_t - b_i} w_i = β_t (v_t - Sᵀ (exp(b_t) ⊙ k_t))
+
+    (⟨x, y⟩_c = Σ_d x_d y_d exp(c_d)), solved once per chunk for both right-hand parts: W = U - Kb S with
+    U = (I + A)⁻¹ βV and Kb = (I + A)⁻¹ β exp(b) K. Then o_t = scale (exp(b_t) q_t)ᵀ S + scale Σ_{i<=t}
+    ⟨q_t, k_i⟩_{b_t - b_i} w_i and the next state is exp(b_C) S + Σ_i (exp(b_C - b_i) k_i) w_iᵀ, a loop over
+    chunks only. log_decay is clamped to [LOG_DECAY_MIN, 0] = [-40, 0]; resets are exact document masks."""
+    check_delta_inputs(q, k, v, beta, log_decay, initial_state, resets)
+    if chunk_size < 1:
+        raise InputError(f"delta_rule_chunked: chunk_size must be >= 1, got {chunk_size}")
+    B, T, H, K = q.shape
+    V, dt, C = v.shape[-1], _compute_dtype(q), chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    N = max(1, math.ceil(T / C))
+    pad = N * C - T
+    per_channel = log_decay.dim() == 4
+
+    w = log_decay.to(dt).clamp(LOG_DECAY_MIN, 0.0)
+    if resets is not None:   # the decay at a document start is irrelevant: the carried state is masked below
+        w = w.masked_fill(resets.view(B, T, *([1] * (w.dim() - 2))), 0.0)
+    # padding tokens (k = 0, β = 0, no decay) leave the state and the real outputs unchanged
+
+    def chunks(x: Tensor) -> Tensor:  # [B, T, H, ...] -> [B, H, N, C, ...]
+        x = F.pad(x.to(dt), (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.transpose(1, 2).reshape(B, H, N, C, *x.shape[3:])
+
+    qf, kf, vf, bt, w = chunks(q) * scale, chunks(k), chunks(v), chunks(beta).unsqueeze(-1), chunks(w)
+    if per_channel:                                  # b [B, H, N, C, K]
+        b = w.cumsum(-2)
+        Akk = _channel_scores(kf, kf, b)
+        Aqk = _channel_scores(qf, kf, b)
+        k_end = kf * torch.exp(b[..., -1:, :] - b)
+        chunk_decay = torch.exp(b[..., -1, :]).unsqueeze(-1)      # [B, H, N, K, 1]
+    else:                                            # scalar: the pairwise decays from a masked cumsum (exact)
+        L = torch.exp(_segsum(w))                    # [B, H, N, C, C], L[t, i] = exp(b_t - b_i), 0 for i > t
+        b = w.cumsum(-1).unsqueeze(-1)               # [B, H, N, C, 1]
+        Akk = (kf @ kf.transpose(-1, -2)) * L
+        Aqk = (qf @ kf.transpose(-1, -2)) * L
+        k_end = kf * L[..., -1, :].unsqueeze(-1)
+        chunk_decay = torch.exp(b[..., -1, :]).unsqueeze(-1)      # [B, H, N, 1, 1]
+    k_start, q_start = kf * torch.exp(b), qf * torch.exp(b)
+
+    if resets is not None:
+        doc = F.pad(resets, (0, pad)).view(B, 1, N, C).long().cumsum(-1)   # document index within the chunk
+        same = doc.unsqueeze(-1) == doc.unsqueeze(-2)
+        Akk, Aqk = Akk * same, Aqk * same
+        sees_carry = (doc == 0).unsqueeze(-1)
+        k_start, q_start = k_start * sees_carry, q_start * sees_carry
+        k_end = k_end * (doc == doc[..., -1:]).unsqueeze(-1)
+        chunk_decay = chunk_decay * (doc[..., -1] == 0).view(B, 1, N, 1, 1)
+
+    # the in-chunk system: one unit lower-triangular solve per chunk for both right-hand sides
+    A = (Akk * bt).tril(-1)                          # strictly lower: β_t ⟨k_t, k_i⟩ for i < t
+    rhs = torch.cat([vf * bt, k_start * bt], -1)
+    sol = torch.linalg.solve_triangular(A + torch.eye(C, dtype=dt, device=q.device), rhs, upper=False,
+                                        unitriangular=True)
+    U, Kb = sol.split([V, K], -1)
+
+    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    carried, writes = [], []
+    for U_n, Kb_n, ke_n, d_n in zip(U.unbind(2), Kb.unbind(2), k_end.unbind(2), chunk_decay.unbind(2)):
+        carried.append(S)
+        W_n = U_n - Kb_n @ S                          # [B, H, C, V] the chunk's delta-rule writes
+        writes.append(W_n)
+        S = d_n * S + ke_n.transpose(-1, -2) @ W_n
+    o = q_start @ torch.stack(carried, 2) + Aqk @ torch.stack(writes, 2)   # [B, H, N, C, V]
+    o = o.reshape(B, H, N * C, V)[:, :, :T]
+    return o.transpose(1, 2).to(q.dtype), S
+
+
+delta_rule = delta_rule_chunked
