@@ -138,10 +138,13 @@ def test_unsupported_options_raise():
         from_transformers(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             hidden_act="gelu")))
-    with pytest.raises(ConfigError, match="time_step_limit"):
-        from_transformers(transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-            vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=1,
-            num_hidden_layers=1, time_step_limit=(0.0, 0.5))))
+    limited = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(          # a dt clamp is ssd_dt_limit
+        vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=1,
+        num_hidden_layers=1, time_step_limit=(0.0, 0.5))).eval()
+    assert from_transformers(limited).config.ssd_dt_limit == (0.0, 0.5)
+    x = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert (from_transformers(limited)(x).logits - limited(x).logits).abs().max().item() <= 1e-4
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2,
                                                                 n_positions=64))
     with pytest.raises(ConfigError, match="GPT2LMHeadModel"):

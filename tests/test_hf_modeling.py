@@ -10,6 +10,7 @@ import hybridlm  # noqa: E402,F401  (registers model_type "hybridlm")
 from hybridlm import presets  # noqa: E402
 from hybridlm.errors import InputError  # noqa: E402
 from hybridlm.hf.modeling import HybridLMCache, HybridLMForCausalLM  # noqa: E402
+from hybridlm.layers.cdmoe import CDMoE  # noqa: E402
 from test_models import TINY, tiny  # noqa: E402
 
 # one preset per cache kind: K/V, SSD state + conv, MLA latent + indexer keys, WM bias + CDMoE, GLA state + ring
@@ -40,7 +41,12 @@ def check_preset(name, tmp_path, **kw):
     m = tiny(name, **kw)
     w = saved_and_loaded(m, tmp_path)
     ids = torch.randint(0, V, (2, 11))
-    assert torch.equal(w(ids).logits, m(ids).logits), name
+    if any(isinstance(mod, CDMoE) for mod in m.modules()):
+        # embedding_bag (CDMoE's expert gather) sums in an order that depends on the storage's alignment: the loaded
+        # copy equals ours to float32 rounding, not bitwise (2e-6 seen)
+        torch.testing.assert_close(w(ids).logits, m(ids).logits, rtol=0, atol=1e-5)
+    else:
+        assert torch.equal(w(ids).logits, m(ids).logits), name
     assert torch.equal(greedy(w, ids, 7), m.generate(ids, 7, temperature=0)), name
     # beam search reorders every layer's cache; recomputing the whole sequence each step (no cache) must agree
     beams = greedy(w, ids[:1], 4, num_beams=3, num_return_sequences=3)

@@ -16,13 +16,20 @@ class Converter:
     hf_class: str                                              # e.g. "LlamaForCausalLM"
     config: Callable[[Any], dict]                              # hf config -> ModelConfig fields
     weights: Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
+    with_config: bool = False       # weights(sd, cfg, hf_config): constants to fold into the weights (Granite)
 
 
 CONVERTERS: dict[str, Converter] = {}                          # keyed by transformers' `model_type`
 
 
-def register(model_type: str, hf_class: str, config: Callable, weights: Callable):
-    CONVERTERS[model_type] = Converter(hf_class, config, weights)
+def register(model_type: str, hf_class: str, config: Callable, weights: Callable, *, with_config: bool = False):
+    CONVERTERS[model_type] = Converter(hf_class, config, weights, with_config)
+
+
+def convert_weights(hf_config, sd, cfg: ModelConfig) -> dict[str, Tensor]:
+    """Our state dict from a checkpoint's tensors `sd`, by the converter of `hf_config.model_type`."""
+    conv = CONVERTERS[hf_config.model_type]
+    return conv.weights(sd, cfg, hf_config) if conv.with_config else conv.weights(sd, cfg)
 
 
 # preset name -> twin(d_model, n_layers, vocab_size, max_seq_len) -> the transformers config of the same model:
@@ -49,9 +56,9 @@ def _need(cond: bool, arch: str, what: str):
 
 def _activation(arch: str, name: str, where: str) -> str:
     """transformers activation name -> ours; only exact equivalents are accepted."""
-    table = {"silu": "silu", "swish": "silu"}
+    table = {"silu": "silu", "swish": "silu", "relu2": "relu2"}
     if name not in table:
-        _unsupported(arch, f"{where} activation {name!r} (supported: silu)")
+        _unsupported(arch, f"{where} activation {name!r} (supported: {', '.join(sorted(table))})")
     return table[name]
 
 
@@ -159,17 +166,61 @@ def _maybe_bias(out: dict, name: str, *tensors: Tensor | None):
         out[name] = torch.cat(tensors, 0)
 
 
-def _fused_attention(out: dict[str, Tensor], prefix: str, s: _Tensors):
-    """self_attn q/k/v projections -> our fused `qkv` (rows [q; k; v]), o_proj -> `out`; biases where present."""
-    out[prefix + "qkv.weight"] = torch.cat([s[f"self_attn.{p}_proj.weight"] for p in "qkv"], 0)
-    _maybe_bias(out, prefix + "qkv.bias", *(s.get(f"self_attn.{p}_proj.bias") for p in "qkv"))
-    _copy(out, prefix, s, {"out.weight": "self_attn.o_proj.weight"})
-    _copy(out, prefix, s, {"out.bias": "self_attn.o_proj.bias"}, optional=True)
+def _fused_attention(out: dict[str, Tensor], prefix: str, s: _Tensors, name: str = "self_attn"):
+    """`name` q/k/v projections -> our fused `qkv` (rows [q; k; v]), o_proj -> `out`; biases where present."""
+    out[prefix + "qkv.weight"] = torch.cat([s[f"{name}.{p}_proj.weight"] for p in "qkv"], 0)
+    _maybe_bias(out, prefix + "qkv.bias", *(s.get(f"{name}.{p}_proj.bias") for p in "qkv"))
+    _copy(out, prefix, s, {"out.weight": f"{name}.o_proj.weight"})
+    _copy(out, prefix, s, {"out.bias": f"{name}.o_proj.bias"}, optional=True)
 
 
-def _gated_mlp(out: dict[str, Tensor], prefix: str, s: _Tensors):
-    """mlp gate/up projections -> our fused `w_in` (rows [gate; up]), down_proj -> `w_out`; biases where present."""
-    out[prefix + "w_in.weight"] = torch.cat((s["mlp.gate_proj.weight"], s["mlp.up_proj.weight"]), 0)
-    _maybe_bias(out, prefix + "w_in.bias", s.get("mlp.gate_proj.bias"), s.get("mlp.up_proj.bias"))
-    _copy(out, prefix, s, {"w_out.weight": "mlp.down_proj.weight"})
-    _copy(out, prefix, s, {"w_out.bias": "mlp.down_proj.bias"}, optional=True)
+def _gated_mlp(out: dict[str, Tensor], prefix: str, s: _Tensors, name: str = "mlp"):
+    """`name` gate/up projections -> our fused `w_in` (rows [gate; up]), down_proj -> `w_out`; biases where present."""
+    out[prefix + "w_in.weight"] = torch.cat((s[f"{name}.gate_proj.weight"], s[f"{name}.up_proj.weight"]), 0)
+    _maybe_bias(out, prefix + "w_in.bias", s.get(f"{name}.gate_proj.bias"), s.get(f"{name}.up_proj.bias"))
+    _copy(out, prefix, s, {"w_out.weight": f"{name}.down_proj.weight"})
+    _copy(out, prefix, s, {"w_out.bias": f"{name}.down_proj.bias"}, optional=True)
+
+
+def _mamba2_mixer(out: dict[str, Tensor], prefix: str, s: _Tensors, scale: float = 1.0):
+    """A transformers Mamba-2 mixer (Mamba2, Bamba, Nemotron-H, Granite-4.0: `in_proj` rows [gate, xBC, dt], a
+    depthwise `conv1d`, `dt_bias`, `A_log`, `D`, the gated `norm`, `out_proj`) -> our Mamba2 under `prefix`; `s` holds
+    the mixer's tensors. `scale` multiplies out_proj (a folded residual multiplier)."""
+    _copy(out, prefix, s, {"in_proj.weight": "in_proj.weight", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
+                           "norm_weight": "norm.weight"})
+    _copy(out, prefix, s, {"in_proj.bias": "in_proj.bias", "conv_bias": "conv1d.bias"}, optional=True)
+    out[prefix + "conv_weight"] = s["conv1d.weight"].squeeze(1)               # [C, 1, K] -> [C, K]
+    for p in ("weight", "bias"):
+        if f"out_proj.{p}" in s:
+            out[prefix + f"out_proj.{p}"] = _scaled(s[f"out_proj.{p}"], scale)
+
+
+def _mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, n_groups: int, d_state: int,
+                   d_conv: int, chunk_size: int, conv_bias: bool, proj_bias: bool, act: str,
+                   dt_limit: tuple | None = None) -> dict:
+    """ModelConfig fields of the S letter for a transformers Mamba-2 mixer of these sizes; the dt clamp (`dt_limit`,
+    else the config's `time_step_limit`) becomes ssd_dt_limit (None when it is (0, inf))."""
+    _need(act in ("silu", "swish"), arch, f"Mamba activation {act!r} (supported: silu)")
+    lim = _get(hf, "time_step_limit") if dt_limit is None else dt_limit
+    lim = (0.0, float("inf")) if lim is None else tuple(float(v) for v in lim)
+    _need(len(lim) == 2 and 0 <= lim[0] < lim[1], arch, f"time_step_limit {lim}")
+    d_inner = n_heads * head_dim
+    return dict(ssd_d_state=d_state, ssd_d_conv=d_conv, ssd_headdim=head_dim, ssd_ngroups=n_groups,
+                ssd_chunk_size=chunk_size, ssd_bias=proj_bias, ssd_conv_bias=conv_bias,
+                ssd_dt_limit=None if lim == (0.0, float("inf")) else lim,
+                **(dict(ssd_expand=d_inner // d_model) if d_inner % d_model == 0 else dict(ssd_d_inner=d_inner)))
+
+
+def _scaled(t: Tensor, scale: float) -> Tensor:
+    """t · scale (a constant multiplier folded into a weight), t itself when scale is 1."""
+    return t if scale == 1.0 else t * scale
+
+
+def _routed_experts(out: dict[str, Tensor], prefix: str, *, up: Tensor, down: Tensor, gate: Tensor | None = None,
+                    scale: float = 1.0):
+    """Stacked experts in transformers' F.linear layout (up/gate [E, h, d], down [E, d, h]) -> our RoutedMoE's
+    matmul layout (w_up/w_gate [E, d, h], w_down [E, h, d]); `scale` multiplies w_down (a folded constant)."""
+    out[prefix + "w_up"] = up.transpose(1, 2)
+    if gate is not None:
+        out[prefix + "w_gate"] = gate.transpose(1, 2)
+    out[prefix + "w_down"] = _scaled(down, scale).transpose(1, 2)

@@ -11,14 +11,13 @@ One `Converter` per architecture, found by the transformers config's `model_type
 New architectures (Doge, DeepSeek-V3, ...) add one pair of functions and one `register(...)` line.
 transformers is an optional dependency: nothing here imports it.
 """
-import math
 from torch import Tensor
 
 from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
 from .common import (CONVERTERS, Converter, _activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get,
-                     _head, _need, _rope_base, _Tensors, _tied, register)
+                     _head, convert_weights, _mamba2_fields, _mamba2_mixer, _need, _rope_base, _Tensors, _tied, register)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -54,32 +53,21 @@ def llama_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 
 def mamba2_config(hf) -> dict:
     arch = "Mamba2ForCausalLM"
-    _activation(arch, _get(hf, "hidden_act", "silu"), "conv")
-    lim = tuple(float(v) for v in (_get(hf, "time_step_limit") or (0.0, math.inf)))
-    _need(lim == (0.0, math.inf), arch, f"time_step_limit {lim} (only (0, inf))")
     expand = _get(hf, "expand", 2)
     _need(float(expand).is_integer(), arch, f"non-integer expand {expand}")
-    expand = int(expand)
-    d_inner = expand * hf.hidden_size
+    d_inner = int(expand) * hf.hidden_size
     _need(hf.num_heads * hf.head_dim == d_inner, arch,
           f"num_heads*head_dim ({hf.num_heads}*{hf.head_dim}) != expand*hidden_size ({d_inner})")
     return dict(
         layout=f"S*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
         max_seq_len=1 << 20,               # no positional limit in Mamba-2; override if needed
         tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
-        ssd_d_state=hf.state_size, ssd_d_conv=hf.conv_kernel, ssd_expand=expand, ssd_headdim=hf.head_dim,
-        ssd_ngroups=hf.n_groups, ssd_chunk_size=int(_get(hf, "chunk_size", 256)),
-        ssd_bias=bool(_get(hf, "use_bias", False)), ssd_conv_bias=bool(_get(hf, "use_conv_bias", True)),
         ssd_dt_min=float(_get(hf, "time_step_min", 1e-3)), ssd_dt_max=float(_get(hf, "time_step_max", 0.1)),
+        **_mamba2_fields(arch, hf, d_model=hf.hidden_size, n_heads=hf.num_heads, head_dim=hf.head_dim,
+                         n_groups=hf.n_groups, d_state=hf.state_size, d_conv=hf.conv_kernel,
+                         chunk_size=int(_get(hf, "chunk_size", 256)), conv_bias=bool(_get(hf, "use_conv_bias", True)),
+                         proj_bias=bool(_get(hf, "use_bias", False)), act=_get(hf, "hidden_act", "silu")),
     )
-
-
-# ours (under blocks.{i}.) -> theirs (under backbone.layers.{i}.); in_proj keeps the same [z, xBC, dt] row order
-_MAMBA2 = {"norm.weight": "norm.weight", "mixer.in_proj.weight": "mixer.in_proj.weight",
-           "mixer.dt_bias": "mixer.dt_bias", "mixer.A_log": "mixer.A_log", "mixer.D": "mixer.D",
-           "mixer.norm_weight": "mixer.norm.weight", "mixer.out_proj.weight": "mixer.out_proj.weight"}
-_MAMBA2_BIASES = {"mixer.in_proj.bias": "mixer.in_proj.bias", "mixer.out_proj.bias": "mixer.out_proj.bias",
-                  "mixer.conv_bias": "mixer.conv1d.bias"}
 
 
 def mamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
@@ -87,9 +75,8 @@ def mamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     n_layers = sum(1 for k in sd if k.startswith("backbone.layers.") and k.endswith(".mixer.A_log"))
     for i in range(n_layers):
         s, b = _Tensors(sd, f"backbone.layers.{i}."), f"blocks.{i}."
-        _copy(out, b, s, _MAMBA2)
-        _copy(out, b, s, _MAMBA2_BIASES, optional=True)
-        out[b + "mixer.conv_weight"] = s["mixer.conv1d.weight"].squeeze(1)     # [C, 1, K] -> [C, K]
+        _copy(out, b, s, {"norm.weight": "norm.weight"})
+        _mamba2_mixer(out, b + "mixer.", _Tensors(s, "mixer."))
     return out
 
 
@@ -98,6 +85,7 @@ register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
 from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
 from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
 from . import convert_kimi_linear  # noqa: E402,F401  (registers Kimi-Linear; imports only .common)
+from . import convert_bamba, convert_granitemoehybrid, convert_nemotron_h  # noqa: E402,F401  (Mamba-2 hybrids)
 from . import convert_qwen3_next  # noqa: E402,F401  (registers Qwen3-Next; imports only .common)
 from . import convert_mamba1  # noqa: E402,F401  (registers Mamba, Falcon-Mamba, Jamba; imports only .common)
 
@@ -135,7 +123,7 @@ def to_state_dict(hf_model, **overrides) -> tuple[ModelConfig, dict[str, Tensor]
     conv = _converter(hf_model)
     cfg = config_from_transformers(hf_model.config, **overrides)
     sd = _Tensors({k: v.detach() for k, v in hf_model.state_dict().items()})
-    return cfg, conv.weights(sd, cfg)
+    return cfg, convert_weights(hf_model.config, sd, cfg)
 
 
 def from_transformers(hf_model, **overrides) -> CausalLM:

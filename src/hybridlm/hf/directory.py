@@ -59,7 +59,15 @@ def _check_shapes(hf_config, meta: dict, directory: str):
         ref = AutoModelForCausalLM.from_config(hf_config)
     tied = set(getattr(ref, "all_tied_weights_keys", {}) or {}) if getattr(hf_config, "tie_word_embeddings", False) \
         else set()
-    for name, t in ref.state_dict().items():
+    expected = ref.state_dict()
+    try:  # checkpoints keep the names (and per-expert tensors) that transformers' loading renames and merges
+        from transformers.core_model_loading import revert_weight_conversion
+        saved = revert_weight_conversion(ref, dict(expected))
+        if all(k in meta for k in saved if k not in tied) and not all(k in meta for k in expected if k not in tied):
+            expected = saved
+    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError):
+        pass
+    for name, t in expected.items():
         if name in tied and name not in meta:
             continue
         if name not in meta and _per_expert(name, t, meta):
@@ -83,12 +91,13 @@ def convert_transformers_dir(src_dir: str, out_dir: str, dtype: str | torch.dtyp
     tokenizer when `src_dir` has one), its weights cast to `dtype` ("bfloat16", torch.bfloat16, ...) if given.
     Returns the checkpoint path."""
     from transformers import AutoConfig
-    from .convert import CONVERTERS, config_from_transformers
+    from .common import convert_weights
+    from .convert import config_from_transformers
     hf_config = AutoConfig.from_pretrained(src_dir)
     lazy, meta = read_tensors(src_dir)
     _check_shapes(hf_config, meta, src_dir)
     cfg = config_from_transformers(hf_config)
-    sd = CONVERTERS[hf_config.model_type].weights(_Tensors(lazy), cfg)
+    sd = convert_weights(hf_config, _Tensors(lazy), cfg)
     if dtype is not None:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         cast = {}                                                # a tied weight is one tensor under two names
@@ -116,6 +125,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
 # config.json model_type -> (module, function(src_dir, out_dir, dtype=None) -> checkpoint path)
 FROM_HF = {t: (__name__, "convert_transformers_dir") for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
 FROM_HF["kimi_linear"] = ("hybridlm.hf.convert_kimi_linear", "convert_kimi_dir")   # files named as released
+FROM_HF.update((t, (__name__, "convert_transformers_dir")) for t in ("bamba", "nemotron_h", "granitemoehybrid"))
 FROM_HF["qwen3_next"] = (__name__, "convert_transformers_dir")
 FROM_HF.update({t: (__name__, "convert_transformers_dir") for t in ("mamba", "falcon_mamba", "jamba")})   # Mamba-1: B
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases

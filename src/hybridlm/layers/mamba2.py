@@ -23,16 +23,20 @@ def init_dt_bias(n: int, dt_min: float, dt_max: float, floor: float) -> Tensor:
 
 
 class Mamba2(nn.Module):
-    """x [B, T, d_model] -> [B, T, d_model]; heads of `headdim`, `ngroups` groups of B/C of `d_state`."""
+    """x [B, T, d_model] -> [B, T, d_model]; heads of `headdim`, `ngroups` groups of B/C of `d_state`. The SSD
+    width is `d_inner` (default expand · d_model); `dt_limit` (lo, hi) clamps dt after the softplus, in prefill and
+    decode alike."""
 
     def __init__(self, d_model: int, *, layer_idx: int, d_state: int = 128, d_conv: int = 4, expand: int = 2,
                  headdim: int = 64, ngroups: int = 1, chunk_size: int = 64, bias: bool = False,
                  conv_bias: bool = True, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4,
-                 A_init_range: tuple[float, float] = (1.0, 16.0), norm_eps: float = 1e-5):
+                 A_init_range: tuple[float, float] = (1.0, 16.0), norm_eps: float = 1e-5,
+                 d_inner: int | None = None, dt_limit: tuple[float, float] | None = None):
         super().__init__()
         self.layer_idx, self.d_state, self.ngroups, self.headdim, self.chunk_size = \
             layer_idx, d_state, ngroups, headdim, chunk_size
-        self.d_inner = expand * d_model
+        self.d_inner = d_inner or expand * d_model   # Nemotron-H: heads × headdim, not a multiple of d_model
+        self.dt_limit = dt_limit                     # clamp of dt (transformers' time_step_limit), None = none
         self.nheads = self.d_inner // headdim
         self.norm_eps = norm_eps
         conv_dim = self.d_inner + 2 * ngroups * d_state
@@ -67,6 +71,8 @@ class Mamba2(nn.Module):
             xBC = xBC * mask
         xs, Bm, Cm = xBC.split((self.d_inner, g * n, g * n), dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.dt_limit is not None:
+            dt = dt.clamp(*self.dt_limit)
         if mask is not None:
             dt = dt * mask.float()  # dt = 0: the state passes a padded position unchanged
         A = -torch.exp(self.A_log.float())

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-               "relu": F.relu}
+               "relu": F.relu, "relu2": lambda x: F.relu(x).square()}   # relu2: Primer / Nemotron-H
 
 
 class MLP(nn.Module):

@@ -154,11 +154,18 @@ class ModelConfig:
                                           # weight: Falcon-Mamba)
     mamba1_norm_eps: float | None = None  # eps of those norms; None = norm_eps
     mamba1_chunk_size: int = 64           # tokens per chunk of the scan (a chunk holds [B, L, d_inner, N] floats)
+    # Mamba-2 hybrids: Bamba, Nemotron-H, Granite-4.0 (hf/convert_{bamba,nemotron_h,granitemoehybrid}.py)
+    ssd_d_inner: int | None = None        # S: SSD width (heads × ssd_headdim) set directly; None = ssd_expand · d_model
+                                          # (Nemotron-H's mamba_num_heads · mamba_head_dim is not a multiple of d)
+    ssd_dt_limit: tuple[float, float] | None = None   # S: dt = softplus(·) clamped to [lo, hi] (transformers'
+                                          # time_step_limit; Nemotron-H: (time_step_min, inf)); None = no clamp
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         self.layer_overrides = {int(k): v for k, v in self.layer_overrides.items()}
         self.ssd_A_init_range = tuple(self.ssd_A_init_range)
+        if self.ssd_dt_limit is not None:
+            self.ssd_dt_limit = tuple(float(v) for v in self.ssd_dt_limit)
         self.validate()
 
     # derived sizes -------------------------------------------------------------------------------

@@ -202,3 +202,30 @@ register("qwen3-next", "Qwen3-Next: 3 Gated DeltaNet + 1 gated attention per uni
                         gdn_v_heads=lambda f: 2 * max(1, f["d_model"] // 128), gdn_k_dim=64, gdn_v_dim=64, gdn_conv=4,
                         wm_moe_experts=8, wm_moe_topk=2, wm_moe_hidden=lambda f: f["d_model"], wm_moe_shared=True,
                         moe_shared_gate=True, norm_eps=1e-6, tie_embeddings=False))
+
+# Mamba-2 hybrids converted from transformers (hf/convert_{bamba,nemotron_h,granitemoehybrid}.py), small: heads of 64,
+# SSD heads of 64 (d_state 64); each has a transformers twin in hf.common.TWINS. n_layers counts transformers layers.
+_m2h = dict(head_dim=64, n_heads=lambda f: f["d_model"] // 64, ssd_headdim=64, ssd_d_state=64, ssd_chunk_size=64,
+            norm_eps=1e-5)
+
+
+def _nemotron_h_layout(n: int) -> str:
+    """n Nemotron-H layers: mixers (Mamba-2, attention where `spread` puts it) alternating with relu² MLPs."""
+    mixers = spread((n + 1) // 2, 4, "S", "A")
+    return "".join(m + "M" for m in mixers)[:n]
+
+
+register("bamba", "Bamba: Mamba-2 layers with attention (partial RoPE, half the head) every ~8th, each followed by a "
+         "SwiGLU MLP", 4,
+         lambda n: dict(layout=" ".join(c + "M" for c in spread(n, 8, "S", "A")), n_kv_heads=lambda f: max(
+             1, f["d_model"] // 128), rope_dim=32, mlp_hidden=lambda f: 3 * f["d_model"], tie_embeddings=False, **_m2h))
+register("nemotron-h", "Nemotron-H: one mixer per layer: Mamba-2 (2 groups, dt ≥ time_step_min) or attention without "
+         "positions (every ~4th mixer), alternating with non-gated relu² MLPs", 8,
+         lambda n: dict(layout=_nemotron_h_layout(n), pos_embedding="none", n_kv_heads=lambda f: max(
+             1, f["d_model"] // 256), mlp_hidden=lambda f: 4 * f["d_model"], mlp_act="relu2", mlp_gated=False,
+             ssd_ngroups=2, ssd_dt_limit=(1e-3, float("inf")), tie_embeddings=False, **_m2h))
+register("granite-hybrid", "Granite-4.0 hybrid, dense form: Mamba-2 layers with attention (no RoPE) every ~8th, each "
+         "followed by a SwiGLU MLP; tied embeddings", 4,
+         lambda n: dict(layout=" ".join(c + "M" for c in spread(n, 8, "S", "A")), pos_embedding="none",
+                        n_kv_heads=lambda f: max(1, f["d_model"] // 256), mlp_hidden=lambda f: 3 * f["d_model"],
+                        tie_embeddings=True, **_m2h))
