@@ -151,7 +151,7 @@ class ModelConfig:
         return cfg
 
     def validate(self):
-        from .layout import parse_layout
+        from .layout import flatten, parse_layout
         from .registry import LETTERS, need
         need(self.vocab_size >= 1, f"vocab_size must be >= 1, got {self.vocab_size}")
         need(self.d_model >= 1, f"d_model must be >= 1, got {self.d_model}")
@@ -159,8 +159,8 @@ class ModelConfig:
         need(self.norm in ("rms", "layer"), f"norm must be 'rms' or 'layer', got {self.norm!r}")
         need(self.pos_embedding in ("rope", "learned", "none"),
              f"pos_embedding must be rope|learned|none, got {self.pos_embedding!r}")
-        items = parse_layout(self.layout, LETTERS.keys())
-        layers = [l for it in items for l in (it if isinstance(it, tuple) else (it,))]
+        items = parse_layout(self.layout, LETTERS.keys(), {k for k, v in LETTERS.items() if v.token})
+        layers = flatten(items)
         n_letters = len(layers)
         for k in self.layer_overrides:
             need(0 <= k < n_letters, f"layer_overrides index {k} is outside the layout's {n_letters} layers")
