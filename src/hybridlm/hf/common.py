@@ -16,13 +16,23 @@ class Converter:
     hf_class: str                                              # e.g. "LlamaForCausalLM"
     config: Callable[[Any], dict]                              # hf config -> ModelConfig fields
     weights: Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
+    # weights(hf_config) -> the function above, for families whose weights depend on config constants (Falcon-H1's
+    # muP multipliers are folded into them)
+    weights_of_config: Callable[[Any], Callable] | None = None
+
+    def state_dict(self, sd, cfg: ModelConfig, hf_config) -> dict[str, Tensor]:
+        """Our state dict from their tensors `sd`, our config and theirs."""
+        fn = self.weights if self.weights_of_config is None else self.weights_of_config(hf_config)
+        return fn(sd, cfg)
 
 
 CONVERTERS: dict[str, Converter] = {}                          # keyed by transformers' `model_type`
 
 
-def register(model_type: str, hf_class: str, config: Callable, weights: Callable):
-    CONVERTERS[model_type] = Converter(hf_class, config, weights)
+def register(model_type: str, hf_class: str, config: Callable, weights: Callable | None = None, *,
+             weights_of_config: Callable | None = None):
+    """`weights(sd, cfg)`, or `weights_of_config(hf_config)` returning it when the weights need config values."""
+    CONVERTERS[model_type] = Converter(hf_class, config, weights, weights_of_config)
 
 
 # preset name -> twin(d_model, n_layers, vocab_size, max_seq_len) -> the transformers config of the same model:

@@ -97,6 +97,7 @@ register("llama", "LlamaForCausalLM", llama_config, llama_weights)
 register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
 from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
 from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
+from . import convert_falcon_h1  # noqa: E402,F401  (registers Falcon-H1; imports only .common)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def to_state_dict(hf_model, **overrides) -> tuple[ModelConfig, dict[str, Tensor]
     conv = _converter(hf_model)
     cfg = config_from_transformers(hf_model.config, **overrides)
     sd = _Tensors({k: v.detach() for k, v in hf_model.state_dict().items()})
-    return cfg, conv.weights(sd, cfg)
+    return cfg, conv.state_dict(sd, cfg, hf_model.config)
 
 
 def from_transformers(hf_model, **overrides) -> CausalLM:

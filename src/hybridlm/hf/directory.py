@@ -79,7 +79,7 @@ def convert_transformers_dir(src_dir: str, out_dir: str, dtype: str | torch.dtyp
     lazy, meta = read_tensors(src_dir)
     _check_shapes(hf_config, meta, src_dir)
     cfg = config_from_transformers(hf_config)
-    sd = CONVERTERS[hf_config.model_type].weights(_Tensors(lazy), cfg)
+    sd = CONVERTERS[hf_config.model_type].state_dict(_Tensors(lazy), cfg, hf_config)
     if dtype is not None:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         cast = {}                                                # a tied weight is one tensor under two names
@@ -106,6 +106,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
 
 # config.json model_type -> (module, function(src_dir, out_dir, dtype=None) -> checkpoint path)
 FROM_HF = {t: (__name__, "convert_transformers_dir") for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
+FROM_HF["falcon_h1"] = (__name__, "convert_transformers_dir")
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases
 
 

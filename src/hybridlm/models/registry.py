@@ -51,9 +51,10 @@ def _validate_attention(cfg):
 
 
 def _validate_ssd(cfg):
-    d_inner = cfg.ssd_expand * cfg.d_model
+    d_inner = cfg.ssd_d_inner or cfg.ssd_expand * cfg.d_model
     need(d_inner % cfg.ssd_headdim == 0,
-         f"ssd_expand*d_model ({d_inner}) must be divisible by ssd_headdim ({cfg.ssd_headdim})")
+         f"ssd_expand*d_model or ssd_d_inner ({d_inner}) must be divisible by ssd_headdim ({cfg.ssd_headdim})")
+    need(cfg.ssd_norm in ("gated", "norm_gate", "gate"), f"ssd_norm must be gated|norm_gate|gate, got {cfg.ssd_norm!r}")
     nheads = d_inner // cfg.ssd_headdim
     need(nheads % cfg.ssd_ngroups == 0, f"SSD heads ({nheads}) must be divisible by ssd_ngroups ({cfg.ssd_ngroups})")
     need(cfg.ssd_chunk_size >= 1 and cfg.ssd_d_conv >= 1, "ssd_chunk_size and ssd_d_conv must be >= 1")
@@ -81,7 +82,7 @@ def _ssd(cfg, idx):
                   expand=cfg.ssd_expand, headdim=cfg.ssd_headdim, ngroups=cfg.ssd_ngroups,
                   chunk_size=cfg.ssd_chunk_size, bias=cfg.ssd_bias, conv_bias=cfg.ssd_conv_bias,
                   dt_min=cfg.ssd_dt_min, dt_max=cfg.ssd_dt_max, A_init_range=cfg.ssd_A_init_range,
-                  norm_eps=cfg.norm_eps)
+                  norm_eps=cfg.norm_eps, d_inner=cfg.ssd_d_inner, norm=cfg.ssd_norm)
 
 
 register("A", _attention, token=True, doc="softmax attention (MHA/GQA/MQA, RoPE, optional window)",
