@@ -98,6 +98,7 @@ register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
 from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
 from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
 from . import convert_falcon_h1  # noqa: E402,F401  (registers Falcon-H1; imports only .common)
+from . import convert_lfm2  # noqa: E402,F401  (registers LFM2; imports only .common)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -131,3 +131,19 @@ def falcon_h1_weights(hf):
 
 
 register("falcon_h1", ARCH, falcon_h1_config, weights_of_config=falcon_h1_weights)
+
+
+def falcon_h1_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
+    """transformers' config of `presets.get("falcon-h1", d_model=..., n_layers=..., ...)` (all multipliers 1)."""
+    from transformers import FalconH1Config
+    heads = max(1, d_model // 64)
+    kv = max(1, d_model // 256) if heads % 4 == 0 else heads
+    return FalconH1Config(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
+                          num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
+                          head_dim=d_model // heads, max_position_embeddings=max_seq_len, rms_norm_eps=1e-5,
+                          mamba_d_ssm=2 * d_model, mamba_n_heads=2 * d_model // 32, mamba_d_head=32,
+                          mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=64, mamba_rms_norm=False,
+                          tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+TWINS["falcon-h1"] = falcon_h1_twin

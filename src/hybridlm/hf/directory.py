@@ -107,6 +107,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
 # config.json model_type -> (module, function(src_dir, out_dir, dtype=None) -> checkpoint path)
 FROM_HF = {t: (__name__, "convert_transformers_dir") for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
 FROM_HF["falcon_h1"] = (__name__, "convert_transformers_dir")
+FROM_HF["lfm2"] = (__name__, "convert_transformers_dir")
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases
 
 
