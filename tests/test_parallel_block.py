@@ -1,5 +1,7 @@
 """The parallel block `{...}` of the layout language (Falcon-H1's attention beside Mamba-2): parsing, errors that
 point at the column, and a model that decodes like its full forward, ignores padding and stops at resets."""
+import re
+
 import pytest
 import torch
 
@@ -33,9 +35,7 @@ def test_parse_parallel_blocks():
     ("{A*2}", 3, "unexpected '*'"),
 ])
 def test_errors_point_at_the_column(layout, col, what):
-    with pytest.raises(ConfigError, match=f"column {col}:.*{what}" if "'" not in what else f"column {col}:"):
-        parse_layout(layout, LET, TOKEN)
-    with pytest.raises(ConfigError, match=what.replace("(", r"\(").replace("*", r"\*")):
+    with pytest.raises(ConfigError, match=f"at column {col}: .*{re.escape(what)}"):
         parse_layout(layout, LET, TOKEN)
 
 

@@ -4,6 +4,7 @@ runs of equal units written `(CM)*k`. The model's `embedding_norm` is applied af
 The MLP width is transformers' (`block_auto_adjust_ff_dim`: int(2/3 · intermediate_size), times
 `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`).
 """
+import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
@@ -58,11 +59,11 @@ def lfm2_config(hf) -> dict:
 _ATTN = {"out.weight": "self_attn.out_proj.weight", "q_norm.weight": "self_attn.q_layernorm.weight",
          "k_norm.weight": "self_attn.k_layernorm.weight"}
 _CONV = {"in_proj.weight": "conv.in_proj.weight", "out_proj.weight": "conv.out_proj.weight"}
-_CONV_BIASES = {"in_proj.bias": "conv.in_proj.bias", "out_proj.bias": "conv.out_proj.bias", "conv_bias": "conv.conv.bias"}
+_CONV_BIASES = {"in_proj.bias": "conv.in_proj.bias", "out_proj.bias": "conv.out_proj.bias",
+                "conv_bias": "conv.conv.bias"}
 
 
 def lfm2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    import torch
     emb = sd["model.embed_tokens.weight"]
     out = {"embed.weight": emb, "norm.weight": sd["model.embedding_norm.weight"],
            "lm_head.weight": emb if cfg.tie_embeddings else sd["lm_head.weight"]}

@@ -120,7 +120,8 @@ class ModelConfig:
     hc_sinkhorn_iters: int = 20
     # Falcon-H1 and LFM2: options of S and the gated short convolution C (models/mixers_conv.py); the parallel
     # block {...} of the layout needs no field
-    ssd_d_inner: int | None = None        # S: SSD width set directly (Falcon-H1's mamba_d_ssm); None = ssd_expand·d_model
+    ssd_d_inner: int | None = None        # S: SSD width set directly (Falcon-H1's mamba_d_ssm);
+                                          # None = ssd_expand · d_model
     ssd_norm: str = "gated"               # S output: gated = RMSNorm(y·silu(z)) | norm_gate = RMSNorm(y)·silu(z) |
                                           # gate = y·silu(z) without a norm (Falcon-H1's mamba_rms_norm=False)
     conv_kernel: int = 3                  # C: taps of the depthwise causal conv (LFM2's conv_L_cache)

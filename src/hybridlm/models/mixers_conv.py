@@ -15,5 +15,5 @@ def _gated_conv(cfg, idx):
     return GatedShortConv(cfg.d_model, layer_idx=idx, kernel=cfg.conv_kernel, bias=cfg.conv_bias)
 
 
-register("C", _gated_conv, token=True, doc="gated short convolution (LFM2): out(c ⊙ conv(b ⊙ h)), cache = conv tail",
-         validate=_validate_conv)
+register("C", _gated_conv, token=True, validate=_validate_conv,
+         doc="gated short convolution (LFM2): out(c ⊙ conv(b ⊙ h)), cache = conv tail")

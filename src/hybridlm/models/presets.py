@@ -145,7 +145,7 @@ for _name, (_gpt3_layers, _d) in {"125m": (12, 768), "350m": (24, 1024), "760m":
 # Falcon-H1 (transformers' FalconH1ForCausalLM; hf/convert_falcon_h1.py): attention beside Mamba-2 in one parallel
 # block, then SwiGLU; as transformers' defaults: no norm in the SSD output (y·silu(z)), heads of 64, GQA 4:1 where
 # the head count allows it
-register("falcon-h1", "Falcon-H1: {attention ‖ Mamba-2} parallel blocks then SwiGLU; SSD width 2d, heads of 32, "
+register("falcon-h1", "Falcon-H1: {attention ‖ Mamba-2} parallel blocks then SwiGLU; SSD width 2d in heads of 32, "
          "state 64", 4,
          lambda n: dict(layout=f"({{AS}}M)*{n}", norm="rms", norm_eps=1e-5, tie_embeddings=False,
                         n_heads=lambda f: max(1, f["d_model"] // 64),
