@@ -211,9 +211,15 @@ def _mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, 
                 **(dict(ssd_expand=d_inner // d_model) if d_inner % d_model == 0 else dict(ssd_d_inner=d_inner)))
 
 
-def _scaled(t: Tensor, scale: float) -> Tensor:
-    """t · scale (a constant multiplier folded into a weight), t itself when scale is 1."""
-    return t if scale == 1.0 else t * scale
+def _scaled(t: Tensor, scale) -> Tensor:
+    """t · scale, a constant multiplier folded into a weight (a number, or one per row [rows]), computed in float64
+    and rounded once to t's dtype; t itself when scale is the number 1."""
+    if isinstance(scale, (int, float)) and scale == 1.0:
+        return t
+    s = torch.as_tensor(scale, dtype=torch.float64)
+    if s.dim() == 1 and t.dim() == 2:
+        s = s[:, None]
+    return (t.double() * s).to(t.dtype)
 
 
 def _routed_experts(out: dict[str, Tensor], prefix: str, *, up: Tensor, down: Tensor, gate: Tensor | None = None,

@@ -88,6 +88,8 @@ from . import convert_kimi_linear  # noqa: E402,F401  (registers Kimi-Linear; im
 from . import convert_bamba, convert_granitemoehybrid, convert_nemotron_h  # noqa: E402,F401  (Mamba-2 hybrids)
 from . import convert_qwen3_next  # noqa: E402,F401  (registers Qwen3-Next; imports only .common)
 from . import convert_mamba1  # noqa: E402,F401  (registers Mamba, Falcon-Mamba, Jamba; imports only .common)
+from . import convert_falcon_h1  # noqa: E402,F401  (registers Falcon-H1; imports only .common)
+from . import convert_lfm2  # noqa: E402,F401  (registers LFM2; imports only .common)
 
 
 # ---------------------------------------------------------------------------------------------------

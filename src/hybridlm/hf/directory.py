@@ -128,6 +128,8 @@ FROM_HF["kimi_linear"] = ("hybridlm.hf.convert_kimi_linear", "convert_kimi_dir")
 FROM_HF.update((t, (__name__, "convert_transformers_dir")) for t in ("bamba", "nemotron_h", "granitemoehybrid"))
 FROM_HF["qwen3_next"] = (__name__, "convert_transformers_dir")
 FROM_HF.update({t: (__name__, "convert_transformers_dir") for t in ("mamba", "falcon_mamba", "jamba")})   # Mamba-1: B
+FROM_HF["falcon_h1"] = (__name__, "convert_transformers_dir")
+FROM_HF["lfm2"] = (__name__, "convert_transformers_dir")
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases
 
 

@@ -18,7 +18,7 @@ from .common import CONVERTERS, _Tensors
 
 # options no native class has: they must keep their default (off)
 _MUST_BE_DEFAULT = ("hyper_connections", "layer_overrides", "qk_norm", "residual_scale", "window", "wm_dyn_mask",
-                    "wm_ssd_rope", "rope_dim", "attn_shared_key", "pos_embedding")
+                    "wm_ssd_rope", "rope_dim", "attn_shared_key", "pos_embedding", "ssd_d_inner", "ssd_norm")
 _IGNORED = {"max_seq_len"}   # Mamba-2 has no position limit (the converter writes a large one)
 
 

@@ -1,7 +1,9 @@
 """The Mamba-2 block (004_f196d22cc7fe6dbe.txt, section 7.1) around the SSD operator.
 
 in_proj(x) -> [z (gate), xBC, dt]; causal depthwise conv + SiLU on xBC; SSD over heads with D skip;
-y = out_proj(gated_rms_norm(y, z)) with the norm grouped per SSD group.
+y = out_proj(gated_rms_norm(y, z)) with the norm grouped per SSD group. `norm` picks where the gate goes (Falcon-H1's
+mamba_rms_norm / mamba_norm_before_gate): "gated" RMSNorm(y·silu(z)), "norm_gate" RMSNorm(y)·silu(z), "gate"
+y·silu(z) with no norm.
 """
 import math
 
@@ -31,12 +33,13 @@ class Mamba2(nn.Module):
                  headdim: int = 64, ngroups: int = 1, chunk_size: int = 64, bias: bool = False,
                  conv_bias: bool = True, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4,
                  A_init_range: tuple[float, float] = (1.0, 16.0), norm_eps: float = 1e-5,
-                 d_inner: int | None = None, dt_limit: tuple[float, float] | None = None):
+                 d_inner: int | None = None, dt_limit: tuple[float, float] | None = None, norm: str = "gated"):
         super().__init__()
         self.layer_idx, self.d_state, self.ngroups, self.headdim, self.chunk_size = \
             layer_idx, d_state, ngroups, headdim, chunk_size
-        self.d_inner = d_inner or expand * d_model   # Nemotron-H: heads × headdim, not a multiple of d_model
+        self.d_inner = d_inner or expand * d_model   # Nemotron-H / Falcon-H1: set directly, not a multiple of d_model
         self.dt_limit = dt_limit                     # clamp of dt (transformers' time_step_limit), None = none
+        self.norm = norm                             # gated | norm_gate | gate (see ModelConfig.ssd_norm)
         self.nheads = self.d_inner // headdim
         self.norm_eps = norm_eps
         conv_dim = self.d_inner + 2 * ngroups * d_state
@@ -53,7 +56,7 @@ class Mamba2(nn.Module):
         for p in (self.dt_bias, self.A_log, self.D):
             p._no_weight_decay = True
             p._keep_init = True
-        self.norm_weight = nn.Parameter(torch.ones(self.d_inner))
+        self.norm_weight = nn.Parameter(torch.ones(self.d_inner)) if norm != "gate" else None
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
         self.out_proj._is_residual_out = True
 
@@ -87,6 +90,10 @@ class Mamba2(nn.Module):
             if slot is not None:
                 slot.state = final
         y = torch.addcmul(y, xs, self.D.to(y.dtype).unsqueeze(-1))          # D skip connection
-        y = gated_rms_norm(y.reshape(B, T, self.d_inner), z, self.norm_weight,
-                           group_size=self.d_inner // g, eps=self.norm_eps)
+        y = y.reshape(B, T, self.d_inner)
+        if self.norm_weight is None:
+            y = (y.float() * F.silu(z.float())).to(y.dtype)
+        else:
+            y = gated_rms_norm(y, z, self.norm_weight, group_size=self.d_inner // g, eps=self.norm_eps,
+                               norm_before_gate=self.norm == "norm_gate")
         return self.out_proj(y)

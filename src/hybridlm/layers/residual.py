@@ -24,6 +24,22 @@ class Residual(nn.Module):
         return skip + self.branch(x, ctx, cache)
 
 
+class ParallelResidual(Residual):
+    """A parallel block `{...}` (Falcon-H1): x + sum_i mixer_i(norm(x)), every token mixer reading the same normed
+    input (each keeps its own cache slot)."""
+
+    def __init__(self, norm: nn.Module, mixers: list[nn.Module], d_model: int, learnable_scale: bool = False):
+        super().__init__(norm, nn.ModuleList(mixers), True, d_model, learnable_scale)
+
+    def branch(self, x: Tensor, ctx, cache) -> Tensor:
+        h = self.norm(x)
+        out = None
+        for m in self.mixer:
+            y = m(h, ctx=ctx, cache=cache)
+            out = y if out is None else out + y
+        return out
+
+
 class TwoHopResidual(nn.Module):
     """Rodimus++ block (001_53f5bc9ef3e67888.txt, eq. 13) on one stream, as in the released code:
         h = mixer(norm1(x)); r = x + h; a = attn(norm2(r)); x_out = r + ffn(norm3(a + r))

@@ -14,10 +14,10 @@ from ..cache import InferenceCache
 from ..context import SeqContext
 from ..errors import ConfigError, InputError
 from ..layers.norm import make_norm
-from ..layers.residual import Residual
+from ..layers.residual import ParallelResidual, Residual
 from ..ops.loss import cross_entropy, linear_cross_entropy
 from .config import ModelConfig
-from .layout import parse_layout
+from .layout import Hop, Parallel, parse_layout
 from .registry import LETTERS
 
 
@@ -37,7 +37,7 @@ def cxx_compiler() -> str | None:
     """A C++ compiler on PATH ($CXX first), which torch.compile needs to build CPU kernels; None if there is none."""
     return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
 
-# builders for residual schemes, keyed by ("letter" | "hop"); other modules may register more
+# builders for residual schemes, keyed by ("letter" | "hop" | "parallel"); other modules may register more
 BLOCKS = {}
 
 
@@ -48,7 +48,17 @@ def _build_plain(cfg: ModelConfig, letter: str, idx: int) -> nn.Module:
                     lcfg.d_model, learnable_scale=lcfg.residual_scale)
 
 
+def _build_parallel(cfg: ModelConfig, letters: tuple, idx: int) -> nn.Module:
+    """`{...}`: token mixers at layer indices idx, idx+1, ... (one cache slot each) behind one norm (the first
+    letter's config sizes it)."""
+    cfgs = [cfg.for_layer(idx + j) for j in range(len(letters))]
+    mods = [LETTERS[letter].build(c, idx + j) for j, (letter, c) in enumerate(zip(letters, cfgs))]
+    return ParallelResidual(make_norm(cfgs[0].norm, cfgs[0].d_model, cfgs[0].norm_eps), mods, cfgs[0].d_model,
+                            learnable_scale=cfgs[0].residual_scale)
+
+
 BLOCKS["letter"] = _build_plain
+BLOCKS["parallel"] = _build_parallel
 
 
 class CausalLM(nn.Module):
@@ -72,10 +82,11 @@ class CausalLM(nn.Module):
         self.drop = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
         blocks, idx = [], 0
         for it in items:
-            if isinstance(it, tuple):
-                if "hop" not in BLOCKS:
-                    raise ConfigError("two-hop blocks '[...]' are not available in this build")
-                blocks.append(BLOCKS["hop"](config, it, idx))
+            if isinstance(it, (Hop, Parallel)):
+                kind = "hop" if isinstance(it, Hop) else "parallel"
+                if kind not in BLOCKS:
+                    raise ConfigError(f"{kind} blocks are not available in this build")
+                blocks.append(BLOCKS[kind](config, it, idx))
                 idx += len(it)
             else:
                 blocks.append(BLOCKS["letter"](config, it, idx))

@@ -159,6 +159,12 @@ class ModelConfig:
                                           # (Nemotron-H's mamba_num_heads · mamba_head_dim is not a multiple of d)
     ssd_dt_limit: tuple[float, float] | None = None   # S: dt = softplus(·) clamped to [lo, hi] (transformers'
                                           # time_step_limit; Nemotron-H: (time_step_min, inf)); None = no clamp
+    # Falcon-H1 and LFM2: options of S and the gated short convolution C (models/mixers_conv.py); the parallel
+    # block {...} of the layout needs no field
+    ssd_norm: str = "gated"               # S output: gated = RMSNorm(y·silu(z)) | norm_gate = RMSNorm(y)·silu(z) |
+                                          # gate = y·silu(z) without a norm (Falcon-H1's mamba_rms_norm=False)
+    conv_kernel: int = 3                  # C: taps of the depthwise causal conv (LFM2's conv_L_cache)
+    conv_bias: bool = False               # C: biases on in_proj, the conv and out_proj (LFM2's conv_bias)
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -194,7 +200,7 @@ class ModelConfig:
         return cfg
 
     def validate(self):
-        from .layout import parse_layout
+        from .layout import flatten, parse_layout
         from .registry import LETTERS, need
         need(self.vocab_size >= 1, f"vocab_size must be >= 1, got {self.vocab_size}")
         need(self.d_model >= 1, f"d_model must be >= 1, got {self.d_model}")
@@ -202,8 +208,8 @@ class ModelConfig:
         need(self.norm in ("rms", "layer"), f"norm must be 'rms' or 'layer', got {self.norm!r}")
         need(self.pos_embedding in ("rope", "learned", "none"),
              f"pos_embedding must be rope|learned|none, got {self.pos_embedding!r}")
-        items = parse_layout(self.layout, LETTERS.keys())
-        layers = [l for it in items for l in (it if isinstance(it, tuple) else (it,))]
+        items = parse_layout(self.layout, LETTERS.keys(), {k for k, v in LETTERS.items() if v.token})
+        layers = flatten(items)
         n_letters = len(layers)
         for k in self.layer_overrides:
             need(0 <= k < n_letters, f"layer_overrides index {k} is outside the layout's {n_letters} layers")

@@ -2,11 +2,21 @@
 
     A attention   S SSD (Mamba-2)   M MLP / gated MLP   (more letters are registered by other modules)
     (...)*n  repeat a group      [...]  a two-hop block (Rodimus++)      spaces are ignored
+    {...}    a parallel block: its token mixers read the same normed input, their outputs are summed (Falcon-H1)
 
 "(AM)*12" is Transformer++, "S*24" Mamba-2, "((SE)*7 AE)*3" Cheems. `*n` also repeats a single letter
-or a bracketed block: "S*4", "[RWM]*12". Errors name the offending character and its column.
+or a bracketed block: "S*4", "[RWM]*12", "({AS}M)*8" (Falcon-H1). Errors name the offending character and its
+column.
 """
 from ..errors import ConfigError
+
+
+class Hop(tuple):
+    """A two-hop block `[...]`: its letters in order."""
+
+
+class Parallel(tuple):
+    """A parallel block `{...}`: token-mixer letters that share one norm and whose outputs are summed."""
 
 
 def _fail(layout: str, pos: int, msg: str):
@@ -14,9 +24,10 @@ def _fail(layout: str, pos: int, msg: str):
     raise ConfigError(f"bad layout {layout!r} at column {pos + 1}: {msg}\n  {layout}\n  {pointer}")
 
 
-def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
-    """Expand a layout string into a list whose items are letters ("A") or two-hop blocks (tuple of
-    letters). `letters` is the set of known mixer letters."""
+def parse_layout(layout: str, letters, token=None) -> list:
+    """Expand a layout string into a list whose items are letters ("A"), two-hop blocks (`Hop`) or parallel blocks
+    (`Parallel`), both tuples of letters. `letters` is the set of known mixer letters; `token` (optional) the token
+    mixers among them, which alone may sit in braces."""
     if not isinstance(layout, str) or not layout.strip():
         raise ConfigError("layout must be a non-empty string such as '(AM)*4'")
     pos = 0
@@ -47,6 +58,34 @@ def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
             return items * number()
         return items
 
+    def parallel() -> Parallel:
+        """`{` at pos: token-mixer letters up to `}` (no groups, blocks or repeats inside)."""
+        nonlocal pos
+        open_at = pos
+        pos += 1
+        inner = []
+        while True:
+            skip_ws()
+            if pos >= len(layout):
+                _fail(layout, pos, "missing '}'")
+            ch = layout[pos]
+            if ch == "}":
+                break
+            if ch in "([{":
+                _fail(layout, pos, "a parallel block '{...}' holds only mixer letters (no nesting)")
+            if not (ch.isalpha() and ch in letters):
+                known = "".join(sorted(letters))
+                _fail(layout, pos, f"unknown mixer letter {ch!r} (known: {known})" if ch.isalpha()
+                      else f"unexpected {ch!r} in a parallel block")
+            if token is not None and ch not in token:
+                _fail(layout, pos, f"{ch!r} is a channel mixer: a parallel block '{{...}}' sums token mixers only")
+            inner.append(ch)
+            pos += 1
+        if not inner:
+            _fail(layout, open_at, "empty parallel block '{}'")
+        pos += 1
+        return Parallel(inner)
+
     def sequence(closer: str | None, in_hop: bool) -> list:
         nonlocal pos
         out: list = []
@@ -60,7 +99,7 @@ def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
             if closer and ch == closer:
                 pos += 1
                 return out
-            if ch in ")]":
+            if ch in ")]}":
                 _fail(layout, pos, f"unexpected '{ch}'")
             if ch == "(":
                 open_at = pos
@@ -77,12 +116,16 @@ def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
                 inner = sequence("]", True)
                 if not inner:
                     _fail(layout, open_at, "empty two-hop block '[]'")
-                out += repeat([tuple(inner)])
+                out += repeat([Hop(inner)])
+            elif ch == "{":
+                if in_hop:
+                    _fail(layout, pos, "parallel blocks '{...}' cannot sit inside a two-hop block")
+                out += repeat([parallel()])
             elif ch.isalpha() and ch in letters:
                 pos += 1
                 out += repeat([ch])
             elif ch == "*":
-                _fail(layout, pos, "'*' must follow a letter, ')' or ']'")
+                _fail(layout, pos, "'*' must follow a letter, ')', ']' or '}'")
             else:
                 known = "".join(sorted(letters))
                 _fail(layout, pos, f"unknown mixer letter {ch!r} (known: {known})")
@@ -94,10 +137,10 @@ def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
 
 
 def flatten(items: list) -> list[str]:
-    """All letters in order (two-hop blocks expanded)."""
+    """All letters in order (two-hop and parallel blocks expanded): one per layer index / cache slot."""
     out = []
     for it in items:
-        out.extend(it if isinstance(it, tuple) else [it])
+        out.extend(it if isinstance(it, (Hop, Parallel)) else [it])
     return out
 
 

@@ -12,6 +12,7 @@ from ..layers.norm import make_norm
 from ..layers.residual import TwoHopResidual
 from .causal_lm import BLOCKS
 from .config import CONFIG_CHECKS
+from .layout import Hop
 from .registry import LETTERS, _attention, _validate_attention, need, register
 
 # letters that are attention-like token mixers (DESIGN.md's A W F L I); the middle of a two-hop block
@@ -64,7 +65,7 @@ def _build_hop(cfg, letters: tuple, idx: int) -> TwoHopResidual:
 def _check_hops(cfg, items):
     """Every `[...]` must be [token mixer, attention-like token mixer, channel mixer], e.g. [RWM]."""
     for it in items:
-        if not isinstance(it, tuple):
+        if not isinstance(it, Hop):
             continue
         name = "[" + "".join(it) + "]"
         shape = "a two-hop block is [token mixer, attention, channel mixer], e.g. [RWM]"

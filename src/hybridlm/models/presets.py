@@ -229,3 +229,41 @@ register("granite-hybrid", "Granite-4.0 hybrid, dense form: Mamba-2 layers with 
          lambda n: dict(layout=" ".join(c + "M" for c in spread(n, 8, "S", "A")), pos_embedding="none",
                         n_kv_heads=lambda f: max(1, f["d_model"] // 256), mlp_hidden=lambda f: 3 * f["d_model"],
                         tie_embeddings=True, **_m2h))
+# Falcon-H1 (transformers' FalconH1ForCausalLM; hf/convert_falcon_h1.py): attention beside Mamba-2 in one parallel
+# block, then SwiGLU; as transformers' defaults: no norm in the SSD output (y·silu(z)), heads of 64, GQA 4:1 where
+# the head count allows it
+register("falcon-h1", "Falcon-H1: {attention ‖ Mamba-2} parallel blocks then SwiGLU; SSD width 2d in heads of 32, "
+         "state 64", 4,
+         lambda n: dict(layout=f"({{AS}}M)*{n}", norm="rms", norm_eps=1e-5, tie_embeddings=False,
+                        n_heads=lambda f: max(1, f["d_model"] // 64),
+                        n_kv_heads=lambda f: max(1, f["d_model"] // 256) if f["d_model"] // 64 % 4 == 0
+                        else max(1, f["d_model"] // 64),
+                        head_dim=lambda f: f["d_model"] // max(1, f["d_model"] // 64),
+                        mlp_hidden=lambda f: 2 * f["d_model"], mlp_act="silu", mlp_gated=True,
+                        ssd_d_inner=lambda f: 2 * f["d_model"], ssd_expand=2, ssd_headdim=32, ssd_d_state=64,
+                        ssd_ngroups=1, ssd_chunk_size=64, ssd_norm="gate", ssd_bias=False, ssd_conv_bias=True))
+
+
+def _lfm2_layout(n: int) -> str:
+    """n LFM2 layers, every third one attention: "(CM)*2 AM (CM)*2 AM ..." (as hf/convert_lfm2.py writes it)."""
+    units = ["AM" if i % 3 == 2 else "CM" for i in range(n)]
+    out, i = [], 0
+    while i < n:
+        j = i
+        while j < n and units[j] == units[i]:
+            j += 1
+        out.append(units[i] if j - i == 1 else f"({units[i]})*{j - i}")
+        i = j
+    return " ".join(out)
+
+
+# LFM2 (transformers' Lfm2ForCausalLM; hf/convert_lfm2.py): gated short convolutions with attention every third layer
+register("lfm2", "LFM2: gated short convolutions (C, 3 taps) with q/k-normed GQA attention every third layer, each "
+         "followed by SwiGLU (3d)", 6,
+         lambda n: dict(layout=_lfm2_layout(n), norm="rms", norm_eps=1e-5, tie_embeddings=True, rope_base=1e6,
+                        n_heads=lambda f: max(1, f["d_model"] // 64),
+                        n_kv_heads=lambda f: max(1, f["d_model"] // 128) if f["d_model"] // 64 % 2 == 0
+                        else max(1, f["d_model"] // 64),
+                        head_dim=lambda f: f["d_model"] // max(1, f["d_model"] // 64), qk_norm=True,
+                        mlp_hidden=lambda f: 3 * f["d_model"], mlp_act="silu", mlp_gated=True,
+                        conv_kernel=3, conv_bias=False))

@@ -59,6 +59,7 @@ def _validate_ssd(cfg):
     lim = cfg.ssd_dt_limit
     need(lim is None or (len(lim) == 2 and 0 <= lim[0] < lim[1]),
          f"ssd_dt_limit must be (lo, hi) with 0 <= lo < hi, got {lim}")
+    need(cfg.ssd_norm in ("gated", "norm_gate", "gate"), f"ssd_norm must be gated|norm_gate|gate, got {cfg.ssd_norm!r}")
     nheads = d_inner // cfg.ssd_headdim
     need(nheads % cfg.ssd_ngroups == 0, f"SSD heads ({nheads}) must be divisible by ssd_ngroups ({cfg.ssd_ngroups})")
     need(cfg.ssd_chunk_size >= 1 and cfg.ssd_d_conv >= 1, "ssd_chunk_size and ssd_d_conv must be >= 1")
@@ -87,7 +88,8 @@ def _ssd(cfg, idx):
                   expand=cfg.ssd_expand, headdim=cfg.ssd_headdim, ngroups=cfg.ssd_ngroups,
                   chunk_size=cfg.ssd_chunk_size, bias=cfg.ssd_bias, conv_bias=cfg.ssd_conv_bias,
                   dt_min=cfg.ssd_dt_min, dt_max=cfg.ssd_dt_max, A_init_range=cfg.ssd_A_init_range,
-                  norm_eps=cfg.norm_eps, d_inner=cfg.ssd_d_inner, dt_limit=cfg.ssd_dt_limit)
+                  norm_eps=cfg.norm_eps, d_inner=cfg.ssd_d_inner, dt_limit=cfg.ssd_dt_limit,
+                  norm=cfg.ssd_norm)
 
 
 register("A", _attention, token=True, doc="softmax attention (MHA/GQA/MQA, RoPE, optional window)",
