@@ -28,13 +28,13 @@ class Mamba2(nn.Module):
     def __init__(self, d_model: int, *, layer_idx: int, d_state: int = 128, d_conv: int = 4, expand: int = 2,
                  headdim: int = 64, ngroups: int = 1, chunk_size: int = 64, bias: bool = False,
                  conv_bias: bool = True, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4,
-                 A_init_range: tuple[float, float] = (1.0, 16.0), norm_eps: float = 1e-5):
+                 A_init_range: tuple[float, float] = (1.0, 16.0), norm_eps: float = 1e-5, dt_clamp_min: float = 0.0):
         super().__init__()
         self.layer_idx, self.d_state, self.ngroups, self.headdim, self.chunk_size = \
             layer_idx, d_state, ngroups, headdim, chunk_size
         self.d_inner = expand * d_model
         self.nheads = self.d_inner // headdim
-        self.norm_eps = norm_eps
+        self.norm_eps, self.dt_clamp_min = norm_eps, dt_clamp_min
         conv_dim = self.d_inner + 2 * ngroups * d_state
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=bias)
         self.conv_weight = nn.Parameter(torch.empty(conv_dim, d_conv))
@@ -67,6 +67,8 @@ class Mamba2(nn.Module):
             xBC = xBC * mask
         xs, Bm, Cm = xBC.split((self.d_inner, g * n, g * n), dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.dt_clamp_min:  # Zamba2's time_step_min: a floor on every step (before padding zeroes dt)
+            dt = dt.clamp(min=self.dt_clamp_min)
         if mask is not None:
             dt = dt * mask.float()  # dt = 0: the state passes a padded position unchanged
         A = -torch.exp(self.A_log.float())

@@ -5,5 +5,6 @@ from .config import ModelConfig
 from .layout import parse_layout
 from . import mixers_wm  # noqa: F401,E402  (registers F, E, O and the wm_ options of A and S)
 from . import mixers_rodimus  # noqa: F401,E402  (registers R, W and the two-hop block [...])
+from . import mixers_zamba  # noqa: F401,E402  (registers Z, Zamba2's shared block feeding the next letter)
 
 __all__ = ["CausalLM", "CausalLMOutput", "ModelConfig", "parse_layout", "presets"]

@@ -118,6 +118,11 @@ class ModelConfig:
     hc_manifold: bool = True              # mHC: sigmoid pre/post, doubly stochastic res (Sinkhorn); False = HC
     hc_dynamic: bool = True               # per-token dynamic mixing weights on top of the static ones
     hc_sinkhorn_iters: int = 20
+    # Zamba2 (Z: shared transformer over concat(stream, embeddings) feeding the next layer; models/mixers_zamba.py).
+    # Z reads n_heads, n_kv_heads, head_dim (over the 2·d_model input), rope_base, pos_embedding, mlp_hidden/act/bias
+    zamba_adapter_rank: int = 0           # Z: rank of the per-occurrence LoRA adapter on the MLP's gate/up (0 = none)
+    zamba_attn_adapter: bool = False      # Z: per-occurrence LoRA adapters (same rank) on q, k and v as well
+    zamba_dt_floor: float = 0.0           # S layers: softplus(dt) clamped below at this (Zamba2's time_step_min)
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -151,7 +156,7 @@ class ModelConfig:
         return cfg
 
     def validate(self):
-        from .layout import parse_layout
+        from .layout import parse_layout, shared_groups
         from .registry import LETTERS, need
         need(self.vocab_size >= 1, f"vocab_size must be >= 1, got {self.vocab_size}")
         need(self.d_model >= 1, f"d_model must be >= 1, got {self.d_model}")
@@ -172,6 +177,10 @@ class ModelConfig:
                 continue
             checked.add(key)
             LETTERS[letter].validate(self.for_layer(i))
+        for tag, pos in shared_groups(items).items():     # `X@k`: one set of parameters, so one layer config
+            at = [i for i, l in enumerate(layers) if getattr(l, "tag", None) == tag]
+            need(len({repr(self.layer_overrides.get(i)) for i in at}) == 1,
+                 f"layer_overrides differ between layers {at}, which share parameters (@{tag})")
         for hook in CONFIG_CHECKS:
             hook(self, items)
 

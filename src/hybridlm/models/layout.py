@@ -2,6 +2,8 @@
 
     A attention   S SSD (Mamba-2)   M MLP / gated MLP   (more letters are registered by other modules)
     (...)*n  repeat a group      [...]  a two-hop block (Rodimus++)      spaces are ignored
+    X@k      weight sharing: every occurrence of a letter tagged k shares the first one's parameters
+             (each keeps its own layer index and cache slot), e.g. "(S*5 Z@0 S*5 Z@1)*3"
 
 "(AM)*12" is Transformer++, "S*24" Mamba-2, "((SE)*7 AE)*3" Cheems. `*n` also repeats a single letter
 or a bracketed block: "S*4", "[RWM]*12". Errors name the offending character and its column.
@@ -14,12 +16,27 @@ def _fail(layout: str, pos: int, msg: str):
     raise ConfigError(f"bad layout {layout!r} at column {pos + 1}: {msg}\n  {layout}\n  {pointer}")
 
 
+class Tagged(str):
+    """A letter carrying a weight-sharing tag (`Z@0` -> Tagged("Z", 0, column)). It equals and hashes like its
+    letter, so LETTERS lookups and `flatten` see a plain letter; `.tag` groups the occurrences that share
+    parameters (models/causal_lm.py ties them) and `.col` (0-based) is where it was written, for errors."""
+
+    def __new__(cls, letter: str, tag: int, col: int):
+        s = super().__new__(cls, letter)
+        s.tag, s.col = tag, col
+        return s
+
+    def __reduce__(self):
+        return Tagged, (str(self), self.tag, self.col)
+
+
 def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
     """Expand a layout string into a list whose items are letters ("A") or two-hop blocks (tuple of
     letters). `letters` is the set of known mixer letters."""
     if not isinstance(layout, str) or not layout.strip():
         raise ConfigError("layout must be a non-empty string such as '(AM)*4'")
     pos = 0
+    tag_letter: dict[int, str] = {}   # weight-sharing tag -> the letter it was first given to
 
     def number() -> int:
         nonlocal pos
@@ -46,6 +63,26 @@ def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
             skip_ws()
             return items * number()
         return items
+
+    def tagged(letter: str, at: int, in_hop: bool) -> str:
+        """The letter, or a Tagged one when `@k` follows it."""
+        nonlocal pos
+        skip_ws()
+        if pos >= len(layout) or layout[pos] != "@":
+            return letter
+        if in_hop:
+            _fail(layout, pos, "weight sharing '@k' is not available inside a two-hop block '[...]'")
+        pos += 1
+        start = pos
+        while pos < len(layout) and layout[pos].isdigit():
+            pos += 1
+        if start == pos:
+            _fail(layout, start, "expected a tag number after '@' (e.g. 'Z@0')")
+        tag = int(layout[start:pos])
+        first = tag_letter.setdefault(tag, letter)
+        if first != letter:
+            _fail(layout, at, f"tag @{tag} is already given to {first!r}: one tag shares one letter's parameters")
+        return Tagged(letter, tag, at)
 
     def sequence(closer: str | None, in_hop: bool) -> list:
         nonlocal pos
@@ -79,10 +116,13 @@ def parse_layout(layout: str, letters: set[str] | frozenset[str]) -> list:
                     _fail(layout, open_at, "empty two-hop block '[]'")
                 out += repeat([tuple(inner)])
             elif ch.isalpha() and ch in letters:
+                at = pos
                 pos += 1
-                out += repeat([ch])
+                out += repeat([tagged(ch, at, in_hop)])
             elif ch == "*":
                 _fail(layout, pos, "'*' must follow a letter, ')' or ']'")
+            elif ch == "@":
+                _fail(layout, pos, "'@' must follow a letter (a weight-sharing tag such as 'Z@0')")
             else:
                 known = "".join(sorted(letters))
                 _fail(layout, pos, f"unknown mixer letter {ch!r} (known: {known})")
@@ -99,3 +139,29 @@ def flatten(items: list) -> list[str]:
     for it in items:
         out.extend(it if isinstance(it, tuple) else [it])
     return out
+
+
+def shared_groups(items: list) -> dict[int, list[int]]:
+    """Weight-sharing tag -> the positions in `items` (top-level blocks) of its occurrences, in order. A tagged
+    letter nested in any other kind of block is refused: only whole top-level blocks are tied."""
+    groups: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        if isinstance(it, Tagged):
+            groups.setdefault(it.tag, []).append(i)
+        elif not isinstance(it, str):
+            for inner in _walk(it):
+                if isinstance(inner, Tagged):
+                    raise ConfigError(f"weight sharing '@{inner.tag}' (column {inner.col + 1}) applies only to a "
+                                      "letter standing on its own, not inside a block")
+    return groups
+
+
+def _walk(it):
+    if isinstance(it, str):
+        yield it
+    else:
+        try:
+            for x in it:
+                yield from _walk(x)
+        except TypeError:
+            return

@@ -81,7 +81,7 @@ def _ssd(cfg, idx):
                   expand=cfg.ssd_expand, headdim=cfg.ssd_headdim, ngroups=cfg.ssd_ngroups,
                   chunk_size=cfg.ssd_chunk_size, bias=cfg.ssd_bias, conv_bias=cfg.ssd_conv_bias,
                   dt_min=cfg.ssd_dt_min, dt_max=cfg.ssd_dt_max, A_init_range=cfg.ssd_A_init_range,
-                  norm_eps=cfg.norm_eps)
+                  norm_eps=cfg.norm_eps, dt_clamp_min=cfg.zamba_dt_floor)
 
 
 register("A", _attention, token=True, doc="softmax attention (MHA/GQA/MQA, RoPE, optional window)",
