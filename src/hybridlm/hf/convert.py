@@ -97,6 +97,7 @@ register("llama", "LlamaForCausalLM", llama_config, llama_weights)
 register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
 from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
 from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
+from . import convert_zamba2  # noqa: E402,F401  (registers Zamba2; imports only .common)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -97,6 +97,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
         model.load_state_dict(sd, strict=True, assign=True)      # the converted tensors become the parameters
     except RuntimeError as e:
         raise ConfigError(f"converted weights do not fit the hybridlm model: {str(e).splitlines()[0]}") from None
+    model.tie_weights()                                          # assign untied them (tied embeddings, X@k layers)
     tok = None
     if os.path.exists(os.path.join(src_dir, BPE_FILE)):
         tok = tokenizer_from_dir(src_dir)
@@ -106,6 +107,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
 
 # config.json model_type -> (module, function(src_dir, out_dir, dtype=None) -> checkpoint path)
 FROM_HF = {t: (__name__, "convert_transformers_dir") for t in ("llama", "mamba2", "doge", "deepseek_v3", "deepseek_v32")}
+FROM_HF["zamba2"] = (__name__, "convert_transformers_dir")
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases
 
 
