@@ -12,10 +12,11 @@ has its own block, and so does the converted model (plain `Z`, no tags). Its Mam
 import torch
 from torch import Tensor
 
+from ..models import presets
 from ..models.config import ModelConfig
 from ..models.layout import parse_layout
 from ..models.registry import LETTERS
-from .common import _copy, _get, _need, _rope_base, _Tensors, _tied, register
+from .common import TWINS, _copy, _get, _need, _rope_base, _Tensors, _tied, register
 
 ARCH = "Zamba2ForCausalLM"
 _ACTS = {"gelu": "gelu", "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -31,31 +32,10 @@ _SHARED = {"norm_in.weight": "input_layernorm.weight", "out.weight": "self_attn.
 _SHARED_BIASES = {"w_in.bias": "feed_forward.gate_up_proj.bias", "w_out.bias": "feed_forward.down_proj.bias"}
 
 
-def _hybrid(t: str) -> bool:
-    return t == "hybrid"
-
-
 def zamba2_layout(hf) -> str:
-    """layers_block_type -> layout, runs of S written S*n."""
-    tied, nmb = _tied(hf), int(hf.num_mem_blocks)
-    tokens, rank = [], 0
-    for t in hf.layers_block_type:
-        if _hybrid(t):
-            tokens.append(f"Z@{rank % nmb}" if tied else "Z")
-            rank += 1
-        tokens.append("S")
-    out, i = [], 0
-    while i < len(tokens):
-        j = i
-        while j < len(tokens) and tokens[j] == tokens[i] == "S":
-            j += 1
-        if j - i > 1:
-            out.append(f"S*{j - i}")
-            i = j
-        else:
-            out.append(tokens[i])
-            i += 1
-    return " ".join(out)
+    """layers_block_type -> layout (presets.zamba2_layout: runs of S written S*n)."""
+    return presets.zamba2_layout([t == "hybrid" for t in hf.layers_block_type],
+                                 int(hf.num_mem_blocks) if _tied(hf) else None)
 
 
 def zamba2_config(hf) -> dict:
@@ -137,3 +117,18 @@ def zamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 
 
 register("zamba2", ARCH, zamba2_config, zamba2_weights)
+
+
+def zamba2_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
+    """The transformers config of `presets.get("zamba2", d_model=..., n_layers=..., ...)`."""
+    from transformers import Zamba2Config
+    types = ["hybrid" if i % 6 == 5 else "mamba" for i in range(n_layers)]
+    return Zamba2Config(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, layers_block_type=types,
+                        max_position_embeddings=max_seq_len, mamba_d_state=64, mamba_expand=2,
+                        n_mamba_heads=2 * d_model // 64, chunk_size=64, num_attention_heads=8, intermediate_size=4 * d_model,
+                        hidden_act="gelu", num_mem_blocks=2, use_shared_attention_adapter=False,
+                        adapter_rank=max(8, d_model // 16), use_mem_rope=False, rms_norm_eps=1e-5,
+                        tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+TWINS["zamba2"] = zamba2_twin
