@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..context import SeqContext
+from ..errors import InputError
 from ..ops.attention import attention
 from .attention import cache_keys_values, norm_and_rope
 from .mlp import ACTIVATIONS
@@ -62,10 +63,11 @@ class ZambaBlock(nn.Module):
                 m._unshared = True
 
     def forward(self, x: Tensor, ctx: SeqContext, cache=None) -> Tensor:
+        """Called as a block (`blk(x, ctx, cache)`, by residual.Fed), on the raw stream: it norms its own input."""
         B, T, _ = x.shape
         H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
         if ctx.embeddings is None:
-            raise ValueError("ZambaBlock needs ctx.embeddings (set by CausalLM)")
+            raise InputError("the Z block needs ctx.embeddings (CausalLM sets them)")
         h = self.norm_in(torch.cat((x, ctx.embeddings.to(x.dtype)), dim=-1))
         q, k, v = self.qkv(h).split((H * D, Hk * D, Hk * D), dim=-1)
         if self.qkv_adapters is not None:
