@@ -16,12 +16,15 @@ class SeqContext:
     resets     [B, T] bool or None: a packed document starts here; recurrent state and attention stop
                at the boundary.
     segment_ids ([B, T], [B, S]) or None: document index of queries/keys, derived from `resets`.
+    embeddings [B, T, d] or None: the input of the first block (token embeddings after scale/norm/positions),
+               set by CausalLM; Zamba2's shared blocks (`Z`) concatenate it to their input.
     """
     positions: Tensor
     pad_mask: Tensor | None = None
     key_mask: Tensor | None = None
     resets: Tensor | None = None
     segment_ids: tuple[Tensor, Tensor] | None = None
+    embeddings: Tensor | None = None
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, dim: int, base: float) -> tuple[Tensor, Tensor]:

@@ -90,6 +90,7 @@ from . import convert_qwen3_next  # noqa: E402,F401  (registers Qwen3-Next; impo
 from . import convert_mamba1  # noqa: E402,F401  (registers Mamba, Falcon-Mamba, Jamba; imports only .common)
 from . import convert_falcon_h1  # noqa: E402,F401  (registers Falcon-H1; imports only .common)
 from . import convert_lfm2  # noqa: E402,F401  (registers LFM2; imports only .common)
+from . import convert_zamba2  # noqa: E402,F401  (registers Zamba2; imports only .common)
 
 
 # ---------------------------------------------------------------------------------------------------

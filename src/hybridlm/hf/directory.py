@@ -115,6 +115,7 @@ def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
         model.load_state_dict(sd, strict=True, assign=True)      # the converted tensors become the parameters
     except RuntimeError as e:
         raise ConfigError(f"converted weights do not fit the hybridlm model: {str(e).splitlines()[0]}") from None
+    model.tie_weights()                                          # assign untied them (tied embeddings, X@k layers)
     tok = None
     if os.path.exists(os.path.join(src_dir, BPE_FILE)):
         tok = tokenizer_from_dir(src_dir)
@@ -130,6 +131,7 @@ FROM_HF["qwen3_next"] = (__name__, "convert_transformers_dir")
 FROM_HF.update({t: (__name__, "convert_transformers_dir") for t in ("mamba", "falcon_mamba", "jamba")})   # Mamba-1: B
 FROM_HF["falcon_h1"] = (__name__, "convert_transformers_dir")
 FROM_HF["lfm2"] = (__name__, "convert_transformers_dir")
+FROM_HF["zamba2"] = (__name__, "convert_transformers_dir")
 FROM_HF["rodimus"] = ("hybridlm.hf.rodimus_format", "convert_rodimus_dir")   # codefuse-ai's remote-code releases
 
 

@@ -149,6 +149,7 @@ class HybridLMForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: HybridLMConfig, model: CausalLM | None = None):
         super().__init__(config)
         self.model = model if model is not None else CausalLM(config.model_config)
+        self._tied_weights_keys = self.get_expanded_tied_weights_keys()    # what save_pretrained may store once
         self.post_init()
 
     @classmethod
@@ -157,6 +158,16 @@ class HybridLMForCausalLM(PreTrainedModel, GenerationMixin):
         config = HybridLMConfig.from_model_config(model.config, **config_kwargs)
         p = next(model.parameters())
         return cls(config, model).to(p.dtype).train(model.training)
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """Every parameter name that is another's tensor -> the first name: the tied embedding (tie_word_embeddings)
+        and the weight-shared layers of `X@k` layouts, which transformers then saves once and ties back on load."""
+        first, tied = {}, {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            src = first.setdefault(id(p), name)
+            if src != name:
+                tied[name] = src
+        return tied
 
     def _init_weights(self, module):
         """Nothing: every hybridlm module initialises itself when built (CausalLM.reset_parameters and each mixer's own

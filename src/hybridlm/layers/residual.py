@@ -65,3 +65,21 @@ class TwoHopResidual(nn.Module):
     def forward(self, x: Tensor, ctx, cache) -> Tensor:
         _, r, f = self._hops(x, ctx, cache)
         return r + f
+
+
+class Fed(nn.Module):
+    """A block whose branch input also receives another block's output (Zamba2's hybrid layer: the shared
+    transformer's output is added to the next Mamba layer's input, not to the stream):
+        out = x + block.branch(x + feed(x))
+    `feed` is a token module `feed(x, ctx, cache) -> [B, T, d]` with its own layer index; `block` a Residual."""
+
+    def __init__(self, feed: nn.Module, block: nn.Module):
+        super().__init__()
+        self.feed, self.block = feed, block
+
+    def branch(self, x: Tensor, ctx, cache) -> Tensor:
+        return self.block.branch(x + self.feed(x, ctx, cache), ctx, cache)
+
+    def forward(self, x: Tensor, ctx, cache) -> Tensor:
+        w = getattr(self.block, "res_weight", None)
+        return (x if w is None else x * w) + self.branch(x, ctx, cache)

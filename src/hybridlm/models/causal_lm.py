@@ -14,10 +14,10 @@ from ..cache import InferenceCache
 from ..context import SeqContext
 from ..errors import ConfigError, InputError
 from ..layers.norm import make_norm
-from ..layers.residual import ParallelResidual, Residual
+from ..layers.residual import Fed, ParallelResidual, Residual
 from ..ops.loss import cross_entropy, linear_cross_entropy
 from .config import ModelConfig
-from .layout import Hop, Parallel, parse_layout
+from .layout import Hop, Parallel, parse_layout, shared_groups
 from .registry import LETTERS
 
 
@@ -61,6 +61,41 @@ BLOCKS["letter"] = _build_plain
 BLOCKS["parallel"] = _build_parallel
 
 
+def tie_parameters(src: nn.Module, dst: nn.Module):
+    """Make `dst`'s parameters `src`'s (same structure), except those of submodules or parameters marked
+    `_unshared` (per-occurrence parts, e.g. Zamba2's LoRA adapters and output projection)."""
+    if getattr(dst, "_unshared", False):
+        return
+    for name, p in src._parameters.items():
+        q = dst._parameters.get(name)
+        if p is None or q is None or getattr(q, "_unshared", False):
+            continue
+        if p.shape != q.shape:
+            raise ConfigError(f"weight-shared layers differ in the shape of {name!r}: {tuple(p.shape)} vs "
+                              f"{tuple(q.shape)}")
+        dst._parameters[name] = p
+    for name, m in src._modules.items():
+        if m is not None and dst._modules.get(name) is not None:
+            tie_parameters(m, dst._modules[name])
+
+
+def fold_feeds(blocks: list) -> list:
+    """A block marked `feeds_next` (Zamba2's shared transformer `Z`) adds its output to the input of the next
+    block's branch instead of to the residual stream: the pair becomes one `Fed` block (layers/residual.py)."""
+    out, i = [], 0
+    while i < len(blocks):
+        if getattr(blocks[i], "feeds_next", False):
+            if i + 1 >= len(blocks) or getattr(blocks[i + 1], "feeds_next", False) \
+                    or not hasattr(blocks[i + 1], "branch"):
+                raise ConfigError("a feeding letter (Z) must be followed by a plain letter, whose input it feeds")
+            out.append(Fed(blocks[i], blocks[i + 1]))
+            i += 2
+        else:
+            out.append(blocks[i])
+            i += 1
+    return out
+
+
 class CausalLM(nn.Module):
     """A causal language model assembled from `config.layout`.
 
@@ -91,6 +126,9 @@ class CausalLM(nn.Module):
             else:
                 blocks.append(BLOCKS["letter"](config, it, idx))
                 idx += 1
+        # `X@k`: occurrences after the first take its parameters (distinct modules, tied tensors; see tie_weights)
+        self._shared = [[blocks[i] for i in pos] for pos in shared_groups(items).values() if len(pos) > 1]
+        blocks = fold_feeds(blocks)
         self.hc_head = None
         if config.hyper_connections:  # n residual streams around every block (layers/hyper_connections.py)
             from ..layers.hyper_connections import hyper_connect
@@ -102,9 +140,18 @@ class CausalLM(nn.Module):
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.tie_weights()
         self.reset_parameters()
-        if config.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Tie the LM head to the embedding (tie_embeddings) and every weight-shared occurrence (`X@k`) to the first.
+        Called after building and again after `load_state_dict(assign=True)`, which makes one Parameter per name."""
+        if self.config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        for first, *others in self._shared:
+            for other in others:
+                tie_parameters(first, other)
 
     # ------------------------------------------------------------------------------------------------
     def reset_parameters(self):
@@ -205,6 +252,7 @@ class CausalLM(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(ctx.positions)
         x = self.drop(x)
+        ctx.embeddings = x                        # what Zamba2's shared blocks concatenate to their input
         if self.hc_head is not None:
             x = self.hc_head.expand(x)            # [B, T, n, d]: n residual streams
         for blk in self.blocks:

@@ -165,6 +165,10 @@ class ModelConfig:
                                           # gate = y·silu(z) without a norm (Falcon-H1's mamba_rms_norm=False)
     conv_kernel: int = 3                  # C: taps of the depthwise causal conv (LFM2's conv_L_cache)
     conv_bias: bool = False               # C: biases on in_proj, the conv and out_proj (LFM2's conv_bias)
+    # Zamba2 (Z: shared transformer over concat(stream, embeddings) feeding the next layer; models/mixers_zamba.py).
+    # Z reads n_heads, n_kv_heads, head_dim (over the 2·d_model input), rope_base, pos_embedding, mlp_hidden/act/bias
+    zamba_adapter_rank: int = 0           # Z: rank of the per-occurrence LoRA adapter on the MLP's gate/up (0 = none)
+    zamba_attn_adapter: bool = False      # Z: per-occurrence LoRA adapters (same rank) on q, k and v as well
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -200,7 +204,7 @@ class ModelConfig:
         return cfg
 
     def validate(self):
-        from .layout import flatten, parse_layout
+        from .layout import flatten, parse_layout, shared_groups
         from .registry import LETTERS, need
         need(self.vocab_size >= 1, f"vocab_size must be >= 1, got {self.vocab_size}")
         need(self.d_model >= 1, f"d_model must be >= 1, got {self.d_model}")
@@ -221,6 +225,10 @@ class ModelConfig:
                 continue
             checked.add(key)
             LETTERS[letter].validate(self.for_layer(i))
+        for tag, pos in shared_groups(items).items():     # `X@k`: one set of parameters, so one layer config
+            at = [i for i, l in enumerate(layers) if getattr(l, "tag", None) == tag]
+            need(len({repr(self.layer_overrides.get(i)) for i in at}) == 1,
+                 f"layer_overrides differ between layers {at}, which share parameters (@{tag})")
         for hook in CONFIG_CHECKS:
             hook(self, items)
 

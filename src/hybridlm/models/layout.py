@@ -3,6 +3,8 @@
     A attention   S SSD (Mamba-2)   M MLP / gated MLP   (more letters are registered by other modules)
     (...)*n  repeat a group      [...]  a two-hop block (Rodimus++)      spaces are ignored
     {...}    a parallel block: its token mixers read the same normed input, their outputs are summed (Falcon-H1)
+    X@k      weight sharing: every occurrence of a letter tagged k shares the first one's parameters
+             (each keeps its own layer index and cache slot), e.g. "(S*5 Z@0 S*5 Z@1)*3"
 
 "(AM)*12" is Transformer++, "S*24" Mamba-2, "((SE)*7 AE)*3" Cheems. `*n` also repeats a single letter
 or a bracketed block: "S*4", "[RWM]*12", "({AS}M)*8" (Falcon-H1). Errors name the offending character and its
@@ -24,6 +26,20 @@ def _fail(layout: str, pos: int, msg: str):
     raise ConfigError(f"bad layout {layout!r} at column {pos + 1}: {msg}\n  {layout}\n  {pointer}")
 
 
+class Tagged(str):
+    """A letter carrying a weight-sharing tag (`Z@0` -> Tagged("Z", 0, column)). It equals and hashes like its
+    letter, so LETTERS lookups and `flatten` see a plain letter; `.tag` groups the occurrences that share
+    parameters (models/causal_lm.py ties them) and `.col` (0-based) is where it was written, for errors."""
+
+    def __new__(cls, letter: str, tag: int, col: int):
+        s = super().__new__(cls, letter)
+        s.tag, s.col = tag, col
+        return s
+
+    def __reduce__(self):
+        return Tagged, (str(self), self.tag, self.col)
+
+
 def parse_layout(layout: str, letters, token=None) -> list:
     """Expand a layout string into a list whose items are letters ("A"), two-hop blocks (`Hop`) or parallel blocks
     (`Parallel`), both tuples of letters. `letters` is the set of known mixer letters; `token` (optional) the token
@@ -31,6 +47,7 @@ def parse_layout(layout: str, letters, token=None) -> list:
     if not isinstance(layout, str) or not layout.strip():
         raise ConfigError("layout must be a non-empty string such as '(AM)*4'")
     pos = 0
+    tag_letter: dict[int, str] = {}   # weight-sharing tag -> the letter it was first given to
 
     def number() -> int:
         nonlocal pos
@@ -86,6 +103,26 @@ def parse_layout(layout: str, letters, token=None) -> list:
         pos += 1
         return Parallel(inner)
 
+    def tagged(letter: str, at: int, in_hop: bool) -> str:
+        """The letter, or a Tagged one when `@k` follows it."""
+        nonlocal pos
+        skip_ws()
+        if pos >= len(layout) or layout[pos] != "@":
+            return letter
+        if in_hop:
+            _fail(layout, pos, "weight sharing '@k' is not available inside a two-hop block '[...]'")
+        pos += 1
+        start = pos
+        while pos < len(layout) and layout[pos].isdigit():
+            pos += 1
+        if start == pos:
+            _fail(layout, start, "expected a tag number after '@' (e.g. 'Z@0')")
+        tag = int(layout[start:pos])
+        first = tag_letter.setdefault(tag, letter)
+        if first != letter:
+            _fail(layout, at, f"tag @{tag} is already given to {first!r}: one tag shares one letter's parameters")
+        return Tagged(letter, tag, at)
+
     def sequence(closer: str | None, in_hop: bool) -> list:
         nonlocal pos
         out: list = []
@@ -122,10 +159,13 @@ def parse_layout(layout: str, letters, token=None) -> list:
                     _fail(layout, pos, "parallel blocks '{...}' cannot sit inside a two-hop block")
                 out += repeat([parallel()])
             elif ch.isalpha() and ch in letters:
+                at = pos
                 pos += 1
-                out += repeat([ch])
+                out += repeat([tagged(ch, at, in_hop)])
             elif ch == "*":
                 _fail(layout, pos, "'*' must follow a letter, ')', ']' or '}'")
+            elif ch == "@":
+                _fail(layout, pos, "'@' must follow a letter (a weight-sharing tag such as 'Z@0')")
             else:
                 known = "".join(sorted(letters))
                 _fail(layout, pos, f"unknown mixer letter {ch!r} (known: {known})")
@@ -161,3 +201,29 @@ def fold_layout(tokens: list[str]) -> str:
         out.append(unit if r == 1 else (f"({unit})*{r}" if p > 1 or len(unit) > 1 else f"{unit}*{r}"))
         i += p * r
     return " ".join(out)
+
+
+def shared_groups(items: list) -> dict[int, list[int]]:
+    """Weight-sharing tag -> the positions in `items` (top-level blocks) of its occurrences, in order. A tagged
+    letter nested in any other kind of block is refused: only whole top-level blocks are tied."""
+    groups: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        if isinstance(it, Tagged):
+            groups.setdefault(it.tag, []).append(i)
+        elif not isinstance(it, str):
+            for inner in _walk(it):
+                if isinstance(inner, Tagged):
+                    raise ConfigError(f"weight sharing '@{inner.tag}' (column {inner.col + 1}) applies only to a "
+                                      "letter standing on its own, not inside a block")
+    return groups
+
+
+def _walk(it):
+    if isinstance(it, str):
+        yield it
+    else:
+        try:
+            for x in it:
+                yield from _walk(x)
+        except TypeError:
+            return

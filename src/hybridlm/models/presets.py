@@ -116,6 +116,34 @@ register("jamba", "Jamba: blocks of 8 layers, Mamba-1 (RMSNorm on dt/B/C) with a
                         tie_embeddings=False, n_heads=8, n_kv_heads=2, head_dim=lambda f: f["d_model"] // f["n_heads"],
                         mlp_hidden=_glu_width, mamba1_bcdt_norm="weight", mamba1_dt_rank=_dt_rank,
                         wm_moe_experts=16, wm_moe_topk=2, wm_moe_hidden=_glu_width, moe_norm_topk=False))
+# Zamba2 (transformers' Zamba2ForCausalLM, 2.7B/7B style: two shared blocks alternating every 6th layer, MLP adapters,
+# no RoPE in the shared attention); n counts Mamba layers, hf/convert_zamba2.py's twin builds the same model
+
+
+def zamba2_layout(hybrid: list[bool], blocks: int | None = 2) -> str:
+    """One Mamba layer per entry of `hybrid`; a hybrid one is preceded by shared block Z@(k % blocks) (k counting hybrid
+    layers; blocks None: an unshared Z each). Runs of S are written S*n."""
+    tokens, k = [], 0
+    for h in hybrid:
+        if h:
+            tokens.append("Z" if blocks is None else f"Z@{k % blocks}")
+            k += 1
+        tokens.append("S")
+    out = []
+    for t in tokens:
+        if t == "S" and out and out[-1].startswith("S"):
+            out[-1] = f"S*{int(out[-1][2:] or 1) + 1}"
+        else:
+            out.append(t)
+    return " ".join(out)
+
+
+register("zamba2", "Zamba2: Mamba-2 layers; every 6th also gets one of 2 alternating shared transformer blocks over "
+         "concat(stream, embeddings), with per-occurrence LoRA adapters, feeding that layer's input", 12,
+         lambda n: dict(layout=zamba2_layout([i % 6 == 5 for i in range(n)]), n_heads=8, n_kv_heads=lambda f: f["n_heads"],
+                        head_dim=lambda f: 2 * f["d_model"] // f["n_heads"], mlp_hidden=lambda f: 4 * f["d_model"],
+                        mlp_act="gelu", pos_embedding="none", norm_eps=1e-5, tie_embeddings=True,
+                        zamba_adapter_rank=lambda f: max(8, f["d_model"] // 16), ssd_dt_limit=(1e-3, float("inf"))))
 
 # Rodimus* (001_53f5bc9ef3e67888.txt): n = 64, ℓ = max(d/64, 16), SW-SKA heads of 128 with a window of half the
 # training context, the released code's GLU width 4/3·d (rounded up to 8) in Rodimus++ size presets.

@@ -329,8 +329,8 @@ def load_model_weights(model: nn.Module, path: str, assign: bool = False):
         model.load_state_dict(tensors, strict=True, assign=assign)
     except (KeyError, RuntimeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} does not match the model in config.json ({str(e).splitlines()[0]})") from None
-    if assign and getattr(model.config, "tie_embeddings", False):
-        model.lm_head.weight = model.embed.weight  # assign made two Parameters of one storage: tie them again
+    if assign and hasattr(model, "tie_weights"):
+        model.tie_weights()  # assign made one Parameter per name: tie the embeddings and shared layers (X@k) again
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, checkpoint_dir: str):

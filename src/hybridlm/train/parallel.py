@@ -86,6 +86,8 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
     if not dist.is_initialized():
         raise ConfigError(f"parallel {mode} on {world} ranks needs torch.distributed initialised (run under torchrun)")
     if mode == "fsdp":
+        if getattr(model, "_shared", None):   # one tensor in several per-block FSDP units cannot be sharded
+            raise ConfigError("parallel fsdp does not support weight-shared layers (X@k in the layout): use ddp")
         mp = _fully_shard(model, dtype)
         for n, p in model.named_parameters():
             if clean_name(n) in no_decay:

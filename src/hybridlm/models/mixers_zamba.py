@@ -1,0 +1,63 @@
+"""Zamba2's letter (transformers' Zamba2ForCausalLM; hf/convert_zamba2.py):
+
+    Z  the shared transformer block over concat(stream, embeddings) (layers/zamba.py). Its output feeds the next
+       letter's input instead of the stream, so a Z and the letter after it form one block
+       (causal_lm.fold_feeds -> layers/residual.Fed): out = x + S(norm(x + Z(x, e))). Zamba2's shared blocks are
+       `Z@0`, `Z@1`, ... (weight sharing, models/layout.py); the adapters and output projection stay per occurrence.
+"""
+from ..layers.zamba import ZambaBlock
+from .causal_lm import BLOCKS
+from .config import CONFIG_CHECKS
+from .registry import LETTERS, need, register
+
+
+def _validate_zamba(cfg):
+    need(cfg.n_heads >= 1 and cfg.kv_heads >= 1 and cfg.n_heads % cfg.kv_heads == 0,
+         f"n_heads ({cfg.n_heads}) must be a positive multiple of n_kv_heads ({cfg.kv_heads})")
+    need(cfg.head_dim is not None or (2 * cfg.d_model) % cfg.n_heads == 0,
+         f"Z: 2·d_model ({2 * cfg.d_model}) must be divisible by n_heads ({cfg.n_heads}), or set head_dim")
+    need(cfg.zamba_adapter_rank >= 0, f"zamba_adapter_rank must be >= 0, got {cfg.zamba_adapter_rank}")
+    need(not cfg.zamba_attn_adapter or cfg.zamba_adapter_rank >= 1,
+         "zamba_attn_adapter needs zamba_adapter_rank >= 1")
+    need(cfg.pos_embedding in ("rope", "none"), f"Z: pos_embedding must be rope or none, got {cfg.pos_embedding!r}")
+    hd = _head_dim(cfg)
+    need(cfg.pos_embedding != "rope" or hd % 2 == 0, f"Z: RoPE needs an even head_dim, got {hd}")
+    need(cfg.window is None, "Z: window (sliding attention) is not supported")
+
+
+def _head_dim(cfg) -> int:
+    return cfg.head_dim or 2 * cfg.d_model // cfg.n_heads
+
+
+def _zamba(cfg, idx):
+    hd = _head_dim(cfg)
+    return ZambaBlock(cfg.d_model, cfg.n_heads, cfg.kv_heads, hd, cfg.mlp_hidden or 4 * cfg.d_model, layer_idx=idx,
+                      act=cfg.mlp_act, mlp_bias=cfg.mlp_bias, adapter_rank=cfg.zamba_adapter_rank,
+                      attn_adapter=cfg.zamba_attn_adapter, rope_dim=hd if cfg.pos_embedding == "rope" else 0,
+                      rope_base=cfg.rope_base, norm_eps=cfg.norm_eps)
+
+
+_build_letter = BLOCKS["letter"]
+
+
+def _build_block(cfg, letter: str, idx: int):
+    """Z takes the raw stream (it norms concat(x, e) itself) and is added nowhere: no Residual around it."""
+    if letter == "Z":
+        return LETTERS["Z"].build(cfg.for_layer(idx), idx)
+    return _build_letter(cfg, letter, idx)
+
+
+def _check_feeds(cfg, items):
+    """Every Z is followed by a letter of its own (which its output feeds)."""
+    for i, it in enumerate(items):
+        if it == "Z":
+            nxt = items[i + 1] if i + 1 < len(items) else None
+            need(isinstance(nxt, str) and nxt != "Z",
+                 f"layout {cfg.layout!r}: each Z must be followed by a letter (not a block, another Z or the end): "
+                 "its output is added to that layer's input")
+
+
+register("Z", _zamba, token=True, validate=_validate_zamba,
+         doc="Zamba2 shared transformer over concat(stream, embeddings), output fed to the next letter's input")
+BLOCKS["letter"] = _build_block
+CONFIG_CHECKS.append(_check_feeds)

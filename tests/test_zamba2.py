@@ -1,0 +1,202 @@
+"""Zamba2: the `Z` letter (shared transformer over concat(stream, embeddings) feeding the next letter) and the
+converter from transformers' Zamba2ForCausalLM (logits within 1e-4 on perturbed random weights, padding, greedy
+generate, the directory conversion, the preset's twin, refused options)."""
+import pytest
+import torch
+
+from conftest import assert_close, decode_logits, padded_logits
+from hybridlm import CausalLM
+from hybridlm.errors import ConfigError
+from hybridlm.models import ModelConfig, presets
+
+V = 61
+SMALL = dict(d_model=32, n_heads=4, vocab_size=V, ssd_headdim=16, ssd_d_state=8, ssd_chunk_size=8, mlp_hidden=48,
+             mlp_act="gelu", max_seq_len=128, norm_eps=1e-5, zamba_adapter_rank=4, ssd_dt_limit=(1e-3, float("inf")))
+
+
+def zmodel(layout="S Z@0 S*2 Z@1 S Z@0 S", **kw):
+    torch.manual_seed(0)
+    m = CausalLM(ModelConfig(layout=layout, **{**SMALL, **kw}))
+    with torch.no_grad():                                   # the output projection and adapters start non-trivial
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m.eval()
+
+
+LETTER_CASES = {"rope-adapters": dict(zamba_attn_adapter=True), "nope-gqa": dict(pos_embedding="none", n_kv_heads=2)}
+
+
+@pytest.mark.parametrize("case", sorted(LETTER_CASES))
+def test_decode_equals_forward(case):
+    m = zmodel(**LETTER_CASES[case])
+    ids = torch.randint(0, V, (2, 19))
+    with torch.no_grad():
+        assert_close(decode_logits(m, ids, 7, 9), m(ids).logits, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_leaves_real_positions(side):
+    m = zmodel(zamba_attn_adapter=True)
+    ids, pad = torch.randint(0, V, (2, 13)), torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        assert_close(padded_logits(m, ids, pad, side), m(ids).logits, atol=2e-5, rtol=1e-5)
+
+
+def test_resets_equal_separate_runs():
+    m = zmodel(zamba_attn_adapter=True)
+    a, b = torch.randint(0, V, (1, 9)), torch.randint(0, V, (1, 12))
+    resets = torch.zeros(1, 21, dtype=torch.bool)
+    resets[0, 9] = True
+    with torch.no_grad():
+        got = m(torch.cat((a, b), 1), resets=resets).logits
+        assert_close(got[:, :9], m(a).logits, atol=2e-5)
+        assert_close(got[:, 9:], m(b).logits, atol=2e-5)
+
+
+def test_sharing_and_per_occurrence_parts():
+    m = zmodel(zamba_attn_adapter=True)
+    z0, z1, z2 = (b.feed for b in m.blocks if hasattr(b, "feed"))
+    assert z0.qkv.weight is z2.qkv.weight and z0.norm_in.weight is z2.norm_in.weight and z0.w_in.weight is z2.w_in.weight
+    assert z0.qkv.weight is not z1.qkv.weight
+    assert z0.proj.weight is not z2.proj.weight and z0.mlp_adapter.down.weight is not z2.mlp_adapter.down.weight
+    assert z0.qkv_adapters[0].up.weight is not z2.qkv_adapters[0].up.weight
+    assert (z0.layer_idx, z2.layer_idx) == (1, 6)             # own cache slots
+
+
+def test_z_output_feeds_the_next_input_not_the_stream():
+    """A Z whose output projection is zero leaves the model as if it were absent."""
+    m = zmodel()
+    plain = CausalLM(ModelConfig(layout="S S S S S", **SMALL)).eval()
+    ours = {k: v for k, v in m.state_dict().items() if ".feed." not in k}
+    plain.load_state_dict({k.replace(".block.", "."): v for k, v in ours.items()})
+    ids = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        for b in m.blocks:
+            if hasattr(b, "feed"):
+                b.feed.proj.weight.zero_()
+        assert_close(m(ids).logits, plain(ids).logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout, kw, msg", [
+    ("S Z", {}, "each Z must be followed by a letter"),
+    ("S Z Z S", {}, "each Z must be followed by a letter"),
+    ("S Z [RWM]", {}, "each Z must be followed by a letter"),
+    ("Z S", dict(n_heads=5), "2·d_model"),
+    ("Z S", dict(zamba_adapter_rank=0, zamba_attn_adapter=True), "zamba_attn_adapter needs zamba_adapter_rank"),
+    ("Z S", dict(pos_embedding="learned"), "pos_embedding"),
+])
+def test_impossible_configs_fail_at_config_time(layout, kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        ModelConfig(layout=layout, **{**SMALL, **kw})
+
+
+# --- transformers ------------------------------------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+from hybridlm.hf import config_from_transformers, from_transformers  # noqa: E402
+from hybridlm.hf.common import TWINS  # noqa: E402
+
+
+def zamba2(tie=True, types=("mamba", "hybrid", "mamba", "hybrid", "hybrid"), **kw):
+    base = dict(vocab_size=V, hidden_size=32, num_hidden_layers=len(types), layers_block_type=list(types),
+                mamba_d_state=8, n_mamba_heads=4, num_attention_heads=4, num_mem_blocks=2,
+                use_shared_attention_adapter=True, adapter_rank=4, intermediate_size=48, chunk_size=8,
+                use_mem_rope=True, tie_word_embeddings=tie, max_position_embeddings=128,
+                rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    base.update(kw)
+    torch.manual_seed(0)
+    m = transformers.Zamba2ForCausalLM(transformers.Zamba2Config(**base))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():                        # noise on every parameter (norms are ones, D ones, A_log arange)
+        for p in m.parameters():
+            p.add_((0.3 if p.dim() == 1 else 0.1) * torch.randn(p.shape, generator=g))
+    return m.eval()
+
+
+CASES = {
+    "tied-2blocks-adapters-rope": dict(),
+    "untied-1block": dict(tie=False, num_mem_blocks=1),
+    "gqa-norope-noattnadapter-bias": dict(num_key_value_heads=2, use_shared_attention_adapter=False,
+                                          use_mem_rope=False, add_bias_linear=True),
+    "groups-silu-3blocks": dict(mamba_ngroups=2, hidden_act="silu", num_mem_blocks=3,
+                                types=("hybrid", "mamba", "hybrid", "hybrid", "mamba", "hybrid")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match(case):
+    hf = zamba2(**CASES[case])
+    ours = from_transformers(hf)
+    ids = torch.randint(0, V, (2, 21))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_layouts():
+    assert config_from_transformers(zamba2().config).layout == "S Z@0 S*2 Z@1 S Z@0 S"
+    assert config_from_transformers(zamba2(tie=False).config).layout == "S Z S*2 Z S Z S"
+    assert config_from_transformers(transformers.Zamba2Config()).layout == \
+        "S*6 Z@0 S*6 Z@0 S*6 Z@0 S*6 Z@0 S*6 Z@0 S*6 Z@0 S*6 Z@0 S*5 Z@0 S*4 Z@0 S*3"
+
+
+def test_left_padding_matches():
+    hf = zamba2()
+    ours = from_transformers(hf)
+    ids = torch.randint(0, V, (3, 17))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :9] = 0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+        got = ours(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert (got[real] - ref[real]).abs().max().item() <= 1e-4
+
+
+def test_greedy_generate_matches():
+    hf = zamba2()
+    ours = from_transformers(hf)
+    ids = torch.randint(0, V, (2, 11))
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
+    assert torch.equal(ours.generate(ids, 8, temperature=0), ref)
+
+
+def test_directory_conversion_and_info(tmp_path, capsys):
+    from hybridlm.cli import main as cli
+    from hybridlm.train import load_checkpoint
+    hf = zamba2()
+    hf.save_pretrained(tmp_path / "hf")
+    assert cli(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    ours = load_checkpoint(str(tmp_path / "run"))[0].eval()
+    z = [b.feed for b in ours.blocks if hasattr(b, "feed")]
+    assert z[0].qkv.weight is z[2].qkv.weight                 # the shared block is one tensor again
+    ids = torch.randint(0, V, (2, 13))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
+    capsys.readouterr()
+    assert cli(["info", "--checkpoint", str(tmp_path / "run")]) == 0
+    assert "S Z@0 S*2 Z@1 S Z@0 S" in capsys.readouterr().out
+
+
+def test_twin_is_the_preset():
+    for d, n in ((64, 12), (128, 7)):
+        assert config_from_transformers(TWINS["zamba2"](d, n, 300, 512)) == \
+            presets.get("zamba2", d_model=d, n_layers=n, vocab_size=300, max_seq_len=512)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(use_long_context=True), "use_long_context"),
+    (dict(attention_dropout=0.1), "attention_dropout"),
+    (dict(hidden_act="gelu_new"), "hidden_act 'gelu_new'"),
+    (dict(rms_norm_eps=1e-6), "rms_norm_eps"),
+    (dict(num_key_value_heads=2), "use_shared_attention_adapter with num_key_value_heads"),
+    (dict(use_mem_rope=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+     "rope_type 'linear'"),
+])
+def test_refused_options_are_named(kw, msg):
+    base = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+                n_mamba_heads=4, num_attention_heads=4, use_shared_attention_adapter=True, adapter_rank=4)
+    with pytest.raises(ConfigError, match=msg):
+        config_from_transformers(transformers.Zamba2Config(**{**base, **kw}))
