@@ -201,3 +201,48 @@ def test_flex_cuda_grads(kind, dtype):
         grads.append([out] + [t.grad for t in ts])
     for a, b in zip(*grads):
         assert_close(a, b, tol, tol, msg=kind)
+
+
+MODELS = {   # layout, config: the layers whose masks reach flex (padding, windows, documents, the WM dt mask)
+    "A-window-gqa": ("(AM)*2", dict(window=5, n_kv_heads=2)),
+    "A-dt-keep-gqa": ("(AM)*2", dict(wm_dyn_mask="dt", wm_keep_window=4, n_kv_heads=2)),
+    "A-dt-keep-window": ("(AM)*2", dict(wm_dyn_mask="dt", wm_keep_window=3, window=6)),
+    "F-dt-keep": ("(FM)*2", dict(wm_dyn_mask="dt", wm_keep_window=5, wm_inner_topk=1, wm_inner_values=6,
+                                 wm_inner_dret=16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_models_with_flex_match_sdpa(case, monkeypatch):
+    """HYBRIDLM_FLEX=1 (flex on CPU for inference) changes no logit: packed documents, left padding, and a
+    chunked prefill + decode through the cache."""
+    from hybridlm import CausalLM, ModelConfig
+    layout, kw = MODELS[case]
+    m = CausalLM(ModelConfig(layout=layout, d_model=64, n_heads=4, vocab_size=97, max_seq_len=64, **kw)).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".A"):
+                p.add_(0.5 * torch.randn_like(p))       # off the neutral init: the dt bias matters
+    ids = torch.randint(0, 97, (2, 17))
+    resets = torch.zeros(2, 17, dtype=torch.bool)
+    resets[0, 6] = resets[1, 11] = True
+    mask = torch.ones(2, 17, dtype=torch.long)
+    mask[1, :4] = 0
+
+    def run():
+        with torch.no_grad():
+            cache = m.make_cache(2)
+            dec = [m(ids[:, :9], attention_mask=mask[:, :9], cache=cache).logits]
+            dec += [m(ids[:, t:t + 1], attention_mask=mask[:, t:t + 1], cache=cache).logits for t in range(9, 17)]
+            return [m(ids, resets=resets).logits, m(ids, attention_mask=mask).logits, torch.cat(dec, 1)]
+
+    monkeypatch.setenv("HYBRIDLM_FLEX", "0")
+    base = run()
+    monkeypatch.setenv("HYBRIDLM_FLEX", "1")
+    calls, real = [], flex.flex_attention
+    monkeypatch.setattr(flex, "flex_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    got = run()
+    assert calls and (not kw.get("wm_keep_window") or any(c.get("keep_topk") for c in calls))
+    for a, b, what in zip(got, base, ("documents", "padding", "decode")):
+        assert_close(a[mask.bool()] if what != "documents" else a, b[mask.bool()] if what != "documents" else b,
+                     2e-5, 2e-5, msg=f"{case} {what}")
