@@ -16,12 +16,15 @@ class SeqContext:
     resets     [B, T] bool or None: a packed document starts here; recurrent state and attention stop
                at the boundary.
     segment_ids ([B, T], [B, S]) or None: document index of queries/keys, derived from `resets`.
+    cache_pos  [1] long or None: static decode (one token): the cache slot it is written to; key_mask then
+               spans the whole preallocated cache [B, max_tokens] and hides the unwritten tail.
     """
     positions: Tensor
     pad_mask: Tensor | None = None
     key_mask: Tensor | None = None
     resets: Tensor | None = None
     segment_ids: tuple[Tensor, Tensor] | None = None
+    cache_pos: Tensor | None = None
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, dim: int, base: float) -> tuple[Tensor, Tensor]:
