@@ -21,6 +21,7 @@ SUITES["mla"] = "hybridlm.bench.mla_decode:run_suite"  # MLA latent cache size a
 SUITES["rodimus"] = "hybridlm.bench.rodimus:run_suite"  # GLA op speed, cache/latency vs context, vs Mamba-2
 SUITES["hf"] = "hybridlm.bench.hf_wrapper:run_suite"  # transformers generate() through HybridLMForCausalLM vs ours
 SUITES["twins"] = "hybridlm.bench.twins:run_suite"  # every public-hybrid preset vs its transformers twin, training
+SUITES["decode"] = "hybridlm.bench.decode_static:run_suite"  # decode ms/token, growing vs static step
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
