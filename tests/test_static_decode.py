@@ -59,7 +59,7 @@ def test_static_generation_batched_prompts(name):
     assert_batch_generates_like_single(m, torch.randint(0, 97, (1, 8)), torch.randint(0, 97, (1, 3)), 6)
 
 
-@pytest.mark.parametrize("name", ["transformer++", "cheems", "deepseek-sparse"])
+@pytest.mark.parametrize("name", ["transformer++", "cheems", "deepseek-sparse", "mamba2", "rodimus++"])
 def test_static_step_keeps_shapes_and_addresses(name):
     """Every cache tensor keeps its shape and storage from step to step; the step traces as one graph."""
     m = tiny(name)

@@ -164,9 +164,20 @@ class IndexerCache:
 
 @dataclass
 class RecurrentCache:
-    """Fixed-size state of a recurrent mixer: the short-conv tail [B, K-1, C] and the float32 state."""
+    """Fixed-size state of a recurrent mixer: the short-conv tail [B, K-1, C] and the float32 state.
+    Once `static` (static decoding), assigning a same-shaped new conv/state copies it into the existing tensor,
+    so the buffers a captured graph reads and writes keep their addresses while mixers keep rebinding."""
     conv: Tensor | None = None
     state: Tensor | None = None
+    static: bool = False
+
+    def __setattr__(self, name, value):
+        old = self.__dict__.get(name)
+        if self.__dict__.get("static") and isinstance(old, Tensor) and isinstance(value, Tensor) \
+                and old.shape == value.shape:
+            old.copy_(value)
+        else:
+            object.__setattr__(self, name, value)
 
     @property
     def nbytes(self) -> int:
@@ -220,6 +231,8 @@ class InferenceCache:
         for slot in self._slots():
             if isinstance(slot, KVCache):
                 slot.reserve(self.max_tokens)
+            elif isinstance(slot, RecurrentCache):
+                slot.static = True
         self.static_pos = torch.tensor([self.seen], dtype=torch.long, device=dev)
         self.static_mask = torch.zeros(self.batch_size, self.max_tokens, dtype=torch.bool, device=dev)
         self.static_mask[:, : self.seen] = True if self.key_mask is None else self.key_mask
