@@ -163,6 +163,8 @@ def test_dispatch_switch(monkeypatch):
     qg = q.clone().requires_grad_()
     attention(qg, k, v, **m).sum().backward()       # CPU flex has no backward: the SDPA path
     assert len(calls) == 1
+    attention(q[:, :1], k, v, key_mask=m["key_mask"], window=6)   # one query row (decoding): SDPA
+    assert len(calls) == 1
     monkeypatch.setenv("HYBRIDLM_FLEX", "0")
     attention(q, k, v, **m)
     assert len(calls) == 1

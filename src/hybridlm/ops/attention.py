@@ -8,8 +8,9 @@ the same packed document) and an additive float `bias` broadcastable to [B, Hq, 
 Rows with no visible key return 0.
 
 `attention` runs SDPA for the unmasked and the plain causal (T == S) cases, whose flash / memory-efficient kernels
-need no mask tensor at all; every other mask goes through flex_attention on CUDA (`ops/flex.py`: block masks, no
-[T, S] tensor; HYBRIDLM_FLEX=0 turns that off) and through SDPA with an explicit boolean mask on the CPU.
+need no mask tensor at all; every other mask over more than one query goes through flex_attention on CUDA
+(`ops/flex.py`: block masks, no [T, S] tensor; HYBRIDLM_FLEX=0 turns that off) and through SDPA with an explicit
+boolean mask on the CPU (and for one query row, where the mask is [B, 1, 1, S] anyway).
 """
 
 import torch

@@ -46,14 +46,18 @@ def flex_mode() -> str:
     return mode or "auto"
 
 
-def use_flex(*tensors: Tensor | None) -> bool:
-    """Whether attention over these tensors (q, k, v, biases) should go through flex_attention."""
+def use_flex(q: Tensor, k: Tensor, v: Tensor, *extra: Tensor | None) -> bool:
+    """Whether attention of q [B, T, Hq, D] over k, v (and `extra` inputs such as biases) goes through
+    flex_attention. One query row (T = 1, decoding) keeps SDPA: its mask [B, 1, 1, S] is no larger than a key
+    mask, and a per-step block mask would only add launches. Head dims over 256 (MLA's absorbed latent) keep
+    SDPA too: flex's Triton kernel holds a head in shared memory."""
     if not flex_available():
         return False
     mode = flex_mode()
-    if mode == "0":
+    if mode == "0" or q.shape[1] == 1 or max(q.shape[-1], v.shape[-1]) > 256:
         return False
-    dev = tensors[0].device.type
+    tensors = (q, k, v, *extra)
+    dev = q.device.type
     if dev == "cuda":
         return True
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
