@@ -6,11 +6,11 @@ import warnings
 import pytest
 import torch
 
+from conftest import assert_close
 from hybridlm.errors import ConfigError, InputError
 from hybridlm.ops import flex
 from hybridlm.ops.attention import attention, attention_ref
 from hybridlm.ops.wm import topk_key_mask
-from tests.conftest import assert_close
 
 pytestmark = [pytest.mark.skipif(not flex.flex_available(), reason="torch without flex_attention"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
