@@ -12,10 +12,11 @@ from torch import Tensor
 
 def _time_buffer(x: Tensor, cap: int) -> Tensor:
     """An empty buffer shaped like x [B, T, ...] with `cap` time steps. Per-head tensors [B, T, H, D] are stored
-    head-major ([B, H, cap, D] seen through a transposed view), so attention reads each head's keys contiguously."""
+    head-major ([B, H, cap, D] seen through a transposed view), so attention reads each head's keys contiguously.
+    Zeros, not garbage: the static decode step reads the unwritten tail too (masked, but NaN · 0 would be NaN)."""
     if x.dim() == 4:
-        return x.new_empty(x.shape[0], x.shape[2], cap, x.shape[3]).transpose(1, 2)
-    return x.new_empty(x.shape[0], cap, *x.shape[2:])
+        return x.new_zeros(x.shape[0], x.shape[2], cap, x.shape[3]).transpose(1, 2)
+    return x.new_zeros(x.shape[0], cap, *x.shape[2:])
 
 
 class KVCache:
@@ -42,6 +43,22 @@ class KVCache:
         self.v[:, self.length: need] = v
         self.length = need
         return self.k[:, :need], self.v[:, :need]
+
+    def reserve(self, n: int):
+        """Make the buffers hold at least n tokens (one reallocation at most)."""
+        if self.k is not None and self.k.shape[1] < n:
+            k_new, v_new = _time_buffer(self.k, n), _time_buffer(self.v, n)
+            k_new[:, : self.length] = self.k[:, : self.length]
+            v_new[:, : self.length] = self.v[:, : self.length]
+            self.k, self.v = k_new, v_new
+
+    def write(self, k: Tensor, v: Tensor, at: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Static decode: write one token k [B, 1, Hk, D], v [B, 1, Hk, Dv] at slot `at` ([1] long tensor) and return
+        the first n slots of the buffers whatever the length (fixed shapes; the caller masks the unwritten tail).
+        `length` is left to `InferenceCache.advance` (outside any compiled graph: no int to specialise on)."""
+        self.k.index_copy_(1, at, k)
+        self.v.index_copy_(1, at, v)
+        return self.k[:, :n], self.v[:, :n]
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +108,18 @@ class WindowKVCache:
         F = min(self.length, W)
         return self.k[:, :F], self.v[:, :F], (torch.arange(F, device=k.device) - self.length) % F
 
+    def write(self, k: Tensor, v: Tensor, at: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Static decode of token `at` ([1] long tensor): write it into the ring and return the window in
+        chronological order, keys/values [B, window, ...] and their key mask [B, window] (False before the first
+        token or on padding; `key_mask` [B, S] covers every token). Fixed shapes at every step."""
+        W = self.window
+        self.k.index_copy_(1, at % W, k)
+        self.v.index_copy_(1, at % W, v)
+        t = at - W + 1 + torch.arange(W, device=at.device)                 # the window's tokens, oldest first
+        slots = t % W
+        km = key_mask.index_select(1, t.clamp(min=0)) & (t >= 0)
+        return self.k.index_select(1, slots), self.v.index_select(1, slots), km
+
     @property
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
@@ -101,9 +130,13 @@ class LatentCache(KVCache):
     side by side in one buffer (the absorbed decode reads it as one key head without a copy), so a token costs
     (kv_lora_rank + rope_dim) × element size bytes per row."""
 
-    def update(self, latent: Tensor, k_rope: Tensor) -> Tensor:
-        """Append latent [B, T, R] and k_rope [B, T, rope]; return [latent | k_rope] of all tokens [B, S, R+rope]."""
-        return super().update(torch.cat((latent, k_rope), -1), latent[..., :0])[0]
+    def update(self, latent: Tensor, k_rope: Tensor, at: Tensor | None = None, n: int = 0) -> Tensor:
+        """Append latent [B, T, R] and k_rope [B, T, rope]; return [latent | k_rope] of all tokens [B, S, R+rope].
+        With `at` (static decode, see `KVCache.write`): write at that slot and return the first n slots."""
+        ck = torch.cat((latent, k_rope), -1)
+        if at is not None:
+            return self.write(ck, latent[..., :0], at, n)[0]
+        return super().update(ck, latent[..., :0])[0]
 
 
 class IndexerCache:
@@ -119,7 +152,9 @@ class IndexerCache:
             self.main = factory()
         return self.main
 
-    def update_keys(self, k: Tensor) -> Tensor:
+    def update_keys(self, k: Tensor, at: Tensor | None = None, n: int = 0) -> Tensor:
+        if at is not None:
+            return self.keys.write(k, k[..., :0], at, n)[0]
         return self.keys.update(k, k[..., :0])[0]
 
     @property
@@ -129,9 +164,20 @@ class IndexerCache:
 
 @dataclass
 class RecurrentCache:
-    """Fixed-size state of a recurrent mixer: the short-conv tail [B, K-1, C] and the float32 state."""
+    """Fixed-size state of a recurrent mixer: the short-conv tail [B, K-1, C] and the float32 state.
+    Once `static` (static decoding), assigning a same-shaped new conv/state copies it into the existing tensor,
+    so the buffers a captured graph reads and writes keep their addresses while mixers keep rebinding."""
     conv: Tensor | None = None
     state: Tensor | None = None
+    static: bool = False
+
+    def __setattr__(self, name, value):
+        old = self.__dict__.get(name)
+        if self.__dict__.get("static") and isinstance(old, Tensor) and isinstance(value, Tensor) \
+                and old.shape == value.shape:
+            old.copy_(value)
+        else:
+            object.__setattr__(self, name, value)
 
     @property
     def nbytes(self) -> int:
@@ -152,6 +198,8 @@ class InferenceCache:
         self.seen = 0
         self.key_mask: Tensor | None = None
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.static_pos: Tensor | None = None     # static decode: [1] long, the slot of the next token
+        self.static_mask: Tensor | None = None    # static decode: [B, max_tokens] bool, real tokens written so far
 
     def layer(self, idx: int, factory):
         """The slot of layer `idx`, created by `factory()` on first use."""
@@ -161,6 +209,54 @@ class InferenceCache:
             if self.max_tokens and isinstance(slot, KVCache):
                 slot.capacity = self.max_tokens
         return slot
+
+    def _slots(self):
+        for slot in self.layers:
+            if isinstance(slot, IndexerCache):
+                yield slot.keys
+                slot = slot.main
+            if slot is not None:
+                yield slot
+
+    def make_static(self):
+        """Switch to fixed-shape decoding (after the prefill): every K/V buffer is made `max_tokens` long, and the
+        write slot and the key mask become tensors updated in place, so one decode step has the same shapes and
+        buffer addresses every time (what CUDA graphs and torch.compile(mode="reduce-overhead") need)."""
+        from .errors import InputError
+        if not self.max_tokens:
+            raise InputError("static decoding needs a cache made with max_tokens (prompt + new tokens)")
+        if self.seen >= self.max_tokens:
+            raise InputError(f"the cache is full: {self.seen} of max_tokens {self.max_tokens} tokens seen")
+        dev = self.next_pos.device
+        for slot in self._slots():
+            if isinstance(slot, KVCache):
+                slot.reserve(self.max_tokens)
+            elif isinstance(slot, RecurrentCache):
+                slot.static = True
+        self.static_pos = torch.tensor([self.seen], dtype=torch.long, device=dev)
+        self.static_mask = torch.zeros(self.batch_size, self.max_tokens, dtype=torch.bool, device=dev)
+        self.static_mask[:, : self.seen] = True if self.key_mask is None else self.key_mask
+        if dev.type == "cuda":   # buffers mutated in place by a captured graph must keep their address
+            for t in self._static_tensors():
+                torch._dynamo.mark_static_address(t)
+
+    def _static_tensors(self):
+        yield from (self.static_pos, self.static_mask, self.next_pos)
+        for slot in self._slots():
+            for name in ("k", "v", "conv", "state"):
+                t = getattr(slot, name, None)
+                if isinstance(t, Tensor):
+                    yield t
+
+    def advance(self):
+        """Bookkeeping after a static decode step (host ints, kept out of the step so a compiled graph never
+        specialises on them): one more token seen in every slot."""
+        self.seen += 1
+        for slot in self._slots():
+            if hasattr(slot, "length"):
+                slot.length += 1
+        if self.key_mask is not None:
+            self.key_mask = self.static_mask[:, : self.seen]
 
     @property
     def nbytes(self) -> int:

@@ -18,6 +18,8 @@ class SeqContext:
     segment_ids ([B, T], [B, S]) or None: document index of queries/keys, derived from `resets`.
     embeddings [B, T, d] or None: the input of the first block (token embeddings after scale/norm/positions),
                set by CausalLM; Zamba2's shared blocks (`Z`) concatenate it to their input.
+    cache_pos  [1] long or None: static decode (one token): the cache slot it is written to; key_mask then
+               spans the whole preallocated cache [B, max_tokens] and hides the unwritten tail.
     """
     positions: Tensor
     pad_mask: Tensor | None = None
@@ -25,6 +27,7 @@ class SeqContext:
     resets: Tensor | None = None
     segment_ids: tuple[Tensor, Tensor] | None = None
     embeddings: Tensor | None = None
+    cache_pos: Tensor | None = None
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, dim: int, base: float) -> tuple[Tensor, Tensor]:

@@ -23,6 +23,7 @@ SUITES["rodimus"] = "hybridlm.bench.rodimus:run_suite"  # GLA op speed, cache/la
 SUITES["hf"] = "hybridlm.bench.hf_wrapper:run_suite"  # transformers generate() through HybridLMForCausalLM vs ours
 SUITES["twins"] = "hybridlm.bench.twins:run_suite"  # every public-hybrid preset vs its transformers twin, training
 SUITES["delta"] = "hybridlm.bench.delta_speed:run_suite"  # gated delta rule: chunked WY form vs token loop
+SUITES["decode"] = "hybridlm.bench.decode_static:run_suite"  # decode ms/token, growing vs static step
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:

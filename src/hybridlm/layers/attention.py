@@ -33,6 +33,12 @@ def cache_keys_values(attn: nn.Module, cache, k: Tensor, v: Tensor, ctx: SeqCont
     if cache is None:
         return k, v, True, window, ctx.key_mask
     slot = cache.layer(attn.layer_idx, KVCache if window is None else partial(WindowKVCache, window))
+    if ctx.cache_pos is not None:  # static decode: fixed shapes, the key mask hides what is not (yet) there
+        if window is None:
+            k, v = slot.write(k, v, ctx.cache_pos, ctx.key_mask.shape[1])
+            return k, v, False, None, ctx.key_mask
+        k, v, key_mask = slot.write(k, v, ctx.cache_pos, ctx.key_mask)
+        return k, v, False, None, key_mask
     causal, order = True, None
     if window is not None and k.shape[1] == 1 and ring_step:
         k, v, order = slot.step(k, v)

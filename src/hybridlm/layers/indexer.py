@@ -43,7 +43,8 @@ class LightningIndexer(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)               # half-split convention
         k = k.squeeze(2)
         if slot is not None:
-            k = slot.update_keys(k)                                               # [B, S, D]
+            n = ctx.key_mask.shape[1] if ctx.cache_pos is not None else 0
+            k = slot.update_keys(k, ctx.cache_pos, n)                             # [B, S, D]
         s = F.relu(torch.einsum("bthd,bsd->bths", q.float(), k.float())) * self.head_dim ** -0.5
         w = self.w(x).float() * self.n_heads ** -0.5
         idx = torch.einsum("bth,bths->bts", w, s)

@@ -81,7 +81,8 @@ class MLA(nn.Module):
             q_rope = apply_rope(q_rope, cos, sin, interleaved=self.rope_interleaved)
             k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.rope_interleaved).squeeze(2)
         if cache is not None:   # ck = [latent | roped key] of every token so far [B, S, R + rope]
-            ck = cache.layer(self.layer_idx, LatentCache).update(c, k_rope)
+            n = ctx.key_mask.shape[1] if ctx.cache_pos is not None else 0
+            ck = cache.layer(self.layer_idx, LatentCache).update(c, k_rope, ctx.cache_pos, n)
         else:
             ck = torch.cat((c, k_rope), -1)
         c, k_rope = ck[..., :R], ck[..., R:]

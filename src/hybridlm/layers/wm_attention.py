@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..context import SeqContext
+from ..ops import flex
 from ..ops.attention import attention, attention_mask
 from ..ops.wm import inner_function_values, topk_key_mask
 from .attention import cache_keys_values, norm_and_rope
@@ -102,6 +103,12 @@ class WMAttention(nn.Module):
                                                            ring_step=self.keep_window is None)
         if cache is not None and b is not None:
             v, b = v[..., :D], v[..., D]
+        if b is not None and flex.use_flex(q, k, v, b):
+            # flex_attention takes the per-key bias and the top-k selection as mask/score mods: no [B, H, T, S] bias
+            keep = self.keep_window if self.keep_window is not None and k.shape[1] > self.keep_window else None
+            y = flex.flex_attention(q, k, v, causal=causal, key_mask=key_mask, window=window,
+                                    segment_ids=ctx.segment_ids, key_bias=b, keep_topk=keep)
+            return self.drop(self.out(y.reshape(B, T, H * D)))
         bias = None if b is None else self._bias(b, T, causal, window, key_mask, ctx)
         y = attention(q, k, v, causal=causal, key_mask=key_mask, window=window, segment_ids=ctx.segment_ids,
                       bias=bias)

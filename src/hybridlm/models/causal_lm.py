@@ -307,6 +307,45 @@ class CausalLM(nn.Module):
             _COMPILED["decode"] = torch.compile(CausalLM._decode_step, dynamic=True)
         return partial(_COMPILED["decode"], self)
 
+    def _static_decode_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
+        """`_decode_step` with fixed shapes and buffer addresses (after `cache.make_static()`): the token is written
+        at slot `cache.static_pos` of the preallocated buffers, attention reads all max_tokens slots with the
+        static key mask hiding the unwritten tail, and the position, slot and mask advance in place. Host-side
+        counters are left to `cache.advance()`, so the graph is the same at every step. ids [B, 1] -> [B, V]."""
+        pos = cache.static_pos
+        cache.static_mask.index_fill_(1, pos, True)     # generated tokens are real
+        ctx = SeqContext(positions=cache.next_pos[:, None].clone(), key_mask=cache.static_mask, cache_pos=pos)
+        logits = self.lm_head(self._hidden(ids, ctx, cache)[:, -1])
+        cache.next_pos.add_(1)
+        pos.add_(1)
+        return logits
+
+    def static_decode_step(self, compile: bool = False):
+        """A decode function step(ids [B, 1], cache) -> logits [B, V] over fixed shapes (`_static_decode_step`).
+        `compile`: torch.compile it, with CUDA graphs (mode "reduce-overhead") on CUDA. The first call switches
+        the cache to static decoding (`InferenceCache.make_static`)."""
+        fn = partial(CausalLM._static_decode_step, self)
+        if compile:
+            cuda = self.embed.weight.device.type == "cuda"
+            if not cuda and cxx_compiler() is None:
+                raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile generates C++ "
+                                  "kernels): install g++ or clang++, or decode without compiling")
+            key = "static_cuda" if cuda else "static"
+            if key not in _COMPILED:
+                _COMPILED[key] = torch.compile(CausalLM._static_decode_step, dynamic=False,
+                                               mode="reduce-overhead" if cuda else None)
+            fn = partial(_COMPILED[key], self)
+
+        def step(ids: Tensor, cache: InferenceCache) -> Tensor:
+            if cache.static_pos is None:
+                cache.make_static()
+            if cache.seen >= cache.max_tokens:
+                raise InputError(f"the cache is full: max_tokens {cache.max_tokens}")
+            logits = fn(ids, cache)
+            cache.advance()
+            return logits.clone() if compile else logits   # a CUDA graph's output is overwritten by its next replay
+        return step
+
     def _aux_loss(self) -> Tensor | None:
         """Sum of auxiliary losses that mixers left in `.aux_loss` during this forward."""
         total = None
@@ -320,10 +359,11 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, attention_mask: Tensor | None = None, eos_token_id: int | None = None,
-               generator: torch.Generator | None = None, compile: bool = False):
+               generator: torch.Generator | None = None, compile: bool = False, static: bool | None = None):
         """Yield the next token ids [B] one step at a time (prefill once, then one-token decode). The cache is
         sized for prompt + max_new_tokens up front, so decode never reallocates it; `compile` runs the decode
-        step under torch.compile (see `compiled_decode_step`)."""
+        step under torch.compile (see `compiled_decode_step`). `static` decodes with fixed shapes over the whole
+        preallocated cache (`static_decode_step`); default: when compiling on CUDA, where it runs as a CUDA graph."""
         from .generation import sample_next
         if max_new_tokens < 0:
             raise InputError("max_new_tokens must be >= 0")
@@ -332,7 +372,12 @@ class CausalLM(nn.Module):
                              f"max_seq_len {self.config.max_seq_len}")
         cache = self.make_cache(input_ids.shape[0], max_tokens=input_ids.shape[1] + max_new_tokens)
         logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
-        step = self.compiled_decode_step() if compile else self._decode_step
+        if static is None:   # CUDA graphs need fixed shapes; on a CPU the growing cache is faster (README)
+            static = compile and input_ids.device.type == "cuda"
+        if static:
+            step = self.static_decode_step(compile)
+        else:
+            step = self.compiled_decode_step() if compile else self._decode_step
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for i in range(max_new_tokens):
             nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -347,9 +392,9 @@ class CausalLM(nn.Module):
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, *, attention_mask: Tensor | None = None,
                  eos_token_id: int | None = None, generator: torch.Generator | None = None,
-                 compile: bool = False) -> Tensor:
+                 compile: bool = False, static: bool | None = None) -> Tensor:
         """Prompt + new ids [B, T + n]. temperature 0 is greedy."""
         new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                attention_mask=attention_mask, eos_token_id=eos_token_id, generator=generator,
-                               compile=compile))
+                               compile=compile, static=static))
         return torch.cat([input_ids] + [t[:, None] for t in new], dim=1) if new else input_ids

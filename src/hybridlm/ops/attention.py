@@ -6,11 +6,18 @@ which is what a KV cache produces. Masks: `key_mask` [B, S] (True = real token),
 index p sees keys p - window < s <= p), `segment_ids` (q_seg [B, T], k_seg [B, S]: attend only within
 the same packed document) and an additive float `bias` broadcastable to [B, Hq, T, S].
 Rows with no visible key return 0.
+
+`attention` runs SDPA for the unmasked and the plain causal (T == S) cases, whose flash / memory-efficient kernels
+need no mask tensor at all; every other mask over more than one query goes through flex_attention on CUDA
+(`ops/flex.py`: block masks, no [T, S] tensor; HYBRIDLM_FLEX=0 turns that off) and through SDPA with an explicit
+boolean mask on the CPU (and for one query row, where the mask is [B, 1, 1, S] anyway).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import flex
 
 
 def attention_mask(T: int, S: int, *, causal: bool = True, window: int | None = None,
@@ -58,16 +65,21 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_m
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_mask: Tensor | None = None,
               window: int | None = None, bias: Tensor | None = None, scale: float | None = None,
               segment_ids: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """Same contract as `attention_ref`, computed by torch's scaled_dot_product_attention."""
+    """Same contract as `attention_ref`, computed by torch's scaled_dot_product_attention (or flex_attention: see
+    the module docstring)."""
     B, T, Hq, D = q.shape
     S, Hk = k.shape[1], k.shape[2]
     if causal and T == 1 and window is None:
         causal = False  # a single last query sees every key: skip building a mask (decode hot path)
+    plain_causal = causal and window is None and key_mask is None and segment_ids is None and bias is None
+    unmasked = not causal and window is None and key_mask is None and segment_ids is None and bias is None
+    if not (unmasked or (plain_causal and T == S)) and flex.use_flex(q, k, v, bias):
+        return flex.flex_attention(q, k, v, causal=causal, key_mask=key_mask, window=window, bias=bias,
+                                   scale=scale, segment_ids=segment_ids)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if Hq != Hk:  # SDPA's enable_gqa falls back to the math kernel on CPU; expanding is faster
         kt = kt.repeat_interleave(Hq // Hk, dim=1)
         vt = vt.repeat_interleave(Hq // Hk, dim=1)
-    plain_causal = causal and window is None and key_mask is None and segment_ids is None and bias is None
     if plain_causal and T == S:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         return out.transpose(1, 2)
