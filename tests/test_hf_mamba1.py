@@ -114,7 +114,7 @@ def test_config_mapping():
     assert config_from_transformers(jamba(num_hidden_layers=32, attn_layer_period=8, attn_layer_offset=4,
                                           expert_layer_period=2, expert_layer_offset=1).config
                                     ).layout == "(BM BO BM BO AM BO BM BO)*4"        # Jamba-v0.1's plan
-    assert config_from_transformers(jamba(num_hidden_layers=5).config).layout == "BO AM BO AM BO"
+    assert config_from_transformers(jamba(num_hidden_layers=5).config).layout == "(BO AM)*2 BO"
 
 
 @pytest.mark.parametrize("case", ["mamba-bias-untied-k3", "falcon-mamba", "jamba-moe-gqa"])

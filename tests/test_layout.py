@@ -80,3 +80,16 @@ def test_random_strings_parse_or_raise_config_error(text):
     except ConfigError:
         return
     assert all(isinstance(i, (str, tuple)) for i in out)
+
+
+def test_fold_layout_writes_what_parse_layout_reads_back():
+    from hybridlm.models.layout import fold_layout
+    from hybridlm.models.registry import LETTERS
+    cases = {("KM", "KO", "KO", "LO"): "KM (KO)*2 LO", tuple("SMSMSMSASMSM"): "(SM)*3 SA (SM)*2",
+             tuple(["GO", "GO", "GO", "AO"] * 12): "(GO GO GO AO)*12",
+             tuple((["S"] * 5 + ["Z@0", "S"] + ["S"] * 5 + ["Z@1", "S"]) * 2): "(S*5 Z@0 S*6 Z@1 S)*2"}
+    for tokens, want in cases.items():
+        got = fold_layout(list(tokens))
+        assert got == want
+        assert [str(x) for x in parse_layout(got, set(LETTERS))] == \
+            [str(x) for x in parse_layout(" ".join(tokens), set(LETTERS))]

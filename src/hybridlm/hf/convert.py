@@ -123,7 +123,7 @@ def config_from_transformers(hf_config, **overrides) -> ModelConfig:
 def to_state_dict(hf_model, **overrides) -> tuple[ModelConfig, dict[str, Tensor]]:
     """(ModelConfig, our state dict) for a transformers model, without building our model. The tensors
     share storage with the transformers model (detach/clone before changing either)."""
-    conv = _converter(hf_model)
+    _converter(hf_model)                                     # an unsupported class: one clear error
     cfg = config_from_transformers(hf_model.config, **overrides)
     sd = _Tensors({k: v.detach() for k, v in hf_model.state_dict().items()})
     return cfg, convert_weights(hf_model.config, sd, cfg)

@@ -5,6 +5,7 @@ z_loss_coefficient only adds a training loss term (logits are unchanged) and is 
 from torch import Tensor
 
 from ..models.config import ModelConfig
+from ..models.layout import fold_layout
 from .common import (TWINS, _activation, _copy, _fused_attention, _gated_mlp, _get, _head, _mamba2_fields,
                      _mamba2_mixer, _need, _rope_partial, _Tensors, _tied, register)
 
@@ -12,8 +13,8 @@ ARCH = "BambaForCausalLM"
 
 
 def bamba_layout(n_layers: int, attn: set[int]) -> str:
-    """The layout of n Bamba layers with attention at `attn`: e.g. "SM SM AM SM"."""
-    return " ".join(("A" if i in attn else "S") + "M" for i in range(n_layers))
+    """The layout of n Bamba layers with attention at `attn`: e.g. "(SM)*2 AM SM"."""
+    return fold_layout([("A" if i in attn else "S") + "M" for i in range(n_layers)])
 
 
 def bamba_config(hf) -> dict:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
+from ..models.layout import fold_layout
 from .common import (TWINS, _activation, _copy, _fused_attention, _get, _head, _mamba2_fields, _mamba2_mixer, _need,
                      _rope_partial, _routed_experts, _scaled, _Tensors, _tied, register)
 
@@ -38,7 +39,7 @@ def granite_config(hf) -> dict:
     head_dim = _get(hf, "head_dim") or hf.hidden_size // n_heads
     base, rope_dim = _rope_partial(ARCH, hf, head_dim) if pos == "rope" else (10000.0, None)
     fields = dict(
-        layout=" ".join(_MIXERS[t] + ("O" if experts else "M") for t in types), vocab_size=hf.vocab_size,
+        layout=fold_layout([_MIXERS[t] + ("O" if experts else "M") for t in types]), vocab_size=hf.vocab_size,
         d_model=hf.hidden_size, max_seq_len=int(_get(hf, "max_position_embeddings", 2048)), tie_embeddings=_tied(hf),
         norm="rms", norm_eps=float(hf.rms_norm_eps), pos_embedding="rope" if pos == "rope" else "none",
         embed_scale=float(_get(hf, "embedding_multiplier", 1.0)), n_heads=n_heads,

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
+from ..models.layout import fold_layout
 from .common import TWINS, _copy, _get, _rope_base, _Tensors, _tied, _unsupported, register
 
 ARCH = "Lfm2ForCausalLM"
@@ -27,18 +28,6 @@ def lfm2_mlp_width(hf) -> int:
     return width
 
 
-def compress(units: list[str]) -> str:
-    """["CM", "CM", "AM"] -> "(CM)*2 AM": runs of equal units as repeats."""
-    out, i = [], 0
-    while i < len(units):
-        j = i
-        while j < len(units) and units[j] == units[i]:
-            j += 1
-        out.append(units[i] if j - i == 1 else f"({units[i]})*{j - i}")
-        i = j
-    return " ".join(out)
-
-
 def lfm2_config(hf) -> dict:
     types = list(hf.layer_types)
     for t in types:
@@ -46,7 +35,7 @@ def lfm2_config(hf) -> dict:
             _unsupported(ARCH, f"layer type {t!r} (supported: {', '.join(_UNIT)})")
     d, heads = hf.hidden_size, hf.num_attention_heads
     return dict(
-        layout=compress([_UNIT[t] for t in types]), vocab_size=hf.vocab_size, d_model=d,
+        layout=fold_layout([_UNIT[t] for t in types]), vocab_size=hf.vocab_size, d_model=d,
         max_seq_len=int(_get(hf, "max_position_embeddings", 128_000)), tie_embeddings=_tied(hf), norm="rms",
         norm_eps=float(hf.norm_eps), pos_embedding="rope", n_heads=heads,
         n_kv_heads=_get(hf, "num_key_value_heads") or heads, head_dim=_get(hf, "head_dim") or d // heads,

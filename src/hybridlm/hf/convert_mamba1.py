@@ -8,12 +8,12 @@
 
 transformers' Mamba blocks keep the residual in float32 (`residual_in_fp32`); that matters only in half precision.
 """
-import math
 
 import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
+from ..models.layout import fold_layout
 from .common import TWINS, _activation, _copy, _fused_attention, _get, _head, _need, _Tensors, _tied, register
 
 # ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
@@ -80,13 +80,9 @@ JAMBA = "JambaForCausalLM"
 
 def jamba_layout(n: int, attn_period: int, attn_offset: int, expert_period: int, expert_offset: int,
                  moe: bool) -> str:
-    """Jamba's layer plan as a layout string, written as a repeated group when the plan repeats."""
-    pairs = [("A" if i % attn_period == attn_offset else "B") +
-             ("O" if moe and i % expert_period == expert_offset else "M") for i in range(n)]
-    p = math.lcm(attn_period, expert_period if moe else 1)
-    if n % p or n == p:
-        return " ".join(pairs)
-    return f"({' '.join(pairs[:p])})*{n // p}"
+    """Jamba's layer plan as a layout string, e.g. "(BM BO BM BO AM BO BM BO)*4" for the released 52B."""
+    return fold_layout([("A" if i % attn_period == attn_offset else "B") +
+                        ("O" if moe and i % expert_period == expert_offset else "M") for i in range(n)])
 
 
 def jamba_config(hf) -> dict:

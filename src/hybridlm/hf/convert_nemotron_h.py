@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
+from ..models.layout import fold_layout
 from .common import (TWINS, _activation, _copy, _fused_attention, _get, _head, _mamba2_fields, _mamba2_mixer, _need,
                      _routed_experts, _Tensors, register)
 
@@ -28,7 +29,7 @@ def nemotron_h_config(hf) -> dict:
         _need(float(_get(hf, name, 0) or 0) == 0, ARCH, name)
     n_heads = hf.num_attention_heads
     fields = dict(
-        layout="".join(LETTERS[t] for t in types), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
+        layout=fold_layout([LETTERS[t] for t in types]), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
         max_seq_len=int(_get(hf, "max_position_embeddings", 4096)), tie_embeddings=False, norm="rms",
         norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none", n_heads=n_heads,
         n_kv_heads=_get(hf, "num_key_value_heads") or n_heads, head_dim=_get(hf, "head_dim") or hf.hidden_size // n_heads,

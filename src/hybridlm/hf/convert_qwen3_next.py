@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
+from ..models.layout import fold_layout
 from .common import (TWINS, _activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need,
                      _rope_partial, _Tensors, _tied, register)
 
@@ -28,13 +29,6 @@ def _is_moe(hf, i: int) -> bool:
     return i not in only and (_get(hf, "num_experts", 0) or 0) > 0 and (i + 1) % step == 0
 
 
-def layout_of(blocks: list[str]) -> str:
-    """Layer strings (e.g. "GO") -> "(unit)*reps" with the shortest unit repeating exactly."""
-    n = len(blocks)
-    p = next(p for p in range(1, n + 1) if n % p == 0 and blocks == blocks[:p] * (n // p))
-    return f"({' '.join(blocks[:p])})*{n // p}"
-
-
 def qwen3_next_config(hf) -> dict:
     n = hf.num_hidden_layers
     types = list(_get(hf, "layer_types") or [])
@@ -48,7 +42,7 @@ def qwen3_next_config(hf) -> dict:
     head_dim = _get(hf, "head_dim") or hf.hidden_size // hf.num_attention_heads
     rope_base, rope_dim = _rope_partial(ARCH, hf, head_dim)
     fields = dict(
-        layout=layout_of(blocks), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
+        layout=fold_layout(blocks), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
         max_seq_len=int(_get(hf, "max_position_embeddings", 2048)), tie_embeddings=_tied(hf), norm="rms",
         norm_eps=float(hf.rms_norm_eps), pos_embedding="rope",
         n_heads=hf.num_attention_heads, n_kv_heads=_get(hf, "num_key_value_heads") or hf.num_attention_heads,

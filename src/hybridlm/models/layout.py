@@ -184,21 +184,27 @@ def flatten(items: list) -> list[str]:
     return out
 
 
-def fold_layout(tokens: list[str]) -> str:
-    """Per-layer tokens ("KM", "LO", ...) -> a layout string, the longest repeat at each point folded as (...)*n
-    (periods up to 8 tokens): ["KM", "KO", "KO", "LO"] -> "KM (KO)*2 LO". Converters use it to print layouts."""
+def fold_layout(tokens: list[str], max_period: int = 16, _inner: bool = False) -> str:
+    """Per-layer tokens ("KM", "LO", "S", "Z@0", ...) -> a layout string: at each point the repeat covering most
+    tokens (periods up to `max_period`, ties to the shorter) is written (...)*n; inside a repeated unit only runs of
+    one letter fold. ["KM", "KO", "KO", "LO"] -> "KM (KO)*2 LO", ["S"] * 5 + ["Z@0", "S"] -> "S*5 Z@0 S",
+    list("SMSMSA") -> "(SM)*2 SA". Converters and presets use it to write the layouts they build."""
+    letters = all(len(t) == 1 for t in tokens)             # one letter per layer: units written without spaces
     out, i = [], 0
     while i < len(tokens):
-        best = (1, 1)                                     # (period, repeats)
-        for p in range(1, 9):
-            r = 1
-            while tokens[i + r * p: i + (r + 1) * p] == tokens[i: i + p] and i + (r + 1) * p <= len(tokens):
-                r += 1
-            if r > 1 and p * r > best[0] * best[1]:
-                best = (p, r)
-        p, r = best
-        unit = " ".join(tokens[i: i + p])
-        out.append(unit if r == 1 else (f"({unit})*{r}" if p > 1 or len(unit) > 1 else f"{unit}*{r}"))
+        p, r = 1, 1                                       # best (period, repeats)
+        for q in range(1, 2 if _inner else max_period + 1):
+            n = 1
+            while tokens[i + n * q: i + (n + 1) * q] == tokens[i: i + q] and i + (n + 1) * q <= len(tokens):
+                n += 1
+            if n > 1 and q * n > p * r and (not _inner or len(tokens[i]) == 1):
+                p, r = q, n
+        unit = fold_layout(tokens[i: i + p], max_period, True) if p > 1 else tokens[i]
+        seg = unit if r == 1 else (f"{unit}*{r}" if len(unit) == 1 else f"({unit})*{r}")
+        if letters and out and r == 1 and p == 1 and "*" not in out[-1]:
+            out[-1] += seg                                # "S", "A" -> "SA"
+        else:
+            out.append(seg)
         i += p * r
     return " ".join(out)
 

@@ -11,6 +11,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 from .config import ModelConfig, check_fields
+from .layout import fold_layout
 
 
 @dataclass(frozen=True)
@@ -122,20 +123,14 @@ register("jamba", "Jamba: blocks of 8 layers, Mamba-1 (RMSNorm on dt/B/C) with a
 
 def zamba2_layout(hybrid: list[bool], blocks: int | None = 2) -> str:
     """One Mamba layer per entry of `hybrid`; a hybrid one is preceded by shared block Z@(k % blocks) (k counting hybrid
-    layers; blocks None: an unshared Z each). Runs of S are written S*n."""
+    layers; blocks None: an unshared Z each)."""
     tokens, k = [], 0
     for h in hybrid:
         if h:
             tokens.append("Z" if blocks is None else f"Z@{k % blocks}")
             k += 1
         tokens.append("S")
-    out = []
-    for t in tokens:
-        if t == "S" and out and out[-1].startswith("S"):
-            out[-1] = f"S*{int(out[-1][2:] or 1) + 1}"
-        else:
-            out.append(t)
-    return " ".join(out)
+    return fold_layout(tokens)
 
 
 register("zamba2", "Zamba2: Mamba-2 layers; every 6th also gets one of 2 alternating shared transformer blocks over "
@@ -198,7 +193,6 @@ for _name, (_gpt3_layers, _d) in {"125m": (12, 768), "350m": (24, 1024), "760m":
 # by the release's routed_scaling_factor 2.446); heads of 64 (the release: 32 heads of 128 at d 2304)
 def kimi_layout(n: int) -> str:
     """n layers, every 4th (1-based) MLA, the rest KDA; the first MLP dense, the rest routed MoE."""
-    from .layout import fold_layout
     return fold_layout([("L" if (i + 1) % 4 == 0 else "K") + ("M" if i == 0 else "O") for i in range(n)])
 
 
@@ -273,16 +267,8 @@ register("falcon-h1", "Falcon-H1: {attention ‖ Mamba-2} parallel blocks then S
 
 
 def _lfm2_layout(n: int) -> str:
-    """n LFM2 layers, every third one attention: "(CM)*2 AM (CM)*2 AM ..." (as hf/convert_lfm2.py writes it)."""
-    units = ["AM" if i % 3 == 2 else "CM" for i in range(n)]
-    out, i = [], 0
-    while i < n:
-        j = i
-        while j < n and units[j] == units[i]:
-            j += 1
-        out.append(units[i] if j - i == 1 else f"({units[i]})*{j - i}")
-        i = j
-    return " ".join(out)
+    """n LFM2 layers, every third one attention: "((CM)*2 AM)*k ..."."""
+    return fold_layout(["AM" if i % 3 == 2 else "CM" for i in range(n)])
 
 
 # LFM2 (transformers' Lfm2ForCausalLM; hf/convert_lfm2.py): gated short convolutions with attention every third layer
