@@ -47,11 +47,14 @@ def test_bad_shapes_argument():
         _args("--shapes", "4by512")
 
 
-def test_twins_bench_smoke():
-    """`hybridlm bench --suite twins` machinery: each preset against its transformers twin, same weights."""
+def test_twins_bench_smoke(tmp_path):
+    """`python -m hybridlm.bench.twins` (= `hybridlm bench --suite twins`): every preset against its transformers
+    twin on the same weights (build_twin checks their logits agree first), JSON and a markdown table."""
     pytest.importorskip("transformers")
-    from hybridlm.bench.twins import run
-    res = run(["transformer++", "mamba2"], d_model=32, n_layers=1, vocab_size=64, shapes=((1, 16),), repeats=1,
-              log=lambda *_: None)
-    assert {r["preset"] for r in res["train"]} == {"transformer++", "mamba2"}
-    assert all(r["ours_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 for r in res["train"])
+    from hybridlm.bench.twins import main, twins
+    out = tmp_path / "twins.json"
+    assert main(["--d-model", "64", "--layers", "2", "--vocab-size", "64", "--shapes", "1x16", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["train"]
+    assert {r["preset"] for r in rows} == set(twins()) and all(r["ours_tokens_per_s"] > 0 for r in rows)
+    assert "`zamba2` | `Zamba2ForCausalLM`" in (tmp_path / "twins.md").read_text()

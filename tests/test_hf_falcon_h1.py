@@ -7,14 +7,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hybridlm.cli import build_parser  # noqa: E402
 from hybridlm.errors import ConfigError  # noqa: E402
-from hybridlm.hf import from_transformers, to_state_dict  # noqa: E402
-from hybridlm.hf.common import TWINS  # noqa: E402
+from hybridlm.hf import to_state_dict  # noqa: E402
 from hybridlm.hf.convert import config_from_transformers  # noqa: E402
-from hybridlm.hf.directory import convert_from_hf  # noqa: E402
-from hybridlm.models import presets  # noqa: E402
-from hybridlm.train.checkpoint import load_checkpoint  # noqa: E402
+from hf_checks import (assert_directory_converts, assert_greedy_matches, assert_left_padding_matches,  # noqa: E402
+                       assert_logits_match, assert_twin_is_preset)
 
 VOCAB = 97
 MULTIPLIERS = dict(embedding_multiplier=1.7, lm_head_multiplier=0.6, mlp_multipliers=[0.8, 1.3], key_multiplier=0.7,
@@ -55,35 +52,15 @@ def max_diff(a, b):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match(case):
-    hf = falcon(**CASES[case])
-    ours = from_transformers(hf)
-    x = torch.randint(0, VOCAB, (2, 21))       # not a multiple of the chunk size
-    with torch.no_grad():
-        assert max_diff(ours(x).logits, hf(x).logits) <= 1e-4
+    assert_logits_match(falcon(**CASES[case]))
 
 
 def test_left_padding():
-    hf = falcon()
-    ours = from_transformers(hf)
-    x = torch.randint(0, VOCAB, (3, 17))
-    mask = torch.ones_like(x)
-    mask[0, :5] = 0
-    mask[2, :9] = 0
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(x, attention_mask=mask, position_ids=pos).logits
-        got = ours(x, attention_mask=mask).logits
-    real = mask.bool()
-    assert max_diff(got[real], ref[real]) <= 1e-4
+    assert_left_padding_matches(falcon(), pads=(5, 0, 9))
 
 
 def test_greedy_generate_matches():
-    hf = falcon(mamba_rms_norm=True)
-    ours = from_transformers(hf)
-    x = torch.randint(0, VOCAB, (2, 11))
-    with torch.no_grad():
-        ref = hf.generate(x, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(ours.generate(x, 6, temperature=0), ref)
+    assert_greedy_matches(falcon(mamba_rms_norm=True))
 
 
 def test_config_mapping_and_multipliers_folded():
@@ -110,21 +87,9 @@ def test_refused_options_name_themselves():
 
 
 def test_directory_conversion_and_info(tmp_path, capsys):
-    hf = falcon()
-    hf.save_pretrained(tmp_path / "hf")
-    ckpt = convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), dtype="float32")
-    ours = load_checkpoint(ckpt)[0].eval()
-    x = torch.randint(0, VOCAB, (2, 9))
-    with torch.no_grad():
-        assert max_diff(ours(x).logits, hf(x).logits) <= 1e-4
-    argv = ["info", "--checkpoint", ckpt, "--context", "8"]
-    args = build_parser(argv).parse_args(argv)
-    args.func(args)
-    assert "({AS}M)*2  (6 layers: 2 A, 2 M, 2 S)" in capsys.readouterr().out
+    assert_directory_converts(falcon(), tmp_path, capsys, "({AS}M)*2  (6 layers: 2 A, 2 M, 2 S)")
 
 
 @pytest.mark.parametrize("d,n", [(128, 2), (256, 3), (96, 1)])
 def test_preset_equals_its_twin(d, n):
-    twin = TWINS["falcon-h1"](d, n, 300, 512)
-    assert config_from_transformers(twin) == presets.get("falcon-h1", d_model=d, n_layers=n, vocab_size=300,
-                                                         max_seq_len=512)
+    assert_twin_is_preset("falcon-h1", d, n)

@@ -6,12 +6,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hybridlm.cli import main as cli  # noqa: E402
 from hybridlm.errors import ConfigError  # noqa: E402
-from hybridlm.hf import from_transformers, to_state_dict  # noqa: E402
-from hybridlm.hf.common import TWINS  # noqa: E402
+from hybridlm.hf import to_state_dict  # noqa: E402
 from hybridlm.hf.convert import config_from_transformers  # noqa: E402
-from hybridlm.models import presets  # noqa: E402
+from hf_checks import (assert_directory_converts, assert_greedy_matches, assert_left_padding_matches,  # noqa: E402
+                       assert_logits_match, assert_twin_is_preset)
 
 VOCAB = 97
 KKKL = ["linear_attention"] * 3 + ["full_attention"]
@@ -57,38 +56,17 @@ def ids(B=2, T=37, seed=1):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match(case):
-    hf = kimi(**CASES[case])
-    ours = from_transformers(hf)
-    x = ids()
-    with torch.no_grad():
-        ref, got = hf(x).logits, ours(x).logits
-    assert got.shape == ref.shape
-    assert (got - ref).abs().max().item() <= 1e-4
+    assert_logits_match(kimi(**CASES[case]), T=37)
 
 
 @pytest.mark.parametrize("case", ["dense", "moe-groups-shared"])
 def test_left_padding_matches(case):
-    hf = kimi(**CASES[case])
-    ours = from_transformers(hf)
-    x = ids(3, 20)
-    mask = torch.ones_like(x)
-    mask[0, :5] = 0
-    mask[2, :11] = 0
-    with torch.no_grad():
-        ref = hf(x, attention_mask=mask).logits
-        got = ours(x, attention_mask=mask).logits
-    real = mask.bool()
-    assert (got[real] - ref[real]).abs().max().item() <= 1e-4
+    assert_left_padding_matches(kimi(**CASES[case]), T=20, pads=(5, 0, 11), positions=False)
 
 
 @pytest.mark.parametrize("case", ["dense", "moe-groups-shared"])
 def test_greedy_generate_matches(case):
-    hf = kimi(**CASES[case])
-    ours = from_transformers(hf)
-    x = ids(B=2, T=15)
-    with torch.no_grad():
-        ref = hf.generate(x, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(ours.generate(x, 6, temperature=0), ref)
+    assert_greedy_matches(kimi(**CASES[case]), T=15)
 
 
 def test_config_mapping():
@@ -123,20 +101,8 @@ def test_unsupported_options_raise(kw, match):
 
 @pytest.mark.parametrize("n_layers", [1, 4, 8])
 def test_preset_twin(n_layers):
-    twin = TWINS["kimi-linear"](128, n_layers, 256, 512)
-    assert config_from_transformers(twin) == presets.get("kimi-linear", d_model=128, n_layers=n_layers,
-                                                         vocab_size=256, max_seq_len=512)
+    assert_twin_is_preset("kimi-linear", 128, n_layers, vocab_size=256)
 
 
 def test_directory_conversion_and_info(tmp_path, capsys):
-    from hybridlm.train.checkpoint import load_checkpoint
-    hf = kimi(**CASES["moe-groups-shared"])
-    hf.save_pretrained(tmp_path / "hf")
-    assert cli(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
-    ours, _ = load_checkpoint(str(tmp_path / "run"))
-    x = ids(2, 17)
-    with torch.no_grad():
-        assert (ours.eval()(x).logits - hf(x).logits).abs().max().item() <= 1e-4
-    capsys.readouterr()
-    assert cli(["info", "--checkpoint", str(tmp_path / "run")]) == 0
-    assert "KM (KO)*2 LO" in capsys.readouterr().out
+    assert_directory_converts(kimi(**CASES["moe-groups-shared"]), tmp_path, capsys, "KM (KO)*2 LO", T=17)

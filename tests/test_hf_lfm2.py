@@ -6,14 +6,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hybridlm.cli import build_parser  # noqa: E402
 from hybridlm.errors import ConfigError  # noqa: E402
-from hybridlm.hf import from_transformers, to_state_dict  # noqa: E402
-from hybridlm.hf.common import TWINS  # noqa: E402
+from hybridlm.hf import to_state_dict  # noqa: E402
 from hybridlm.hf.convert import config_from_transformers  # noqa: E402
-from hybridlm.hf.directory import convert_from_hf  # noqa: E402
-from hybridlm.models import presets  # noqa: E402
-from hybridlm.train.checkpoint import load_checkpoint  # noqa: E402
+from hf_checks import (assert_directory_converts, assert_greedy_matches, assert_left_padding_matches,  # noqa: E402
+                       assert_logits_match, assert_twin_is_preset)
 
 VOCAB = 97
 TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
@@ -49,35 +46,15 @@ def max_diff(a, b):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match(case):
-    hf = lfm2(**CASES[case])
-    ours = from_transformers(hf)
-    x = torch.randint(0, VOCAB, (2, 19))
-    with torch.no_grad():
-        assert max_diff(ours(x).logits, hf(x).logits) <= 1e-4
+    assert_logits_match(lfm2(**CASES[case]), T=19)
 
 
 def test_left_padding():
-    hf = lfm2()
-    ours = from_transformers(hf)
-    x = torch.randint(0, VOCAB, (3, 15))
-    mask = torch.ones_like(x)
-    mask[0, :4] = 0
-    mask[2, :9] = 0
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(x, attention_mask=mask, position_ids=pos).logits
-        got = ours(x, attention_mask=mask).logits
-    real = mask.bool()
-    assert max_diff(got[real], ref[real]) <= 1e-4
+    assert_left_padding_matches(lfm2(), T=15)
 
 
 def test_greedy_generate_matches():
-    hf = lfm2()
-    ours = from_transformers(hf)
-    x = torch.randint(0, VOCAB, (2, 10))
-    with torch.no_grad():
-        ref = hf.generate(x, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(ours.generate(x, 6, temperature=0), ref)
+    assert_greedy_matches(lfm2(), T=10)
 
 
 def test_config_mapping():
@@ -100,21 +77,9 @@ def test_refused_options_name_themselves():
 
 
 def test_directory_conversion_and_info(tmp_path, capsys):
-    hf = lfm2()
-    hf.save_pretrained(tmp_path / "hf")
-    ckpt = convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), dtype="float32")
-    ours = load_checkpoint(ckpt)[0].eval()
-    x = torch.randint(0, VOCAB, (2, 9))
-    with torch.no_grad():
-        assert max_diff(ours(x).logits, hf(x).logits) <= 1e-4
-    argv = ["info", "--checkpoint", ckpt, "--context", "8"]
-    args = build_parser(argv).parse_args(argv)
-    args.func(args)
-    assert "CM AM (CM)*2 AM  (10 layers: 2 A, 3 C, 5 M)" in capsys.readouterr().out
+    assert_directory_converts(lfm2(), tmp_path, capsys, "CM AM (CM)*2 AM  (10 layers: 2 A, 3 C, 5 M)")
 
 
 @pytest.mark.parametrize("d,n", [(128, 7), (256, 6), (64, 1)])
 def test_preset_equals_its_twin(d, n):
-    twin = TWINS["lfm2"](d, n, 300, 512)
-    assert config_from_transformers(twin) == presets.get("lfm2", d_model=d, n_layers=n, vocab_size=300,
-                                                         max_seq_len=512)
+    assert_twin_is_preset("lfm2", d, n)

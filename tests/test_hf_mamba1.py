@@ -6,12 +6,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hybridlm import presets  # noqa: E402
-from hybridlm.cli import main as cli  # noqa: E402
 from hybridlm.errors import ConfigError  # noqa: E402
-from hybridlm.hf import config_from_transformers, from_transformers, to_state_dict  # noqa: E402
-from hybridlm.hf.common import TWINS  # noqa: E402
-from hybridlm.train import load_checkpoint  # noqa: E402
+from hybridlm.hf import config_from_transformers, to_state_dict  # noqa: E402
+from hf_checks import (assert_directory_converts, assert_greedy_matches, assert_left_padding_matches,  # noqa: E402
+                       assert_logits_match, assert_twin_is_preset, max_diff)
 
 V = 61
 NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -66,41 +64,22 @@ LAYOUTS = {"mamba": "B*2", "mamba-bias-untied-k3": "B*2", "falcon-mamba": "B*2",
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match(case):
-    hf = CASES[case]()
-    ours = from_transformers(hf)
+    ours = assert_logits_match(CASES[case](), T=23)
     assert ours.config.layout == LAYOUTS[case]
-    x = torch.randint(0, V, (2, 23))
-    with torch.no_grad():
-        assert (ours(x).logits - hf(x).logits).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("case", ["mamba", "falcon-mamba", "jamba-moe-gqa"])
 def test_left_padding_matches(case):
     """transformers zeroes padded inputs before in_proj and after the conv; without in_proj biases its padded
     positions then leave no trace, as ours do (dt = 0 there)."""
-    hf = CASES[case]()
-    ours = from_transformers(hf)
-    x = torch.randint(0, V, (3, 17))
-    mask = torch.ones_like(x)
-    mask[0, :4] = 0
-    mask[2, :9] = 0
+    ours, x, got = assert_left_padding_matches(CASES[case](), positions=False)
     with torch.no_grad():
-        ref = hf(x, attention_mask=mask).logits
-        got = ours(x, attention_mask=mask).logits
-        alone = ours(x[2:, 9:]).logits
-    real = mask.bool()
-    assert (got[real] - ref[real]).abs().max().item() <= 1e-4
-    assert (got[2, 9:] - alone[0]).abs().max().item() <= 1e-4
+        assert max_diff(got[2, 9:], ours(x[2:, 9:]).logits[0]) <= 1e-4
 
 
 @pytest.mark.parametrize("case", ["mamba", "falcon-mamba", "jamba-moe-gqa"])
 def test_greedy_generate_matches(case):
-    hf = CASES[case]()
-    ours = from_transformers(hf)
-    x = torch.randint(0, V, (2, 9))
-    with torch.no_grad():
-        ref = hf.generate(x, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(ours.generate(x, 6, temperature=0), ref)
+    assert_greedy_matches(CASES[case](), T=9)
 
 
 def test_config_mapping():
@@ -119,20 +98,12 @@ def test_config_mapping():
 
 @pytest.mark.parametrize("case", ["mamba-bias-untied-k3", "falcon-mamba", "jamba-moe-gqa"])
 def test_convert_directory(case, tmp_path):
-    hf = CASES[case]()
-    hf.save_pretrained(tmp_path / "hf")
-    assert cli(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
-    ours, _ = load_checkpoint(str(tmp_path / "run"))
-    x = torch.randint(0, V, (2, 13))
-    with torch.no_grad():
-        assert (ours.eval()(x).logits - hf(x).logits).abs().max().item() <= 1e-4
+    assert_directory_converts(CASES[case](), tmp_path)
 
 
 @pytest.mark.parametrize("name", ["mamba", "jamba"])
 def test_twins_equal_presets(name):
-    twin = TWINS[name](64, 2, 100, 256)
-    assert config_from_transformers(twin) == presets.get(name, d_model=64, n_layers=2, vocab_size=100,
-                                                         max_seq_len=256)
+    assert_twin_is_preset(name, 64, 2, vocab_size=100, max_seq_len=256)
 
 
 def _with(cfg, **attrs):

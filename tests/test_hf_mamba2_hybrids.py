@@ -17,6 +17,7 @@ from hybridlm.hf import from_transformers, to_state_dict  # noqa: E402
 from hybridlm.hf.common import TWINS  # noqa: E402
 from hybridlm.hf.convert import config_from_transformers  # noqa: E402
 from hybridlm.models import CausalLM, ModelConfig  # noqa: E402
+from hf_checks import assert_greedy_matches, assert_left_padding_matches  # noqa: E402
 
 V = 97
 _NO_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -115,28 +116,12 @@ def test_dt_clamp_is_exercised():
 
 @pytest.mark.parametrize("case", ["bamba", "nemotron-h", "granite-moe-nope", "granite-dense-rope-untied"])
 def test_left_padding(case):
-    hf = CASES[case]()
-    ours = from_transformers(hf)
-    x = ids(3, 16)
-    mask = torch.ones_like(x)
-    mask[0, :4] = 0
-    mask[2, :9] = 0
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(x, attention_mask=mask, position_ids=pos).logits
-        got = ours(x, attention_mask=mask).logits
-    real = mask.bool()
-    assert (got[real] - ref[real]).abs().max().item() <= 1e-4
+    assert_left_padding_matches(CASES[case](), T=16)
 
 
 @pytest.mark.parametrize("case", ["bamba", "nemotron-h", "granite-moe-nope"])
 def test_greedy_generate_matches(case):
-    hf = CASES[case]()
-    ours = from_transformers(hf)
-    x = ids(2, 11)
-    with torch.no_grad():
-        ref = hf.generate(x, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(ours.generate(x, 6, temperature=0), ref)
+    assert_greedy_matches(CASES[case]())
 
 
 def test_layouts_and_options():

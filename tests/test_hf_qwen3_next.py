@@ -9,13 +9,10 @@ from conftest import decode_logits
 
 transformers = pytest.importorskip("transformers")
 
-from hybridlm import presets  # noqa: E402
-from hybridlm.cli import main as cli_main  # noqa: E402
 from hybridlm.errors import ConfigError  # noqa: E402
-from hybridlm.hf import from_transformers  # noqa: E402
-from hybridlm.hf.common import TWINS  # noqa: E402
 from hybridlm.hf.convert import config_from_transformers  # noqa: E402
-from hybridlm.train.checkpoint import load_checkpoint  # noqa: E402
+from hf_checks import (assert_directory_converts, assert_greedy_matches, assert_left_padding_matches,  # noqa: E402
+                       assert_logits_match, assert_twin_is_preset, max_diff)
 
 VOCAB = 97
 
@@ -47,24 +44,19 @@ CASES = {
 }
 
 
-def max_diff(a, b):
-    return (a - b).abs().max().item()
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match(case):
     hf = qwen3_next(**CASES[case])
-    ours = from_transformers(hf)
-    ids = torch.randint(0, VOCAB, (2, 37))
-    with torch.no_grad():
-        assert max_diff(ours(ids).logits, hf(ids).logits) <= 1e-4
-        if case == "groups-bias-tied":
+    ours = assert_logits_match(hf, T=37)
+    if case == "groups-bias-tied":
+        ids = torch.randint(0, VOCAB, (2, 37))
+        with torch.no_grad():
             assert max_diff(decode_logits(ours, ids, 20), ours(ids).logits) <= 1e-4
 
 
 def test_layouts():
     layout = {c: config_from_transformers(qwen3_next(**kw).config).layout for c, kw in CASES.items()}
-    assert layout == {"moe": "(GO GO GO AO)*1", "dense": "(GM GM GM AM)*1", "mixed-sparse-step": "(GM GO GM AM)*1",
+    assert layout == {"moe": "(GO)*3 AO", "dense": "(GM)*3 AM", "mixed-sparse-step": "GM GO GM AM",
                       "groups-bias-tied": "(GO AO)*3"}
     released = transformers.Qwen3NextConfig()   # the 80B-A3B defaults: 48 layers, full attention every 4th
     cfg = config_from_transformers(released)
@@ -73,40 +65,15 @@ def test_layouts():
 
 
 def test_left_padding():
-    hf = qwen3_next()
-    ours = from_transformers(hf)
-    ids = torch.randint(0, VOCAB, (3, 21))
-    mask = torch.ones_like(ids)
-    mask[0, :6] = 0
-    mask[2, :13] = 0
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-        got = ours(ids, attention_mask=mask).logits
-    real = mask.bool()
-    assert max_diff(got[real], ref[real]) <= 1e-4
+    assert_left_padding_matches(qwen3_next(), T=21, pads=(6, 0, 13))
 
 
 def test_greedy_generate_matches():
-    hf = qwen3_next(num_key_value_heads=1)
-    ours = from_transformers(hf)
-    ids = torch.randint(0, VOCAB, (2, 11))
-    with torch.no_grad():
-        ref = hf.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
-    assert torch.equal(ours.generate(ids, 8, temperature=0), ref)
+    assert_greedy_matches(qwen3_next(num_key_value_heads=1), n=8)
 
 
 def test_directory_conversion_and_info(tmp_path, capsys):
-    hf = qwen3_next(mlp_only_layers=[0])
-    hf.save_pretrained(tmp_path / "hf")
-    assert cli_main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
-    ours = load_checkpoint(str(tmp_path / "run"))[0].eval()
-    ids = torch.randint(0, VOCAB, (2, 13))
-    with torch.no_grad():
-        assert max_diff(ours(ids).logits, hf(ids).logits) <= 1e-4
-    capsys.readouterr()
-    assert cli_main(["info", "--checkpoint", str(tmp_path / "run"), "--context", "8"]) == 0
-    assert "(GM GO GO AO)*1" in capsys.readouterr().out
+    assert_directory_converts(qwen3_next(mlp_only_layers=[0]), tmp_path, capsys, "GM (GO)*2 AO")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -125,6 +92,4 @@ def test_unsupported_options_are_named(kw, match):
 
 def test_preset_twin_converts_to_the_preset():
     for d, n in ((128, 1), (256, 2)):
-        twin = TWINS["qwen3-next"](d, n, 300, 512)
-        assert config_from_transformers(twin) == presets.get("qwen3-next", d_model=d, n_layers=n, vocab_size=300,
-                                                              max_seq_len=512)
+        assert_twin_is_preset("qwen3-next", d, n)

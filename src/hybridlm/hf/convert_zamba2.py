@@ -122,7 +122,7 @@ register("zamba2", ARCH, zamba2_config, zamba2_weights)
 def zamba2_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
     """The transformers config of `presets.get("zamba2", d_model=..., n_layers=..., ...)`."""
     from transformers import Zamba2Config
-    types = ["hybrid" if i % 6 == 5 else "mamba" for i in range(n_layers)]
+    types = ["hybrid" if h else "mamba" for h in presets.zamba2_hybrid(n_layers)]
     return Zamba2Config(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, layers_block_type=types,
                         max_position_embeddings=max_seq_len, mamba_d_state=64, mamba_expand=2,
                         n_mamba_heads=2 * d_model // 64, chunk_size=64, num_attention_heads=8, intermediate_size=4 * d_model,

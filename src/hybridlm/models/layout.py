@@ -187,7 +187,7 @@ def flatten(items: list) -> list[str]:
 def fold_layout(tokens: list[str], max_period: int = 16, _inner: bool = False) -> str:
     """Per-layer tokens ("KM", "LO", "S", "Z@0", ...) -> a layout string: at each point the repeat covering most
     tokens (periods up to `max_period`, ties to the shorter) is written (...)*n; inside a repeated unit only runs of
-    one letter fold. ["KM", "KO", "KO", "LO"] -> "KM (KO)*2 LO", ["S"] * 5 + ["Z@0", "S"] -> "S*5 Z@0 S",
+    one token fold (of one letter, or of 4 or more). ["KM", "KO", "KO", "LO"] -> "KM (KO)*2 LO", ["S"] * 5 + ["Z@0", "S"] -> "S*5 Z@0 S",
     list("SMSMSA") -> "(SM)*2 SA". Converters and presets use it to write the layouts they build."""
     letters = all(len(t) == 1 for t in tokens)             # one letter per layer: units written without spaces
     out, i = [], 0
@@ -197,7 +197,7 @@ def fold_layout(tokens: list[str], max_period: int = 16, _inner: bool = False) -
             n = 1
             while tokens[i + n * q: i + (n + 1) * q] == tokens[i: i + q] and i + (n + 1) * q <= len(tokens):
                 n += 1
-            if n > 1 and q * n > p * r and (not _inner or len(tokens[i]) == 1):
+            if n > 1 and q * n > p * r and (not _inner or len(tokens[i]) == 1 or n >= 4):
                 p, r = q, n
         unit = fold_layout(tokens[i: i + p], max_period, True) if p > 1 else tokens[i]
         seg = unit if r == 1 else (f"{unit}*{r}" if len(unit) == 1 else f"({unit})*{r}")

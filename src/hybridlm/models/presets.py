@@ -121,6 +121,12 @@ register("jamba", "Jamba: blocks of 8 layers, Mamba-1 (RMSNorm on dt/B/C) with a
 # no RoPE in the shared attention); n counts Mamba layers, hf/convert_zamba2.py's twin builds the same model
 
 
+def zamba2_hybrid(n: int) -> list[bool]:
+    """Which of n Zamba2 layers are hybrid (get a shared block): every 6th, as released; the last one when n < 6, so
+    a small model still has its shared block."""
+    return [i % 6 == 5 or (n < 6 and i == n - 1) for i in range(n)]
+
+
 def zamba2_layout(hybrid: list[bool], blocks: int | None = 2) -> str:
     """One Mamba layer per entry of `hybrid`; a hybrid one is preceded by shared block Z@(k % blocks) (k counting hybrid
     layers; blocks None: an unshared Z each)."""
@@ -135,7 +141,7 @@ def zamba2_layout(hybrid: list[bool], blocks: int | None = 2) -> str:
 
 register("zamba2", "Zamba2: Mamba-2 layers; every 6th also gets one of 2 alternating shared transformer blocks over "
          "concat(stream, embeddings), with per-occurrence LoRA adapters, feeding that layer's input", 12,
-         lambda n: dict(layout=zamba2_layout([i % 6 == 5 for i in range(n)]), n_heads=8, n_kv_heads=lambda f: f["n_heads"],
+         lambda n: dict(layout=zamba2_layout(zamba2_hybrid(n)), n_heads=8, n_kv_heads=lambda f: f["n_heads"],
                         head_dim=lambda f: 2 * f["d_model"] // f["n_heads"], mlp_hidden=lambda f: 4 * f["d_model"],
                         mlp_act="gelu", pos_embedding="none", norm_eps=1e-5, tie_embeddings=True,
                         zamba_adapter_rank=lambda f: max(8, f["d_model"] // 16), ssd_dt_limit=(1e-3, float("inf"))))
