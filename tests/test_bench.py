@@ -1,12 +1,14 @@
-"""`hybridlm bench --compare-hf --quick`: runs in seconds and writes JSON of the documented shape."""
+"""`hybridlm bench --compare-hf --quick` and the preset instrument: run in seconds and write JSON of the documented
+shape."""
 import argparse
 import json
 
 import pytest
+import torch
 
-pytest.importorskip("transformers")
-
-from hybridlm.bench import run  # noqa: E402
+from hybridlm.bench import run
+from hybridlm.bench import throughput as tp
+from hybridlm.errors import ConfigError
 
 
 def _args(*argv):
@@ -16,6 +18,7 @@ def _args(*argv):
 
 
 def test_compare_hf_quick_writes_results(tmp_path, capsys):
+    pytest.importorskip("transformers")
     out = tmp_path / "bench" / "results.json"
     assert run.main(_args("--compare-hf", "--quick", "--out", str(out))) == 0
     res = json.loads(out.read_text())
@@ -58,3 +61,61 @@ def test_twins_bench_smoke(tmp_path):
     rows = json.loads(out.read_text())["train"]
     assert {r["preset"] for r in rows} == set(twins()) and all(r["ours_tokens_per_s"] > 0 for r in rows)
     assert "`zamba2` | `Zamba2ForCausalLM`" in (tmp_path / "twins.md").read_text()
+
+
+
+def test_instrument_bfloat16_autocast_records_device_and_dtype(tmp_path, capsys):
+    """`--dtype bfloat16` on the CPU (autocast works there): float32 weights, the settings name device and dtype,
+    MFU is against the bf16 matmul peak and no datasheet peak is known for a CPU."""
+    out = tmp_path / "mfu.json"
+    assert run.main(_args("--presets", "mamba2", "--quick", "--dtype", "bfloat16", "--shapes", "1x32",
+                          "--latency-contexts", "16", "--no-plot", "--out", str(out))) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"]["device"] == "cpu" and res["settings"]["dtype"] == "bfloat16"
+    assert res["device"]["dtype"] == "bfloat16" and res["device"]["nominal_peak_tflops"] is None
+    (row,) = res["train"]
+    assert row["train_tokens_per_s"] > 0 and row["train_mfu"] > 0 and row["train_mfu_nominal"] is None
+    assert res["latency"][0]["median_ms"] > 0
+    assert "bfloat16" in capsys.readouterr().out
+
+
+def test_train_step_runs_under_autocast():
+    """The step closures autocast to the asked dtype on the ids' device and leave the weights float32."""
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(4, 4)
+
+        def forward(self, ids, labels=None):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            y = self.w(ids.float())
+            return type("Out", (), {"loss": y.float().square().mean(), "logits": y})()
+
+    m, ids = Spy(), torch.ones(2, 4, dtype=torch.long)
+    tp.train_step(m, ids, torch.bfloat16)()
+    tp.forward_step(m, ids, torch.bfloat16)()
+    tp.train_step(m, ids)()
+    assert seen == [(True, torch.bfloat16), (True, torch.bfloat16), (False, seen[2][1])]
+    assert m.w.weight.dtype == torch.float32
+
+
+def test_instrument_cuda_without_cuda_is_one_clear_error(monkeypatch, tmp_path, capsys):
+    from hybridlm.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--presets", "mamba2", "--quick", "--device", "cuda", "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA is not available" in err[0] and "--device cuda" in err[0]
+    with pytest.raises(ConfigError, match="--device"):
+        run.main(_args("--compare-hf", "--quick", "--dtype", "bfloat16"))
+
+
+def test_nominal_peak_only_for_known_gpus_in_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    for name, dtype, want in (("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0), ("NVIDIA H200", torch.float16, 989.0),
+                              ("NVIDIA H100 PCIe", torch.bfloat16, 756.0), ("NVIDIA A100-SXM4-80GB", torch.bfloat16,
+                                                                            None),
+                              ("NVIDIA H100 80GB HBM3", torch.float32, None)):
+        assert tp.nominal_peak_tflops("cuda", dtype) == want, name
+    assert tp.nominal_peak_tflops("cpu", torch.bfloat16) is None

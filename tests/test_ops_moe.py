@@ -163,6 +163,16 @@ def test_expert_neurons_without_grad_and_float32():
     torch.testing.assert_close(y, expert_neurons_ref(x, down, up, ids, gates), rtol=1e-4, atol=1e-4)
 
 
+def test_expert_neurons_bf16_input_with_float32_tables():
+    """Under autocast x arrives in bf16 while the tables stay float32 (mixed-precision training of cheems)."""
+    x, down, up, ids, gates = (t.float() if t.is_floating_point() else t for t in _neuron_inputs())
+    xb = x.bfloat16().requires_grad_()
+    y = expert_neurons(xb, down, up, ids, gates)
+    y.sum().backward()
+    torch.testing.assert_close(y, expert_neurons_ref(xb.detach().float(), down, up, ids, gates), rtol=1e-4, atol=1e-4)
+    assert xb.grad.dtype == torch.bfloat16
+
+
 # --------------------------------------------------------------------------- routed experts
 
 

@@ -4,12 +4,15 @@ Presets are compared at the same number of token-mixer layers (`--layers N`: att
 layers; MLP/MoE letters are not counted) and either the same width (`--d-model`) or the same parameter count
 (`--params 10M`: the width is sized to it, within 10%). For every training shape B×T, all presets are timed
 interleaved in one loop (so ratios see the same machine load): forward+backward tokens/s and MFU against the
-best fp32 matmul peak measured in the same run (at the start, before each shape and at the end), forward tokens/s, eager and (with `--compile`) torch.compile'd; peak
-memory of one step in a fresh process (bench/memory.py). Then per-token decode latency and inference-state
-bytes against context length.
+best matmul peak of the same device and dtype measured in the same run (at the start, before each shape and at
+the end; on a known GPU also against the datasheet peak), forward tokens/s, eager and (with `--compile`)
+torch.compile'd; peak memory of one step in a fresh process (bench/memory.py). Then per-token decode latency and
+inference-state bytes against context length. `--device cuda --dtype bfloat16`: models are built in float32,
+moved to the GPU, and every step runs under autocast (float32 master weights, as mixed-precision training).
 """
 import torch
 
+from ..errors import ConfigError
 from ..models.config import ModelConfig
 from . import throughput as tp
 
@@ -30,68 +33,106 @@ def preset_config(name: str, *, layers: int, d_model: int | None, params: int | 
     return build(n, d_model or 256)
 
 
-def _timed_rows(models: dict, B: int, T: int, vocab: int, repeats: int, peak: float, mode: str, log) -> list[dict]:
-    ids = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(T))
+def device_dtype(s: dict) -> tuple[torch.device, torch.dtype]:
+    """Settings' "device" (cpu | cuda | cuda:N) and "dtype" (float32 | bfloat16 | float16), checked."""
+    if s.get("dtype", "float32") not in tp.DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(tp.DTYPES)}, got {s['dtype']!r}")
+    try:
+        device = torch.device(s.get("device", "cpu"))
+    except RuntimeError:
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {s['device']!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {s['device']!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {s['device']}: CUDA is not available here (torch {torch.__version__}, "
+                          f"{torch.cuda.device_count()} GPUs visible)")
+    return device, tp.DTYPES[s.get("dtype", "float32")]
+
+
+def _peak(device: torch.device, dtype: torch.dtype) -> float:
+    """One matmul peak reading, GFLOP/s, in the dtype the steps compute in."""
+    if device.type == "cuda":               # 1024³ matmuls leave an H100 partly idle and are launch-bound
+        return tp.matmul_peak_gflops(4096, dtype=dtype, device=device, calls=10)
+    return tp.matmul_peak_gflops(1024, dtype=dtype)
+
+
+def _timed_rows(models: dict, ids: torch.Tensor, repeats: int, dtype: torch.dtype, peak: float,
+                nominal: float | None, mode: str, log) -> list[dict]:
+    """All models timed interleaved on ids [B, T] (on their device); `nominal`: the datasheet peak, TFLOP/s."""
+    B, T = ids.shape
     for m in models.values():
         m.train()
-    train = tp.interleaved({n: tp.train_step(m, ids) for n, m in models.items()}, repeats)
+    train = tp.interleaved({n: tp.train_step(m, ids, dtype) for n, m in models.items()}, repeats)
     for m in models.values():
         m.eval()
-    fwd = tp.interleaved({n: tp.forward_step(m, ids) for n, m in models.items()}, repeats)
+    fwd = tp.interleaved({n: tp.forward_step(m, ids, dtype) for n, m in models.items()}, repeats)
     rows = []
     for n, m in models.items():
         tr, fw = tp.summary(train[n], B * T), tp.summary(fwd[n], B * T)
         flops = tp.train_flops_per_token(getattr(m, "_orig_mod", m), T)
         rows.append(dict(preset=n, mode=mode, batch=B, seq_len=T, train_tokens_per_s=tr["per_s"],
                          forward_tokens_per_s=fw["per_s"], train_mfu=tr["per_s"] * flops / (peak * 1e9),
-                         forward_mfu=fw["per_s"] * flops / 3 / (peak * 1e9), flops_per_token=flops,
-                         train_times_s=train[n], forward_times_s=fwd[n]))
-        log(f"  {n:16s} {mode:8s} {B}x{T}: fwd+bwd {tr['per_s']:9.0f} tok/s (MFU {rows[-1]['train_mfu']:.2f})  "
-            f"fwd {fw['per_s']:9.0f} tok/s")
+                         forward_mfu=fw["per_s"] * flops / 3 / (peak * 1e9),
+                         train_mfu_nominal=tr["per_s"] * flops / (nominal * 1e12) if nominal else None,
+                         forward_mfu_nominal=fw["per_s"] * flops / 3 / (nominal * 1e12) if nominal else None,
+                         flops_per_token=flops, train_times_s=train[n], forward_times_s=fwd[n]))
+        nom = f", {rows[-1]['train_mfu_nominal']:.2f} of nominal" if nominal else ""
+        log(f"  {n:16s} {mode:8s} {B}x{T}: fwd+bwd {tr['per_s']:9.0f} tok/s (MFU {rows[-1]['train_mfu']:.2f}{nom})"
+            f"  fwd {fw['per_s']:9.0f} tok/s")
     return rows
 
 
 def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
     """Settings `s`: layers, d_model, params, vocab_size, shapes, latency_contexts, latency_steps, repeats,
-    compile, memory, overrides. -> {"configs", "train", "memory", "latency", "matmul_peak_gflops"}."""
+    compile, memory, overrides, device, dtype. -> {"configs", "train", "memory", "latency", "matmul_peak_gflops",
+    "device"}."""
     from ..models.causal_lm import CausalLM
     from ..models.sizing import token_mixers
     from .memory import step_peak_bytes
-    peak = tp.matmul_peak_gflops()
-    log(f"matmul peak (fp32, 1024^3): {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
+    device, dtype = device_dtype(s)
+    if device.type == "cuda":           # throughput.now() and the memory probe read the current device
+        torch.cuda.set_device(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    nominal = tp.nominal_peak_tflops(device, dtype)
+    peak = _peak(device, dtype)
+    log(f"matmul peak ({s.get('dtype', 'float32')}, {where}): {peak:.1f} GFLOP/s"
+        + (f"; datasheet dense peak {nominal:.0f} TFLOP/s" if nominal else ""))
     max_len = max(max(T for _, T in s["shapes"]), max(s["latency_contexts"]) + s["latency_steps"] + 8)
-    out = {"configs": {}, "train": [], "memory": [], "latency": []}
+    out = {"configs": {}, "train": [], "memory": [], "latency": [],
+           "device": {"name": where, "dtype": s.get("dtype", "float32"), "nominal_peak_tflops": nominal}}
     cfgs, models = {}, {}
     for name in preset_names:
         cfg = preset_config(name, layers=s["layers"], d_model=s.get("d_model"), params=s.get("params"),
                             vocab_size=s["vocab_size"], max_seq_len=max_len, overrides=s.get("overrides", {}).get(name))
         torch.manual_seed(0)
-        cfgs[name], models[name] = cfg, CausalLM(cfg)
+        cfgs[name], models[name] = cfg, CausalLM(cfg).to(device)           # float32 master weights
         out["configs"][name] = {"config": cfg.to_dict(), "parameters": models[name].num_parameters(),
                                 "mixer_layers": token_mixers(cfg), "d_model": cfg.d_model}
         log(f"  {name:16s} {cfg.layout}: d_model {cfg.d_model}, {token_mixers(cfg)} mixer layers, "
             f"{models[name].num_parameters():,} parameters")
     peaks = [peak]
     for B, T in s["shapes"]:
-        peaks.append(tp.matmul_peak_gflops())
-        out["train"] += _timed_rows(models, B, T, s["vocab_size"], s["repeats"], peak, "eager", log)
+        peaks.append(_peak(device, dtype))
+        ids = torch.randint(0, s["vocab_size"], (B, T), generator=torch.Generator().manual_seed(T)).to(device)
+        out["train"] += _timed_rows(models, ids, s["repeats"], dtype, peak, nominal, "eager", log)
         if s.get("compile"):
             compiled = {n: torch.compile(m, dynamic=False) for n, m in models.items()}
-            out["train"] += _timed_rows(compiled, B, T, s["vocab_size"], s["repeats"], peak, "compiled", log)
+            out["train"] += _timed_rows(compiled, ids, s["repeats"], dtype, peak, nominal, "compiled", log)
         if s.get("memory"):
             # "train-full-logits": the same step with [tokens, vocab] logits materialised (the unfused LM head)
             for n, cfg in cfgs.items():
                 for step in ("train", "train-full-logits", "forward"):
-                    r = step_peak_bytes(cfg, B, T, train=step != "forward", full_logits=step == "train-full-logits")
+                    r = step_peak_bytes(cfg, B, T, train=step != "forward", full_logits=step == "train-full-logits",
+                                        device=str(device), dtype=s.get("dtype", "float32"))
                     out["memory"].append(dict(preset=n, batch=B, seq_len=T, step=step, **r))
                     log(f"  {n:16s} {B}x{T} {step:17s} peak {r['peak_bytes'] / 2**20:9.1f} MiB")
     for n, m in models.items():
         m.eval()
         for ctx in s["latency_contexts"]:
-            r = tp.decode_latency(m, ctx, steps=s["latency_steps"])
+            r = tp.decode_latency(m, ctx, steps=s["latency_steps"], dtype=dtype)
             out["latency"].append(dict(preset=n, **r))
             log(f"  {n:16s} decode after {ctx:6d} tokens: {r['median_ms']:.2f} ms/token, state {r['state_bytes']:,} B")
-    peaks.append(tp.matmul_peak_gflops())
+    peaks.append(_peak(device, dtype))
     for r in out["train"]:            # a loaded machine makes single peak readings low: MFU against the best one
         r["train_mfu"] *= peak / max(peaks)
         r["forward_mfu"] *= peak / max(peaks)
@@ -100,15 +141,19 @@ def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
 
 
 def format_table(res: dict) -> str:
-    lines = [f"{'preset':16s} {'mode':8s} {'shape':>8s} {'fwd+bwd tok/s':>14s} {'MFU':>5s} {'fwd tok/s':>10s} "
+    nominal = any(r.get("train_mfu_nominal") is not None for r in res["train"])   # a GPU with a datasheet peak
+    lines = [f"{'preset':16s} {'mode':8s} {'shape':>8s} {'fwd+bwd tok/s':>14s} {'MFU':>5s} "
+             + (f"{'nom.':>5s} " if nominal else "") + f"{'fwd tok/s':>10s} "
              f"{'peak MiB (fwd+bwd / with full logits / fwd)':>44s}"]
     mem = {(m["preset"], m["batch"], m["seq_len"], m["step"]): m["peak_bytes"] for m in res.get("memory", [])}
     for r in res["train"]:
         key = (r["preset"], r["batch"], r["seq_len"])
         pk = " / ".join(f"{mem[key + (k,)] / 2**20:.0f}" for k in ("train", "train-full-logits", "forward")) \
             if r["mode"] == "eager" and key + ("train",) in mem else "-"
+        nom = f"{r['train_mfu_nominal']:5.2f} " if nominal else ""
         lines.append(f"{r['preset']:16s} {r['mode']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>8s} "
-                     f"{r['train_tokens_per_s']:14.0f} {r['train_mfu']:5.2f} {r['forward_tokens_per_s']:10.0f} {pk:>44s}")
+                     f"{r['train_tokens_per_s']:14.0f} {r['train_mfu']:5.2f} {nom}{r['forward_tokens_per_s']:10.0f} "
+                     f"{pk:>44s}")
     lines.append("")
     lines.append(f"{'preset':16s} {'context':>8s} {'ms/token':>9s} {'state bytes':>14s}")
     for r in res["latency"]:

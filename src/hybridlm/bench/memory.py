@@ -10,7 +10,8 @@ peak resident size during the step minus the resident size before it: activation
 not the weights. CUDA: torch.cuda.max_memory_allocated over the step minus the allocation
 before it, in this process (the caching allocator makes that exact). A fresh process per case keeps one
 case's freed-but-cached memory from hiding the next one's peak; it sets the allocator as the `hybridlm` command
-does (hybridlm.cli.tune_allocator).
+does (hybridlm.cli.tune_allocator). `dtype` bfloat16/float16: the step runs under autocast (float32 weights),
+as `hybridlm bench --dtype` times it.
 """
 import json
 import os
@@ -21,6 +22,7 @@ import torch
 
 from ..errors import HybridLMError
 from ..models.config import ModelConfig
+from .throughput import DTYPES, precision
 
 
 def _rss_kib(field: str) -> int | None:
@@ -34,18 +36,20 @@ def _rss_kib(field: str) -> int | None:
     return None
 
 
-def _step(model, ids, train: bool, full_logits: bool = False):
+def _step(model, ids, train: bool, full_logits: bool = False, dtype: str = "float32"):
     if train:
-        model(ids, labels=ids, return_logits=full_logits).loss.backward()
+        with precision(ids.device.type, DTYPES[dtype]):
+            loss = model(ids, labels=ids, return_logits=full_logits).loss
+        loss.backward()
         for p in model.parameters():
             p.grad = None
     else:
-        with torch.inference_mode():
+        with torch.inference_mode(), precision(ids.device.type, DTYPES[dtype]):
             model(ids, logits_to_keep=1)
 
 
 def measure_here(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True, device: str = "cpu",
-                 full_logits: bool = False) -> dict:
+                 full_logits: bool = False, dtype: str = "float32") -> dict:
     """Peak bytes of one step measured in this process (call it in a fresh one on CPU). `full_logits`: the
     training step materialises [tokens, vocab] logits (the unfused head + loss) instead of the chunked loss."""
     import gc
@@ -56,14 +60,14 @@ def measure_here(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True,
     model = CausalLM(cfg).to(device).train(train)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
     if device.startswith("cuda"):
-        _step(model, ids, train, full_logits)                       # warm-up; the caching allocator keeps it
+        _step(model, ids, train, full_logits, dtype)                # warm-up; the caching allocator keeps it
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        _step(model, ids, train, full_logits)
+        _step(model, ids, train, full_logits, dtype)
         torch.cuda.synchronize()
         return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "method": "cuda.max_memory_allocated"}
-    _step(model, ids[:1, :8], train, full_logits)                   # one-time set-up, ~no memory
+    _step(model, ids[:1, :8], train, full_logits, dtype)            # one-time set-up, ~no memory
     gc.collect()
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -74,18 +78,18 @@ def measure_here(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True,
     before = _rss_kib("VmRSS")
     if before is None:                                              # no /proc: resource only (KiB on Linux)
         before, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "ru_maxrss delta"
-    _step(model, ids, train, full_logits)
+    _step(model, ids, train, full_logits, dtype)
     peak = _rss_kib("VmHWM") if method.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_bytes": max(0, peak - before) * 1024, "method": method}
 
 
 def step_peak_bytes(cfg: ModelConfig, batch: int, seq_len: int, train: bool = True, device: str = "cpu",
-                    threads: int | None = None, full_logits: bool = False) -> dict:
+                    threads: int | None = None, full_logits: bool = False, dtype: str = "float32") -> dict:
     """measure_here in a fresh Python process (CPU) or in this one (CUDA). -> {"peak_bytes", "method"}."""
     if device.startswith("cuda"):
-        return measure_here(cfg, batch, seq_len, train, device, full_logits)
+        return measure_here(cfg, batch, seq_len, train, device, full_logits, dtype)
     job = json.dumps({"config": cfg.to_dict(), "batch": batch, "seq_len": seq_len, "train": train,
-                      "full_logits": full_logits,
+                      "full_logits": full_logits, "dtype": dtype,
                       "threads": threads or torch.get_num_threads()})
     proc = subprocess.run([sys.executable, "-m", "hybridlm.bench.memory"], input=job, capture_output=True, text=True,
                           env=dict(os.environ))
@@ -101,5 +105,5 @@ if __name__ == "__main__":
     job = json.loads(sys.stdin.read())
     torch.set_num_threads(job["threads"])
     res = measure_here(ModelConfig.from_dict(job["config"]), job["batch"], job["seq_len"], job["train"],
-                       full_logits=job.get("full_logits", False))
+                       full_logits=job.get("full_logits", False), dtype=job.get("dtype", "float32"))
     print(json.dumps(res))

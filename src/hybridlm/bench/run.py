@@ -6,6 +6,7 @@ Results go to stdout as a table and to a JSON file, with PNG plots next to it.
     hybridlm bench --compare-hf --quick         # tiny smoke version (seconds)
     hybridlm bench --presets transformer++,mamba2,rodimus --params 10M --layers 4 --shapes 4x512,1x16384
     hybridlm bench --presets mamba2 --vocab-size 32768 --shapes 1x16384 --memory   # training-step peak memory
+    hybridlm bench --presets mamba2,rodimus --params 125M --layers 24 --shapes 8x2048 --device cuda --dtype bfloat16
     hybridlm bench --kernels                    # our Triton SSD / GLA kernels vs mamba_ssm / FLA (CUDA)
 """
 import argparse
@@ -72,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="size every preset's width to this many parameters (e.g. 10M; within 10%%) instead of "
                         "--d-model")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd forward and forward+backward")
+    p.add_argument("--device", default="cpu", help="without --compare-hf: cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="without --compare-hf: bfloat16/float16 run every step under autocast (float32 weights, "
+                        "as mixed-precision training); MFU is against the matmul peak in this dtype")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                    help="peak memory of each step in a fresh process (default on; off with --quick)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default 8192; quick 512)")
@@ -115,6 +120,7 @@ def _settings(args) -> dict:
         s.pop("context", None), s.pop("new_tokens", None)
         s["compile"] = args.compile
         s["params"] = args.params
+        s["device"], s["dtype"] = args.device, args.dtype
         if args.params:
             s["d_model"] = None
         if args.memory is not None:
@@ -221,9 +227,11 @@ def main(args) -> int:
             json.dump(res, f, indent=2, default=str)
         print(f"results: {args.out}")
         return 0
-    if args.compare_hf and (args.params or args.compile or args.memory):
+    if args.compare_hf and (args.params or args.compile or args.memory or args.device != "cpu"
+                            or args.dtype != "float32"):
         from ..errors import ConfigError
-        raise ConfigError("--params, --compile and --memory apply to the preset instrument, not to --compare-hf")
+        raise ConfigError("--params, --compile, --memory, --device and --dtype apply to the preset instrument, "
+                          "not to --compare-hf")
     settings = _settings(args)
     log = print
     if args.compare_hf:

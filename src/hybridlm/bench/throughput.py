@@ -1,9 +1,10 @@
 """Timing utilities: interleaved repeats with medians, forward+backward and decode throughput, decode
-latency against context length, and the machine's fp32 matmul peak measured in the same run.
+latency against context length, and the machine's matmul peak (any device and dtype) measured in the same run.
 
 Everything here works for any causal LM whose call returns an object with `.logits` and `.loss` (ours and
 transformers'); the `kind` argument only picks how a decode step is driven.
 """
+import contextlib
 import gc
 import statistics
 import time
@@ -56,31 +57,59 @@ def summary(times: list[float], work: float) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # matmul peak
 
-def matmul_peak_gflops(n: int = 1024, repeats: int = 5, dtype=torch.float32) -> float:
-    """Best observed GFLOP/s of an n×n×n matmul (2n³ flops): the machine's practical peak right now."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    c = torch.empty(n, n, dtype=dtype)
-    torch.mm(a, b, out=c)
-    best = min(timed(lambda: torch.mm(a, b, out=c)) for _ in range(repeats))
-    return 2 * n ** 3 / best / 1e9
+def matmul_peak_gflops(n: int = 1024, repeats: int = 5, dtype=torch.float32, device="cpu", calls: int = 1) -> float:
+    """Best observed GFLOP/s of `calls` back-to-back n×n×n matmuls (2n³ flops each): the device's practical peak
+    right now. On a GPU use a large n and several calls, so that launch and synchronisation cost is hidden."""
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    c = torch.empty(n, n, dtype=dtype, device=device)
+
+    def run():
+        for _ in range(calls):
+            torch.mm(a, b, out=c)
+    run()
+    best = min(timed(run) for _ in range(repeats))
+    return 2 * n ** 3 * calls / best / 1e9
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dense (no sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s; first name match wins
+NOMINAL_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0))
+
+
+def nominal_peak_tflops(device, dtype) -> float | None:
+    """The datasheet's dense peak for a known GPU in bf16/fp16, else None (CPUs, fp32, unlisted GPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((t for key, t in NOMINAL_TFLOPS if key in name), None)
+
+
+def precision(device_type: str, dtype=None):
+    """Mixed precision as real training runs it: float32 weights, autocast to bf16/fp16 (None or float32: off)."""
+    if dtype in (None, torch.float32):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
 # step closures
 
-def train_step(model, ids: Tensor) -> Callable[[], None]:
-    """forward with labels + backward (no optimizer); gradients are dropped after each call."""
+def train_step(model, ids: Tensor, dtype=None) -> Callable[[], None]:
+    """forward with labels + backward (no optimizer; fp16 without a loss scaler) on ids' device, under autocast to
+    `dtype` if given; gradients are dropped after each call."""
     def step():
-        out = model(ids, labels=ids)
+        with precision(ids.device.type, dtype):
+            out = model(ids, labels=ids)
         out.loss.backward()
         for p in model.parameters():
             p.grad = None
     return step
 
 
-def forward_step(model, ids: Tensor) -> Callable[[], None]:
+def forward_step(model, ids: Tensor, dtype=None) -> Callable[[], None]:
     def step():
-        with torch.inference_mode():
+        with torch.inference_mode(), precision(ids.device.type, dtype):
             model(ids)
     return step
 
@@ -104,15 +133,17 @@ def hf_generate(model, ids: Tensor, new_tokens: int) -> Callable[[], Tensor]:
 
 
 def decode_latency(model, context: int, steps: int = 16, *, vocab_size: int | None = None, batch: int = 1,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, dtype=None) -> dict:
     """Our model: prefill `context` tokens into a cache, then time `steps` single-token decode steps
-    (each timed separately). Returns {"context", "median_ms", "min_ms", "steps", "state_bytes"}."""
+    (each timed separately), on the model's device, under autocast to `dtype` if given.
+    Returns {"context", "median_ms", "min_ms", "steps", "state_bytes"}."""
     V = vocab_size or model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (batch, context), generator=g)
+    device = model.embed.weight.device
+    ids = torch.randint(0, V, (batch, context), generator=g).to(device)
     cache = model.make_cache(batch)
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), precision(device.type, dtype):
         logits = model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
         for _ in range(steps + 2):
             nxt = logits.argmax(-1, keepdim=True)

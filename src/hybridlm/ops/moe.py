@@ -259,7 +259,8 @@ def expert_neurons(
         from .triton import expert_neurons_triton
         return expert_neurons_triton(x, down_weight, up_weight, expert_ids, gates, act=act, scale=scale)
     pairs = _Pairs(expert_ids, down_weight.shape[0])
-    h = _PairProduct.apply(down_weight, x.contiguous(), pairs, "c")  # [P]
+    # under autocast x arrives in bf16/fp16 next to float32 tables; embedding_bag needs one dtype: the tables'
+    h = _PairProduct.apply(down_weight, x.to(down_weight.dtype).contiguous(), pairs, "c")  # [P]
     if scale is not None:
         h = h * scale.reshape(-1).to(h.dtype)
     s = act(h)  # small [P] ops: plain autograd handles them
