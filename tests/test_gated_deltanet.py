@@ -127,8 +127,8 @@ def test_impossible_sizes_fail_at_config_time():
 
 
 def test_preset_builds_and_decodes():
-    cfg = presets.get("qwen3-next", n_layers=1, d_model=128, vocab_size=61)
-    assert cfg.layout == "(GO GO GO AO)*1" and cfg.rope_dim == 16 and cfg.gdn_v_heads == 2
+    cfg = presets.get("qwen3-next", n_layers=4, d_model=128, vocab_size=61)
+    assert cfg.layout == "(GO)*3 AO" and cfg.rope_dim == 16 and cfg.gdn_v_heads == 2
     torch.manual_seed(0)
     m = CausalLM(cfg.replace(gdn_chunk_size=8)).eval()
     ids = torch.randint(0, 61, (1, 19))

@@ -91,5 +91,5 @@ def test_unsupported_options_are_named(kw, match):
 
 
 def test_preset_twin_converts_to_the_preset():
-    for d, n in ((128, 1), (256, 2)):
+    for d, n in ((128, 4), (256, 8), (128, 2)):
         assert_twin_is_preset("qwen3-next", d, n)

@@ -13,10 +13,17 @@ TINY = dict(d_model=64, n_heads=4, vocab_size=97, ssd_headdim=16, ssd_d_state=16
             rodimus_d_state=16, swa_window=8, mlp_hidden=None, mamba1_d_state=4)
 
 
+def _letters(cfg) -> set[str]:
+    return {c for c in cfg.layout if c.isalpha()}
+
+
 def tiny(name: str, **kw) -> CausalLM:
     n = 2 if presets.PRESETS[name].n_layers < 10 else 10
     if token_mixers(presets.get(name, n_layers=1, **{**TINY, **kw})) >= 4:
         n = 1                                   # one repeat unit already has several mixers (Jamba's 8 layers)
+    full = _letters(presets.get(name, **{**TINY, **kw}))
+    while _letters(presets.get(name, n_layers=n, **{**TINY, **kw})) != full:
+        n += 1                                  # every letter of the preset (Bamba's attention is its 3rd layer)
     cfg = presets.get(name, n_layers=n, **{**TINY, **kw})
     return CausalLM(cfg).eval()
 

@@ -108,11 +108,11 @@ def qwen3_next_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 
 
 def qwen3_next_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
-    """The transformers config of presets.get("qwen3-next", d_model=..., n_layers=...): n_layers units of 3 G + 1 A."""
+    """The transformers config of presets.get("qwen3-next", d_model=..., n_layers=...): every 4th layer attention."""
     from transformers import Qwen3NextConfig
     hk = max(1, d_model // 128)
     return Qwen3NextConfig(
-        vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=4 * n_layers, max_position_embeddings=max_seq_len,
+        vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, max_position_embeddings=max_seq_len,
         num_attention_heads=2 * max(1, d_model // 128), num_key_value_heads=2, head_dim=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
         linear_num_key_heads=hk, linear_num_value_heads=2 * hk, linear_key_head_dim=64, linear_value_head_dim=64,

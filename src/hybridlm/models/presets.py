@@ -221,10 +221,12 @@ register("kimi-linear", "Kimi-Linear: 3 Kimi Delta Attention : 1 NoPE MLA, first
                         moe_router="sigmoid", moe_router_bias=True, moe_scale=2.446))
 # Qwen3-Next (transformers' Qwen3NextForCausalLM, converter hf/convert_qwen3_next.py): the released 3:1 pattern of
 # Gated DeltaNet and gated attention (q/k norm, a quarter of each head rotated), every layer a routed MoE with a gated
-# shared expert; heads of 64 here (released: 128 for G, 256 for A), 8 experts (released: 512, top 10).
-register("qwen3-next", "Qwen3-Next: 3 Gated DeltaNet + 1 gated attention per unit, each with a routed MoE (8 experts, "
-         "top 2) plus a sigmoid-gated shared expert", 2,
-         lambda n: dict(layout=f"(GO GO GO AO)*{n}", n_heads=lambda f: 2 * max(1, f["d_model"] // 128), n_kv_heads=2,
+# shared expert; heads of 64 here (released: 128 for G, 256 for A), 8 experts (released: 512, top 10). n counts layers,
+# every 4th attention (transformers' full_attention_interval).
+register("qwen3-next", "Qwen3-Next: layers of Gated DeltaNet, every 4th gated attention, each with a routed MoE "
+         "(8 experts, top 2) plus a sigmoid-gated shared expert", 8,
+         lambda n: dict(layout=fold_layout(["AO" if (i + 1) % 4 == 0 else "GO" for i in range(n)]),
+                        n_heads=lambda f: 2 * max(1, f["d_model"] // 128), n_kv_heads=2,
                         head_dim=64, rope_base=10_000_000.0, rope_dim=16, qk_norm=True, attn_output_gate=True,
                         gdn_k_heads=lambda f: max(1, f["d_model"] // 128),
                         gdn_v_heads=lambda f: 2 * max(1, f["d_model"] // 128), gdn_k_dim=64, gdn_v_dim=64, gdn_conv=4,
