@@ -242,12 +242,12 @@ _m2h = dict(head_dim=64, n_heads=lambda f: f["d_model"] // 64, ssd_headdim=64, s
 def _nemotron_h_layout(n: int) -> str:
     """n Nemotron-H layers: mixers (Mamba-2, attention where `spread` puts it) alternating with relu² MLPs."""
     mixers = spread((n + 1) // 2, 4, "S", "A")
-    return "".join(m + "M" for m in mixers)[:n]
+    return fold_layout(list("".join(m + "M" for m in mixers)[:n]))
 
 
 register("bamba", "Bamba: Mamba-2 layers with attention (partial RoPE, half the head) every ~8th, each followed by a "
          "SwiGLU MLP", 4,
-         lambda n: dict(layout=" ".join(c + "M" for c in spread(n, 8, "S", "A")), n_kv_heads=lambda f: max(
+         lambda n: dict(layout=fold_layout([c + "M" for c in spread(n, 8, "S", "A")]), n_kv_heads=lambda f: max(
              1, f["d_model"] // 128), rope_dim=32, mlp_hidden=lambda f: 3 * f["d_model"], tie_embeddings=False, **_m2h))
 register("nemotron-h", "Nemotron-H: one mixer per layer: Mamba-2 (2 groups, dt ≥ time_step_min) or attention without "
          "positions (every ~4th mixer), alternating with non-gated relu² MLPs", 8,
@@ -256,7 +256,7 @@ register("nemotron-h", "Nemotron-H: one mixer per layer: Mamba-2 (2 groups, dt �
              ssd_ngroups=2, ssd_dt_limit=(1e-3, float("inf")), tie_embeddings=False, **_m2h))
 register("granite-hybrid", "Granite-4.0 hybrid, dense form: Mamba-2 layers with attention (no RoPE) every ~8th, each "
          "followed by a SwiGLU MLP; tied embeddings", 4,
-         lambda n: dict(layout=" ".join(c + "M" for c in spread(n, 8, "S", "A")), pos_embedding="none",
+         lambda n: dict(layout=fold_layout([c + "M" for c in spread(n, 8, "S", "A")]), pos_embedding="none",
                         n_kv_heads=lambda f: max(1, f["d_model"] // 256), mlp_hidden=lambda f: 3 * f["d_model"],
                         tie_embeddings=True, **_m2h))
 # Falcon-H1 (transformers' FalconH1ForCausalLM; hf/convert_falcon_h1.py): attention beside Mamba-2 in one parallel
