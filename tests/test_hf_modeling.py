@@ -1,6 +1,7 @@
 """hybridlm models as transformers models: save_pretrained -> AutoModelForCausalLM with identical weights (logits to
 float32 rounding), transformers' generate() (greedy, sampling, beam search) against our own decoding, its own uncached
-decoding and a brute-force beam search, pipeline() on an exported trained run. One preset per family in the fast suite; every preset under -m slow."""
+decoding and a brute-force beam search, pipeline() on an exported trained run. One preset per family in the fast
+suite; every preset under -m slow."""
 import pytest
 import torch
 
