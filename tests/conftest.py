@@ -42,6 +42,15 @@ def padded_logits(m, ids, pad, side="left"):
     return logits[:, pad.shape[1]:] if side == "left" else logits[:, :ids.shape[1]]
 
 
+def packed_logits(m, a, b):
+    """Logits [1, Ta + Tb, V] of documents a [1, Ta] and b [1, Tb] packed in one row, b starting at a reset; they must
+    equal a and b run alone."""
+    resets = torch.zeros(1, a.shape[1] + b.shape[1], dtype=torch.bool)
+    resets[0, 0] = resets[0, a.shape[1]] = True
+    with torch.no_grad():
+        return m(torch.cat((a, b), 1), resets=resets).logits, torch.cat((m(a).logits, m(b).logits), 1)
+
+
 def assert_batch_generates_like_single(m, a, b, n_new):
     """Greedy generation for the batch of prompts `a` [1, Ta] and `b` [1, Tb] (Tb < Ta, so `b` left-padded and
     masked) must give each prompt exactly the `n_new` tokens it gets alone."""

@@ -4,7 +4,7 @@ document resets, and refuses impossible sizes at config time."""
 import pytest
 import torch
 
-from conftest import assert_close, decode_logits, padded_logits
+from conftest import assert_close, decode_logits, packed_logits, padded_logits
 from hybridlm.context import SeqContext
 from hybridlm.errors import ConfigError
 from hybridlm.layers.gated_conv import GatedShortConv
@@ -70,12 +70,7 @@ def test_padding_leaves_real_positions(side):
 
 def test_resets_equal_separate_runs():
     m = small()
-    a, b = torch.randint(0, 61, (1, 5)), torch.randint(0, 61, (1, 8))
-    resets = torch.zeros(1, 13, dtype=torch.bool)
-    resets[0, 0] = resets[0, 5] = True
-    with torch.no_grad():
-        packed = m(torch.cat((a, b), 1), resets=resets).logits
-        assert_close(packed, torch.cat((m(a).logits, m(b).logits), 1), atol=1e-4)
+    assert_close(*packed_logits(m, torch.randint(0, 61, (1, 5)), torch.randint(0, 61, (1, 8))), atol=1e-4)
 
 
 def test_cache_holds_only_the_conv_tail():

@@ -4,7 +4,7 @@ unchanged, packed documents equal separate runs, impossible sizes fail at config
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close, assert_trains, decode_logits, padded_logits
+from conftest import assert_close, assert_trains, decode_logits, packed_logits, padded_logits
 
 from hybridlm import CausalLM, ModelConfig, presets
 from hybridlm.context import SeqContext
@@ -76,13 +76,7 @@ def test_left_padded_generation_equals_single():
 @pytest.mark.parametrize("case", ["one-group", "groups"])
 def test_packed_documents_equal_separate_runs(case):
     m = model(case)
-    a, b = torch.randint(0, 61, (1, 10)), torch.randint(0, 61, (1, 13))
-    resets = torch.zeros(1, 23, dtype=torch.bool)
-    resets[0, 10] = True
-    with torch.no_grad():
-        packed = m(torch.cat([a, b], 1), resets=resets).logits
-        assert_close(packed[:, :10], m(a).logits, 1e-4, 1e-4)
-        assert_close(packed[:, 10:], m(b).logits, 1e-4, 1e-4)
+    assert_close(*packed_logits(m, torch.randint(0, 61, (1, 10)), torch.randint(0, 61, (1, 13))), 1e-4, 1e-4)
 
 
 def test_chunk_size_does_not_change_the_function():

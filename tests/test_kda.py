@@ -4,7 +4,7 @@ at config time; NoPE MLA (`L` under pos_embedding="none") in the same checks."""
 import pytest
 import torch
 
-from conftest import assert_close, decode_logits, padded_logits
+from conftest import assert_close, decode_logits, packed_logits, padded_logits
 from hybridlm import CausalLM, ModelConfig
 from hybridlm.errors import ConfigError
 from hybridlm.layers.kda import KimiDeltaAttention
@@ -55,12 +55,7 @@ def test_left_padded_generation_equals_single_rows():
 
 def test_packed_documents_equal_separate_runs():
     m = model("KM LM", pos_embedding="none")
-    a, b = torch.randint(0, 61, (1, 13)), torch.randint(0, 61, (1, 10))
-    resets = torch.zeros(1, 23, dtype=torch.bool)
-    resets[0, 13] = True
-    with torch.no_grad():
-        packed = m(torch.cat([a, b], 1), resets=resets).logits
-        assert_close(packed, torch.cat([m(a).logits, m(b).logits], 1), atol=2e-5)
+    assert_close(*packed_logits(m, torch.randint(0, 61, (1, 13)), torch.randint(0, 61, (1, 10))), atol=2e-5)
 
 
 def test_strong_gates_stay_finite_and_forget():

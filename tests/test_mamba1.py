@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_close, assert_trains, decode_logits, padded_logits
+from conftest import assert_close, assert_trains, decode_logits, packed_logits, padded_logits
 from hybridlm import CausalLM, ModelConfig, presets
 from hybridlm.cache import RecurrentCache
 from hybridlm.errors import ConfigError
@@ -65,12 +65,7 @@ def test_left_padded_decode_and_cache_state():
 
 def test_packed_documents_equal_separate_runs():
     m = model(layout="(BM)*2")
-    a, b = torch.randint(0, 61, (1, 13)), torch.randint(0, 61, (1, 10))
-    resets = torch.zeros(1, 23, dtype=torch.bool)
-    resets[0, 13] = True
-    with torch.no_grad():
-        packed = m(torch.cat([a, b], 1), resets=resets).logits
-        assert_close(packed, torch.cat([m(a).logits, m(b).logits], 1), atol=2e-5)
+    assert_close(*packed_logits(m, torch.randint(0, 61, (1, 13)), torch.randint(0, 61, (1, 10))), atol=2e-5)
 
 
 def test_bf16_forward_close_and_state_float32():

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_close, decode_logits, padded_logits
+from conftest import assert_close, decode_logits, packed_logits, padded_logits
 from hybridlm.errors import ConfigError
 from hybridlm.models import CausalLM, ModelConfig
 from hybridlm.models.layout import Hop, Parallel, flatten, parse_layout
@@ -81,12 +81,7 @@ def test_padding_leaves_real_positions(side):
 
 def test_resets_equal_separate_runs():
     m = small()
-    a, b = torch.randint(0, 61, (1, 6)), torch.randint(0, 61, (1, 7))
-    resets = torch.zeros(1, 13, dtype=torch.bool)
-    resets[0, 0] = resets[0, 6] = True
-    with torch.no_grad():
-        packed = m(torch.cat((a, b), 1), resets=resets).logits
-        assert_close(packed, torch.cat((m(a).logits, m(b).logits), 1), atol=1e-4)
+    assert_close(*packed_logits(m, torch.randint(0, 61, (1, 6)), torch.randint(0, 61, (1, 7))), atol=1e-4)
 
 
 def test_hyper_connections_and_generation():

@@ -4,7 +4,7 @@ generate, the directory conversion, the preset's twin, refused options)."""
 import pytest
 import torch
 
-from conftest import assert_close, decode_logits, padded_logits
+from conftest import assert_close, decode_logits, packed_logits, padded_logits
 from hybridlm import CausalLM
 from hybridlm.errors import ConfigError
 from hybridlm.models import ModelConfig
@@ -44,13 +44,7 @@ def test_padding_leaves_real_positions(side):
 
 def test_resets_equal_separate_runs():
     m = zmodel(zamba_attn_adapter=True)
-    a, b = torch.randint(0, V, (1, 9)), torch.randint(0, V, (1, 12))
-    resets = torch.zeros(1, 21, dtype=torch.bool)
-    resets[0, 9] = True
-    with torch.no_grad():
-        got = m(torch.cat((a, b), 1), resets=resets).logits
-        assert_close(got[:, :9], m(a).logits, atol=2e-5)
-        assert_close(got[:, 9:], m(b).logits, atol=2e-5)
+    assert_close(*packed_logits(m, torch.randint(0, V, (1, 9)), torch.randint(0, V, (1, 12))), atol=2e-5)
 
 
 def test_sharing_and_per_occurrence_parts():

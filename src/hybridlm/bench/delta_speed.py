@@ -5,11 +5,11 @@ scalar (Gated DeltaNet) and per-channel (KDA) gates.
 """
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from hybridlm.bench.gla_speed import op_fwd_bwd_seconds
 from hybridlm.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent
 
 
@@ -23,24 +23,15 @@ def _inputs(T: int, B: int, H: int, K: int, V: int, per_channel: bool, seed: int
     return [x.requires_grad_() for x in (q, k, v, beta, log_decay)]
 
 
-def _fwd_bwd(fn, inputs: list[torch.Tensor]) -> float:
-    for x in inputs:
-        x.grad = None
-    t0 = time.perf_counter()
-    o, state = fn(*inputs)
-    (o.square().mean() + state.square().mean()).backward()
-    return time.perf_counter() - t0
-
-
 def bench_delta(T: int = 2048, B: int = 1, H: int = 4, K: int = 64, V: int = 64, repeats: int = 3,
                 per_channel: bool = False) -> dict:
     """Median over `repeats` interleaved runs of forward + backward. Returns {"recurrent_s", "chunked_s", "speedup"}."""
     inputs = _inputs(T, B, H, K, V, per_channel)
-    _fwd_bwd(delta_rule_chunked, inputs)                          # warm-up
+    op_fwd_bwd_seconds(delta_rule_chunked, inputs)                          # warm-up
     rec, chk = [], []
     for _ in range(repeats):
-        rec.append(_fwd_bwd(delta_rule_recurrent, inputs))
-        chk.append(_fwd_bwd(delta_rule_chunked, inputs))
+        rec.append(op_fwd_bwd_seconds(delta_rule_recurrent, inputs))
+        chk.append(op_fwd_bwd_seconds(delta_rule_chunked, inputs))
     r, c = statistics.median(rec), statistics.median(chk)
     return {"recurrent_s": r, "chunked_s": c, "speedup": r / c}
 

@@ -20,7 +20,8 @@ def _inputs(T: int, B: int, H: int, K: int, V: int, seed: int = 0) -> list[torch
     return [x.requires_grad_() for x in (q, k, v, log_decay)]
 
 
-def _fwd_bwd(fn, inputs: list[torch.Tensor]) -> float:
+def op_fwd_bwd_seconds(fn, inputs: list[torch.Tensor]) -> float:
+    """Seconds of one forward + backward of a sequence op `fn(*inputs) -> (out, final state)`."""
     for x in inputs:
         x.grad = None
     t0 = time.perf_counter()
@@ -33,11 +34,11 @@ def bench_gla(T: int = 2048, B: int = 1, H: int = 4, K: int = 64, V: int = 128, 
     """Best-of-`repeats` wall time of forward + backward for gla_recurrent and gla_chunked (runs
     interleaved so both see the same machine load). Returns {"recurrent_s", "chunked_s", "speedup"}."""
     inputs = _inputs(T, B, H, K, V)
-    _fwd_bwd(gla_chunked, inputs)                                  # warm-up (allocator, kernels)
+    op_fwd_bwd_seconds(gla_chunked, inputs)                                  # warm-up (allocator, kernels)
     rec, chk = [], []
     for _ in range(repeats):
-        rec.append(_fwd_bwd(gla_recurrent, inputs))
-        chk.append(_fwd_bwd(gla_chunked, inputs))
+        rec.append(op_fwd_bwd_seconds(gla_recurrent, inputs))
+        chk.append(op_fwd_bwd_seconds(gla_chunked, inputs))
     r, c = min(rec), min(chk)
     return {"recurrent_s": r, "chunked_s": c, "speedup": r / c}
 
