@@ -79,6 +79,7 @@ def test_config_mapping_and_multipliers_folded():
 def test_refused_options_name_themselves():
     for kw, what in [(dict(time_step_limit=(0.0, 10.0)), "time_step_limit"),
                      (dict(hidden_act="gelu"), "activation 'gelu'"),
+                     (dict(hidden_act="relu2"), "activation 'relu2'"),        # the conv follows hidden_act: SiLU only
                      (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}), "rope_type")]:
         cfg = transformers.FalconH1Config(**{**dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                                     mamba_d_ssm=128, mamba_n_heads=8), **kw})

@@ -113,7 +113,9 @@ def _with(cfg, **attrs):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: transformers.MambaConfig(hidden_size=32, hidden_act="gelu"), "conv activation 'gelu'"),
+    (lambda: transformers.MambaConfig(hidden_size=32, hidden_act="gelu"), r"hidden_act \(conv\) activation 'gelu'"),
+    (lambda: transformers.MambaConfig(hidden_size=32, hidden_act="relu2"), "activation 'relu2'"),   # our conv: SiLU
+    (lambda: transformers.JambaConfig(hidden_size=32, num_attention_heads=4, hidden_act="relu2"), "activation 'relu2'"),
     (lambda: _with(transformers.MambaConfig(hidden_size=32), intermediate_size=48), "intermediate size 48"),
     (lambda: transformers.JambaConfig(hidden_size=32, num_attention_heads=4, attention_dropout=0.1),
      "attention_dropout"),

@@ -62,6 +62,13 @@ def _activation(arch: str, name: str, where: str) -> str:
     return table[name]
 
 
+def _silu(arch: str, name: str, where: str) -> str:
+    """"silu" for a transformers activation that also drives a short conv (ours always SiLU there): anything else is
+    refused, naming `where` (e.g. "hidden_act (MLP and conv)")."""
+    _need(name in ("silu", "swish"), arch, f"{where} activation {name!r} (supported: silu; the conv is always SiLU)")
+    return "silu"
+
+
 def _rope_base(arch: str, hf_cfg, *, allow_partial: bool = False) -> float:
     """The rotary base of a plain (unscaled, full-dim unless `allow_partial`) RoPE config; scaling variants are
     refused."""
@@ -200,7 +207,7 @@ def _mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, 
                    dt_limit: tuple | None = None) -> dict:
     """ModelConfig fields of the S letter for a transformers Mamba-2 mixer of these sizes; the dt clamp (`dt_limit`,
     else the config's `time_step_limit`) becomes ssd_dt_limit (None when it is (0, inf))."""
-    _need(act in ("silu", "swish"), arch, f"Mamba activation {act!r} (supported: silu)")
+    _silu(arch, act, "Mamba")
     lim = _get(hf, "time_step_limit") if dt_limit is None else dt_limit
     lim = (0.0, float("inf")) if lim is None else tuple(float(v) for v in lim)
     _need(len(lim) == 2 and 0 <= lim[0] < lim[1], arch, f"time_step_limit {lim}")

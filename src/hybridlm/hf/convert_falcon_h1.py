@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .common import TWINS, _activation, _copy, _get, _need, _rope_base, _scaled, _Tensors, _tied, register
+from .common import TWINS, _silu, _copy, _get, _need, _rope_base, _scaled, _Tensors, _tied, register
 
 ARCH = "FalconH1ForCausalLM"
 
@@ -21,7 +21,7 @@ def _d_ssm(hf) -> int:
 
 def falcon_h1_config(hf) -> dict:
     n, d = hf.num_hidden_layers, hf.hidden_size
-    _activation(ARCH, hf.hidden_act, "MLP and conv")
+    act = _silu(ARCH, hf.hidden_act, "hidden_act (MLP and conv)")
     _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
     lim = tuple(float(v) for v in (_get(hf, "time_step_limit") or (0.0, float("inf"))))
     _need(lim == (0.0, float("inf")), ARCH, f"time_step_limit {lim} (only (0, inf))")
@@ -39,7 +39,7 @@ def falcon_h1_config(hf) -> dict:
         n_heads=hf.num_attention_heads, n_kv_heads=_get(hf, "num_key_value_heads") or hf.num_attention_heads,
         head_dim=_get(hf, "head_dim") or d // hf.num_attention_heads, rope_base=_rope_base(ARCH, hf),
         attn_bias=bool(_get(hf, "attention_bias", False)),
-        mlp_hidden=hf.intermediate_size, mlp_act="silu", mlp_gated=True, mlp_bias=bool(_get(hf, "mlp_bias", False)),
+        mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True, mlp_bias=bool(_get(hf, "mlp_bias", False)),
         ssd_d_state=int(hf.mamba_d_state), ssd_d_conv=int(hf.mamba_d_conv),
         ssd_expand=int(expand) if float(expand).is_integer() else 2, ssd_d_inner=d_ssm,
         ssd_headdim=int(hf.mamba_d_head), ssd_ngroups=int(hf.mamba_n_groups),

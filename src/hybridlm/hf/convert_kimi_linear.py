@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import TWINS, _activation, _decoder_layers, _get, _head, _need, _Tensors, _tied, register
+from .common import TWINS, _silu, _decoder_layers, _get, _head, _need, _Tensors, _tied, register
 
 ARCH = "KimiLinearForCausalLM"
 
@@ -36,7 +36,7 @@ def kimi_config(hf) -> dict:
     _need((_get(hf, "num_key_value_heads") or hf.num_attention_heads) == hf.num_attention_heads, ARCH,
           "num_key_value_heads != num_attention_heads (transformers' MLA expands every head)")
     _need(int(_get(hf, "pretraining_tp", 1) or 1) == 1, ARCH, f"pretraining_tp {_get(hf, 'pretraining_tp')}")
-    act = _activation(ARCH, hf.hidden_act, "MLP and short-conv")
+    act = _silu(ARCH, hf.hidden_act, "hidden_act (MLP and short-conv)")
     # options of the released config.json that transformers reads past (it always runs NoPE MLA and sigmoid routing)
     _need(_get(hf, "mla_use_nope", True) is not False, ARCH, "mla_use_nope false (MLA with RoPE)")
     router = _get(hf, "moe_router_activation_func", "sigmoid")

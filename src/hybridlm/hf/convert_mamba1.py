@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import TWINS, _activation, _copy, _fused_attention, _get, _head, _need, _Tensors, _tied, register
+from .common import TWINS, _silu, _copy, _fused_attention, _get, _head, _need, _Tensors, _tied, register
 
 # ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
 _MIXER = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
@@ -39,7 +39,7 @@ def _expand(arch: str, hidden: int, inner: int) -> int:
 # Mamba / Falcon-Mamba -> "B*n"
 
 def _mamba_config(hf, arch: str, falcon: bool) -> dict:
-    _activation(arch, _get(hf, "hidden_act", "silu"), "conv")
+    _silu(arch, _get(hf, "hidden_act", "silu"), "hidden_act (conv)")
     inner = int(_get(hf, "intermediate_size", None) or hf.expand * hf.hidden_size)
     fields = dict(
         layout=f"B*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
@@ -87,7 +87,7 @@ def jamba_layout(n: int, attn_period: int, attn_offset: int, expert_period: int,
 
 def jamba_config(hf) -> dict:
     _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, JAMBA, "attention_dropout")
-    act = _activation(JAMBA, hf.hidden_act, "MLP and conv")
+    act = _silu(JAMBA, hf.hidden_act, "hidden_act (MLP and conv)")
     E = int(_get(hf, "num_experts", 1) or 1)
     n_heads = hf.num_attention_heads
     fields = dict(

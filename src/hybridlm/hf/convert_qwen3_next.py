@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need,
+from .common import (TWINS, _silu, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need,
                      _rope_partial, _Tensors, _tied, register)
 
 ARCH = "Qwen3NextForCausalLM"
@@ -36,7 +36,7 @@ def qwen3_next_config(hf) -> dict:
     bad = sorted(set(types) - {"linear_attention", "full_attention"})
     _need(not bad, ARCH, f"layer_types {bad}")
     _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
-    act = _activation(ARCH, _get(hf, "hidden_act", "silu"), "MLP, expert and conv")
+    act = _silu(ARCH, _get(hf, "hidden_act", "silu"), "hidden_act (MLP, expert and conv)")
     sparse = [_is_moe(hf, i) for i in range(n)]
     blocks = [("G" if t == "linear_attention" else "A") + ("O" if s else "M") for t, s in zip(types, sparse)]
     head_dim = _get(hf, "head_dim") or hf.hidden_size // hf.num_attention_heads
