@@ -60,14 +60,18 @@ def test_ties_survive_init_and_count_once():
 
 
 def test_gradient_sums_over_occurrences_and_training_keeps_the_tie():
-    m = model()
+    m, plain = model(), model(layout="AMAMSM")
+    plain.load_state_dict(m.state_dict())                  # the same weights, untied: each occurrence its own copy
     ids = torch.randint(0, 61, (2, 12))
     m(ids, labels=ids).loss.backward()
-    g = m.blocks[0].mixer.qkv.weight.grad
-    assert g is not None and g is m.blocks[2].mixer.qkv.weight.grad
+    plain(ids, labels=ids).loss.backward()
+    g, (g0, g2) = m.blocks[0].mixer.qkv.weight.grad, (plain.blocks[i].mixer.qkv.weight.grad for i in (0, 2))
+    assert_close(g, g0 + g2, atol=1e-6)                    # one tensor's gradient: the sum over its occurrences
+    assert not torch.allclose(g0, g2)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    assert len(opt.param_groups[0]["params"]) == len(list(plain.parameters())) - len(list(m.blocks[0].parameters())) \
+        - len(list(m.blocks[3].parameters()))             # each shared tensor updated once
     opt.step()
-    assert len(opt.param_groups[0]["params"]) == len(list(m.parameters()))
     assert m.blocks[0].mixer.qkv.weight is m.blocks[2].mixer.qkv.weight
 
 

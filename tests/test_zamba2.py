@@ -57,8 +57,9 @@ def test_sharing_and_per_occurrence_parts():
     assert (z0.layer_idx, z2.layer_idx) == (1, 6)             # own cache slots
 
 
-def test_z_output_feeds_the_next_input_not_the_stream():
-    """A Z whose output projection is zero leaves the model as if it were absent."""
+def test_z_with_a_zero_output_projection_is_absent():
+    """A Z whose output projection is zero leaves the model as if it were absent (that its output feeds the next
+    layer's input, not the stream, is what test_logits_match checks against transformers' Zamba2)."""
     m = zmodel()
     plain = CausalLM(ModelConfig(layout="S S S S S", **SMALL)).eval()
     ours = {k: v for k, v in m.state_dict().items() if ".feed." not in k}
@@ -75,6 +76,8 @@ def test_z_output_feeds_the_next_input_not_the_stream():
     ("S Z", {}, "each Z must be followed by a letter"),
     ("S Z Z S", {}, "each Z must be followed by a letter"),
     ("S Z [RWM]", {}, "each Z must be followed by a letter"),
+    ("{ZS}M", {}, "Z cannot sit inside a block"),
+    ("[ZWM] S", {}, "Z cannot sit inside a block"),
     ("Z S", dict(n_heads=5), "2·d_model"),
     ("Z S", dict(zamba_adapter_rank=0, zamba_attn_adapter=True), "zamba_attn_adapter needs zamba_adapter_rank"),
     ("Z S", dict(pos_embedding="learned"), "pos_embedding"),

@@ -81,13 +81,11 @@ def tie_parameters(src: nn.Module, dst: nn.Module):
 
 def fold_feeds(blocks: list) -> list:
     """A block marked `feeds_next` (Zamba2's shared transformer `Z`) adds its output to the input of the next
-    block's branch instead of to the residual stream: the pair becomes one `Fed` block (layers/residual.py)."""
+    block's branch instead of to the residual stream: the pair becomes one `Fed` block (layers/residual.py). The
+    config check of `Z` (models/mixers_zamba.py) guarantees a plain letter follows."""
     out, i = [], 0
     while i < len(blocks):
         if getattr(blocks[i], "feeds_next", False):
-            if i + 1 >= len(blocks) or getattr(blocks[i + 1], "feeds_next", False) \
-                    or not hasattr(blocks[i + 1], "branch"):
-                raise ConfigError("a feeding letter (Z) must be followed by a plain letter, whose input it feeds")
             out.append(Fed(blocks[i], blocks[i + 1]))
             i += 2
         else:
@@ -140,9 +138,8 @@ class CausalLM(nn.Module):
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
-        self.tie_weights()
         self.reset_parameters()
-        self.tie_weights()
+        self.tie_weights()                    # after init: each shared tensor initialised once, by its first owner
 
     def tie_weights(self):
         """Tie the LM head to the embedding (tie_embeddings) and every weight-shared occurrence (`X@k`) to the first.

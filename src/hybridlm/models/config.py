@@ -225,7 +225,7 @@ class ModelConfig:
                 continue
             checked.add(key)
             LETTERS[letter].validate(self.for_layer(i))
-        for tag, pos in shared_groups(items).items():     # `X@k`: one set of parameters, so one layer config
+        for tag in shared_groups(items):                  # `X@k`: one set of parameters, so one layer config
             at = [i for i, l in enumerate(layers) if getattr(l, "tag", None) == tag]
             need(len({repr(self.layer_overrides.get(i)) for i in at}) == 1,
                  f"layer_overrides differ between layers {at}, which share parameters (@{tag})")

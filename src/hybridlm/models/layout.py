@@ -210,26 +210,10 @@ def fold_layout(tokens: list[str], max_period: int = 16, _inner: bool = False) -
 
 
 def shared_groups(items: list) -> dict[int, list[int]]:
-    """Weight-sharing tag -> the positions in `items` (top-level blocks) of its occurrences, in order. A tagged
-    letter nested in any other kind of block is refused: only whole top-level blocks are tied."""
+    """Weight-sharing tag -> the positions in `items` (top-level blocks) of its occurrences, in order (the parser
+    refuses `@k` inside a two-hop or parallel block, so tagged letters stand on their own)."""
     groups: dict[int, list[int]] = {}
     for i, it in enumerate(items):
         if isinstance(it, Tagged):
             groups.setdefault(it.tag, []).append(i)
-        elif not isinstance(it, str):
-            for inner in _walk(it):
-                if isinstance(inner, Tagged):
-                    raise ConfigError(f"weight sharing '@{inner.tag}' (column {inner.col + 1}) applies only to a "
-                                      "letter standing on its own, not inside a block")
     return groups
-
-
-def _walk(it):
-    if isinstance(it, str):
-        yield it
-    else:
-        try:
-            for x in it:
-                yield from _walk(x)
-        except TypeError:
-            return

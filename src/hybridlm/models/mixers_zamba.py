@@ -48,8 +48,12 @@ def _build_block(cfg, letter: str, idx: int):
 
 
 def _check_feeds(cfg, items):
-    """Every Z is followed by a letter of its own (which its output feeds)."""
+    """Every Z stands on its own (not inside a two-hop or parallel block, where it would sit behind a norm and add to
+    the stream) and is followed by a letter of its own (which its output feeds)."""
     for i, it in enumerate(items):
+        need(isinstance(it, str) or "Z" not in it,
+             f"layout {cfg.layout!r}: Z cannot sit inside a block ('[...]' or '{{...}}'): its output feeds the next "
+             "letter's input")
         if it == "Z":
             nxt = items[i + 1] if i + 1 < len(items) else None
             need(isinstance(nxt, str) and nxt != "Z",
