@@ -4,7 +4,7 @@ then the gated delta rule (ops/delta_rule.py) with a scalar decay per value head
     q, k, v, z = in_proj_qkvz(x)      per key head: [q (dk), k (dk), v (r·dv), z (r·dv)], r = value heads / key heads
     b, a       = in_proj_ba(x)        per key head: [b (r), a (r)]
     q, k, v    = silu(ShortConv([q; k; v]))                     one depthwise conv over all q, then k, then v channels
-    q, k       = l2norm(q), l2norm(k), each shared by its group of r value heads
+    q, k       = l2_norm(q), l2_norm(k), each shared by its group of r value heads
     g = -exp(A_log) · softplus(a + dt_bias),  β = sigmoid(b)    [B, T, value heads], float32
     o = delta_rule(q, k, v, β, g)                               scale 1/√dk, state [value heads, dk, dv] float32
     y = out_proj(weight ⊙ RMSNorm(o) ⊙ silu(z))                 the norm per value head
@@ -18,16 +18,10 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops.delta_rule import delta_rule_chunked, delta_rule_step
-from ..ops.norm import gated_rms_norm
+from ..ops.delta_rule import delta_rule, delta_rule_step
+from ..ops.norm import gated_rms_norm, l2_norm
 from .mamba2 import init_dt_bias
 from .short_conv import cached_short_conv
-
-
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(Σx² + eps) over the last dim, in float32 (flash-linear-attention's and Qwen3-Next's form)."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -66,7 +60,7 @@ class GatedDeltaNet(nn.Module):
         step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(cached_short_conv(qkv, self.conv_weight, None, slot, ctx.resets))
         q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), -1)
-        q, k = l2norm(q.view(B, T, hk, dk)), l2norm(k.view(B, T, hk, dk))
+        q, k = l2_norm(q.view(B, T, hk, dk)), l2_norm(k.view(B, T, hk, dk))
         if r > 1:                     # each key head serves r consecutive value heads
             q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
         v = v.reshape(B, T, hv, dv)
@@ -78,8 +72,8 @@ class GatedDeltaNet(nn.Module):
             o, slot.state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], slot.state)
             o = o.unsqueeze(1)
         else:
-            o, final = delta_rule_chunked(q, k, v, beta, g, initial_state=slot.state if slot is not None else None,
-                                          resets=ctx.resets, chunk_size=self.chunk_size)
+            o, final = delta_rule(q, k, v, beta, g, initial_state=slot.state if slot is not None else None,
+                                  resets=ctx.resets, chunk_size=self.chunk_size)
             if slot is not None:
                 slot.state = final
         o = gated_rms_norm(o.to(x.dtype), z.reshape(B, T, hv, dv), self.norm_weight, eps=self.norm_eps,

@@ -17,17 +17,10 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-# the chunked form (delta_rule_recurrent is the reference; this one line picks the op)
-from ..ops.delta_rule import delta_rule_chunked as delta_rule
-from ..ops.delta_rule import delta_rule_step
+from ..ops.delta_rule import delta_rule, delta_rule_step
+from ..ops.norm import l2_norm
 from .mamba2 import init_dt_bias
 from .short_conv import cached_short_conv
-
-
-def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(Σx² + eps) in float32 or wider (FLA's form: eps added, not F.normalize's max(‖x‖, eps))."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -67,7 +60,7 @@ class KimiDeltaAttention(nn.Module):
         step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(cached_short_conv(qkv, self.conv_weight, None, slot, ctx.resets))
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
-        q, k = _l2norm(q), _l2norm(k)                                  # float32 (at least), as FLA
+        q, k = l2_norm(q), l2_norm(k)                                  # float32 (at least), as FLA
 
         f32 = torch.promote_types(x.dtype, torch.float32)
         f = self.f_b(self.f_a(x)).to(f32) + self.dt_bias.to(f32)

@@ -322,8 +322,8 @@ class CausalLM(nn.Module):
         `compile`: torch.compile it, with CUDA graphs (mode "reduce-overhead") on CUDA. The first call switches
         the cache to static decoding (`InferenceCache.make_static`)."""
         fn = partial(CausalLM._static_decode_step, self)
+        cuda = self.embed.weight.device.type == "cuda"
         if compile:
-            cuda = self.embed.weight.device.type == "cuda"
             if not cuda and cxx_compiler() is None:
                 raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile generates C++ "
                                   "kernels): install g++ or clang++, or decode without compiling")
@@ -340,7 +340,8 @@ class CausalLM(nn.Module):
                 raise InputError(f"the cache is full: max_tokens {cache.max_tokens}")
             logits = fn(ids, cache)
             cache.advance()
-            return logits.clone() if compile else logits   # a CUDA graph's output is overwritten by its next replay
+            # a CUDA graph's output buffer is overwritten by its next replay
+            return logits.clone() if compile and cuda else logits
         return step
 
     def _aux_loss(self) -> Tensor | None:

@@ -1,7 +1,8 @@
 """Delta-rule letters (ops/delta_rule.py):
 
     G  Gated DeltaNet, as in Qwen3-Next (layers/gated_deltanet.py): scalar decay per value head
-    K  Kimi Delta Attention (per-channel decay): registered below by its own section
+
+(K, Kimi Delta Attention, the per-channel-decay form, is registered by models/mixers_kda.py.)
 """
 from .config import CONFIG_CHECKS
 from .registry import need, register
@@ -41,6 +42,3 @@ def _check_output_gate(cfg, items):
 CONFIG_CHECKS.append(_check_output_gate)
 register("G", _gated_deltanet, token=True, doc="Gated DeltaNet (Qwen3-Next's linear attention: delta rule, scalar "
          "decay, short conv, gated RMSNorm)", validate=_validate_gdn)
-
-# --- K: Kimi Delta Attention ---------------------------------------------------------------------------------------
-# (another section registers K here)

@@ -22,11 +22,7 @@ from torch import Tensor
 
 from hybridlm.errors import InputError
 
-from .gla import LOG_DECAY_MIN, SUBCHUNK, _DiagBlocks, _segsum
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from .gla import LOG_DECAY_MIN, SUBCHUNK, _compute_dtype, _DiagBlocks, _segsum
 
 
 def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor,
@@ -186,4 +182,4 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay:
     return o.transpose(1, 2).to(q.dtype), S
 
 
-delta_rule = delta_rule_chunked
+delta_rule = delta_rule_chunked          # the fast form the layers use (G, K)

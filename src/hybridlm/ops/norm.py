@@ -4,6 +4,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(Σx² + eps) over the last dim, in float32 or wider (flash-linear-attention's l2norm, used by Gated
+    DeltaNet and KDA: eps added, not F.normalize's max(‖x‖, eps))."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
     """RMSNorm over the last dim. x [..., d], weight [d] or None."""
     if weight is not None and hasattr(F, "rms_norm") and x.dtype == weight.dtype == torch.float32:
