@@ -152,15 +152,17 @@ def _head(sd: _Tensors, cfg: ModelConfig, embed_key: str, norm_key: str) -> dict
     return {"embed.weight": emb, "norm.weight": sd[norm_key], "lm_head.weight": head}
 
 
-def _decoder_layers(sd: _Tensors, out: dict[str, Tensor]) -> Iterator[tuple[_Tensors, str, str]]:
-    """Llama-style decoder layers `model.layers.{i}.*` (Llama, Doge, DeepSeek): layer i is our attention block 2i
-    and MLP block 2i+1. Copies the two pre-norms, then yields (layer i's tensors, "blocks.{2i}.", "blocks.{2i+1}.")."""
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
+def _decoder_layers(sd: _Tensors, out: dict[str, Tensor], mixer_norm: str = "input_layernorm",
+                    ff_norm: str = "post_attention_layernorm") -> Iterator[tuple[_Tensors, str, str]]:
+    """Decoder layers `model.layers.{i}.*` of a token mixer then a channel mixer (Llama, Doge, DeepSeek, Bamba, Granite,
+    Jamba, Falcon-H1, LFM2, ...): layer i is our block 2i and block 2i+1. Copies the two pre-norms (named
+    `mixer_norm`, `ff_norm`), then yields (layer i's tensors, "blocks.{2i}.", "blocks.{2i+1}.")."""
+    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(f".{mixer_norm}.weight"))
     for i in range(n_layers):
         s = _Tensors(sd, f"model.layers.{i}.")
         a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
-        _copy(out, a, s, {"norm.weight": "input_layernorm.weight"})
-        _copy(out, m, s, {"norm.weight": "post_attention_layernorm.weight"})
+        _copy(out, a, s, {"norm.weight": f"{mixer_norm}.weight"})
+        _copy(out, m, s, {"norm.weight": f"{ff_norm}.weight"})
         yield s, a, m
 
 

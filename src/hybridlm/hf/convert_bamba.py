@@ -6,7 +6,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _activation, _copy, _fused_attention, _gated_mlp, _get, _head, _mamba2_fields,
+from .common import (TWINS, _activation, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _mamba2_fields,
                      _mamba2_mixer, _need, _rope_partial, _Tensors, _tied, register)
 
 ARCH = "BambaForCausalLM"
@@ -42,11 +42,7 @@ def bamba_config(hf) -> dict:
 
 def bamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
-    for i in range(n_layers):
-        s, a, m = _Tensors(sd, f"model.layers.{i}."), f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
-        _copy(out, a, s, {"norm.weight": "input_layernorm.weight"})
-        _copy(out, m, s, {"norm.weight": "pre_ff_layernorm.weight"})
+    for s, a, m in _decoder_layers(sd, out, "input_layernorm", "pre_ff_layernorm"):
         if "mamba.A_log" in s:
             _mamba2_mixer(out, a + "mixer.", _Tensors(s, "mamba."))
         else:
@@ -58,6 +54,7 @@ def bamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 def bamba_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
     """The transformers config of presets.get("bamba", ...) (attention in layers `presets.spread` picks)."""
     from transformers import BambaConfig
+
     from ..models.presets import spread
     attn = [i for i, c in enumerate(spread(n_layers, 8, "S", "A")) if c == "A"]
     return BambaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=3 * d_model,

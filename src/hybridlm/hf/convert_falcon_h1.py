@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .common import TWINS, _silu, _copy, _get, _need, _rope_base, _scaled, _Tensors, _tied, register
+from .common import TWINS, _copy, _decoder_layers, _get, _need, _rope_base, _scaled, _silu, _Tensors, _tied, register
 
 ARCH = "FalconH1ForCausalLM"
 
@@ -86,11 +86,7 @@ def falcon_h1_weights(sd: _Tensors, cfg: ModelConfig, hf) -> dict[str, Tensor]:
     else:
         out["embed.weight"], out["lm_head.weight"] = _scaled(emb, em), _scaled(sd["lm_head.weight"], lm)
     mup = _mup_vector(hf, cfg.ssd_d_inner)
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
-    for i in range(n_layers):
-        s, p, m = _Tensors(sd, f"model.layers.{i}."), f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
-        _copy(out, p, s, {"norm.weight": "input_layernorm.weight"})
-        _copy(out, m, s, {"norm.weight": "pre_ff_layernorm.weight"})
+    for s, p, m in _decoder_layers(sd, out, ff_norm="pre_ff_layernorm"):
         # attention (mixer.0): input multiplier into q/k/v, key multiplier into k (RoPE is linear)
         parts = {}
         for name, w, b in (("q", ai, 1.0), ("k", ai * km, km), ("v", ai, 1.0)):

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _activation, _copy, _fused_attention, _get, _head, _mamba2_fields, _mamba2_mixer, _need,
-                     _rope_partial, _routed_experts, _scaled, _Tensors, _tied, register)
+from .common import (TWINS, _activation, _decoder_layers, _fused_attention, _get, _head, _mamba2_fields, _mamba2_mixer,
+                     _need, _rope_partial, _routed_experts, _scaled, _Tensors, _tied, register)
 
 ARCH = "GraniteMoeHybridForCausalLM"
 _MIXERS = {"linear_attention": "S", "mamba": "S", "full_attention": "A", "attention": "A"}
@@ -65,11 +65,8 @@ def granite_weights(sd: _Tensors, cfg: ModelConfig, hf) -> dict[str, Tensor]:
     out["norm.weight"] = _scaled(out["norm.weight"], 1.0 / float(_get(hf, "logits_scaling", 1.0)))
     q_rows = cfg.n_heads * cfg.attn_head_dim
     q_scale = float(_get(hf, "attention_multiplier", 1.0)) * math.sqrt(cfg.attn_head_dim)  # ours scales by 1/√D
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
-    for i in range(n_layers):
-        s, a, m = _Tensors(sd, f"model.layers.{i}."), f"blocks.{2 * i}.mixer.", f"blocks.{2 * i + 1}.mixer."
-        _copy(out, f"blocks.{2 * i}.", s, {"norm.weight": "input_layernorm.weight"})
-        _copy(out, f"blocks.{2 * i + 1}.", s, {"norm.weight": "post_attention_layernorm.weight"})
+    for s, a, m in _decoder_layers(sd, out):
+        a, m = a + "mixer.", m + "mixer."
         if "mamba.A_log" in s:
             _mamba2_mixer(out, a, _Tensors(s, "mamba."), scale=res)
         else:
@@ -95,6 +92,7 @@ def granite_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int)
     """The transformers config of presets.get("granite-hybrid", ...): Mamba-2 layers with attention (no RoPE) where
     `presets.spread` puts it, each followed by the shared SwiGLU MLP."""
     from transformers import GraniteMoeHybridConfig
+
     from ..models.presets import spread
     types = ["full_attention" if c == "A" else "linear_attention" for c in spread(n_layers, 8, "S", "A")]
     return GraniteMoeHybridConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers,

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import TWINS, _copy, _get, _rope_base, _Tensors, _tied, _unsupported, register
+from .common import TWINS, _copy, _decoder_layers, _get, _head, _rope_base, _Tensors, _tied, _unsupported, register
 
 ARCH = "Lfm2ForCausalLM"
 _UNIT = {"conv": "CM", "full_attention": "AM"}
@@ -53,14 +53,8 @@ _CONV_BIASES = {"in_proj.bias": "conv.in_proj.bias", "out_proj.bias": "conv.out_
 
 
 def lfm2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    emb = sd["model.embed_tokens.weight"]
-    out = {"embed.weight": emb, "norm.weight": sd["model.embedding_norm.weight"],
-           "lm_head.weight": emb if cfg.tie_embeddings else sd["lm_head.weight"]}
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".operator_norm.weight"))
-    for i in range(n_layers):
-        s, a, m = _Tensors(sd, f"model.layers.{i}."), f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
-        _copy(out, a, s, {"norm.weight": "operator_norm.weight"})
-        _copy(out, m, s, {"norm.weight": "ffn_norm.weight"})
+    out = _head(sd, cfg, "model.embed_tokens.weight", "model.embedding_norm.weight")   # its "embedding_norm" is final
+    for s, a, m in _decoder_layers(sd, out, "operator_norm", "ffn_norm"):
         if "conv.in_proj.weight" in s:
             _copy(out, a + "mixer.", s, _CONV)
             _copy(out, a + "mixer.", s, _CONV_BIASES, optional=True)

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import TWINS, _silu, _copy, _fused_attention, _get, _head, _need, _Tensors, _tied, register
+from .common import (TWINS, _copy, _decoder_layers, _fused_attention, _get, _head, _need, _silu, _Tensors, _tied,
+                     register)
 
 # ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
 _MIXER = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
@@ -123,12 +124,7 @@ def _experts(f: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 
 def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
-    n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(".input_layernorm.weight"))
-    for i in range(n_layers):
-        s = _Tensors(sd, f"model.layers.{i}.")
-        a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
-        _copy(out, a, s, {"norm.weight": "input_layernorm.weight"})
-        _copy(out, m, s, {"norm.weight": "pre_ff_layernorm.weight"})
+    for s, a, m in _decoder_layers(sd, out, ff_norm="pre_ff_layernorm"):
         if "mamba.A_log" in s:
             _mixer(out, a + "mixer.", _Tensors(s, "mamba."), has_norm_weights=True)
         else:

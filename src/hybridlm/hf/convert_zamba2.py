@@ -16,7 +16,7 @@ from ..models import presets
 from ..models.config import ModelConfig
 from ..models.layout import parse_layout
 from ..models.registry import LETTERS
-from .common import TWINS, _copy, _get, _need, _rope_base, _Tensors, _tied, register
+from .common import TWINS, _copy, _get, _head, _need, _rope_base, _Tensors, _tied, register
 
 ARCH = "Zamba2ForCausalLM"
 _ACTS = {"gelu": "gelu", "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -82,8 +82,7 @@ def _mamba(out: dict, prefix: str, s: _Tensors):
 
 
 def zamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.final_layernorm.weight"]}
-    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
+    out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
     n = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
     hybrid = [i for i in range(n) if f"model.layers.{i}.linear.weight" in sd]
     tags = [getattr(it, "tag", None) for it in parse_layout(cfg.layout, LETTERS.keys()) if it == "Z"]
