@@ -129,7 +129,7 @@ def test_bfloat16_weights_close_to_float32():
         ref = m(ids).logits
         got = m.to(torch.bfloat16)(ids).logits.float()
     assert torch.isfinite(got).all()
-    assert_close(got, ref, atol=0.1, rtol=0.05)
+    assert_close(got, ref, atol=2e-2, rtol=0)             # 5.6e-3 seen (logits up to 0.68)
 
 
 def test_impossible_sizes_fail_at_config_time():

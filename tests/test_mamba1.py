@@ -76,7 +76,7 @@ def test_bf16_forward_close_and_state_float32():
         cache = m.make_cache(2)
         got = m.to(torch.bfloat16)(ids, cache=cache).logits
     assert cache.layers[0].state.dtype == torch.float32
-    assert_close(got, ref, rtol=5e-2, atol=5e-2)
+    assert_close(got, ref, rtol=0, atol=2e-2)             # 3.0e-3 seen (logits up to 0.84)
 
 
 def test_trains_and_keeps_its_init():

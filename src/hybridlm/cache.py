@@ -175,7 +175,8 @@ class RecurrentCache:
         old = self.__dict__.get(name)
         if self.__dict__.get("static") and isinstance(old, Tensor) and isinstance(value, Tensor) \
                 and old.shape == value.shape:
-            old.copy_(value)
+            if value is not old:                        # (a data_ptr test would break the compiled decode graph)
+                old.copy_(value)
         else:
             object.__setattr__(self, name, value)
 
