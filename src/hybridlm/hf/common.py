@@ -231,6 +231,17 @@ def _scaled(t: Tensor, scale) -> Tensor:
     return (t.double() * s).to(t.dtype)
 
 
+def _stacked_experts(s: _Tensors, n_experts: int, hidden: int,
+                     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[Tensor, ...]:
+    """(gate, up, down) of gated experts in F.linear layout ([E, h, d], [E, h, d], [E, d, h]) from transformers'
+    fused in-memory tensors (experts.gate_up_proj [E, 2h, d], rows [gate; up], and experts.down_proj) or from the
+    per-expert names saved and released checkpoints store (experts.{e}.<name>.weight, `names` = gate, up, down)."""
+    if "experts.gate_up_proj" in s:
+        gate_up = s["experts.gate_up_proj"]
+        return gate_up[:, :hidden], gate_up[:, hidden:], s["experts.down_proj"]
+    return tuple(torch.stack([s[f"experts.{e}.{n}.weight"] for e in range(n_experts)]) for n in names)
+
+
 def _routed_experts(out: dict[str, Tensor], prefix: str, *, up: Tensor, down: Tensor, gate: Tensor | None = None,
                     scale: float = 1.0):
     """Stacked experts in transformers' F.linear layout (up/gate [E, h, d], down [E, d, h]) -> our RoutedMoE's

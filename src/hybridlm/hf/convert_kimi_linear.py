@@ -15,7 +15,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import TWINS, _silu, _decoder_layers, _get, _head, _need, _Tensors, _tied, register
+from .common import (TWINS, _decoder_layers, _get, _head, _need, _routed_experts, _silu, _stacked_experts, _Tensors,
+                     _tied, register)
 
 ARCH = "KimiLinearForCausalLM"
 
@@ -89,14 +90,8 @@ def _kda_weights(out: dict, prefix: str, at: _Tensors):
 
 def _moe_weights(out: dict, prefix: str, mo: _Tensors, cfg: ModelConfig):
     """experts.gate_up_proj [E, 2h, d] / down_proj [E, d, h] (loaded model) or experts.{e}.w1/w3/w2 (files)."""
-    if "experts.gate_up_proj" in mo:
-        gate_up = mo["experts.gate_up_proj"]
-        gate, up, down = gate_up[:, :cfg.wm_moe_hidden], gate_up[:, cfg.wm_moe_hidden:], mo["experts.down_proj"]
-    else:
-        gate, up, down = (torch.stack([mo[f"experts.{e}.{w}.weight"] for e in range(cfg.wm_moe_experts)])
-                          for w in ("w1", "w3", "w2"))
-    out[prefix + "w_gate"], out[prefix + "w_up"] = gate.transpose(1, 2), up.transpose(1, 2)   # -> [E, d, h]
-    out[prefix + "w_down"] = down.transpose(1, 2)                                           # -> [E, h, d]
+    gate, up, down = _stacked_experts(mo, cfg.wm_moe_experts, cfg.wm_moe_hidden, ("w1", "w3", "w2"))
+    _routed_experts(out, prefix, gate=gate, up=up, down=down)
     out[prefix + "router.weight"] = mo["gate.weight"]
     out[prefix + "router_bias"] = mo["gate.e_score_correction_bias"]
     if cfg.wm_moe_shared:

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _copy, _decoder_layers, _fused_attention, _get, _head, _need, _silu, _Tensors, _tied,
-                     register)
+from .common import (TWINS, _copy, _decoder_layers, _fused_attention, _get, _head, _need, _routed_experts, _silu,
+                     _stacked_experts, _Tensors, _tied, register)
 
 # ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
 _MIXER = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
@@ -109,19 +109,6 @@ def jamba_config(hf) -> dict:
     return fields
 
 
-def _experts(f: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    """w_gate, w_up [E, d, h] and w_down [E, h, d] from transformers' fused experts (gate_up_proj [E, 2h, d] with rows
-    [gate; up], down_proj [E, d, h]) or from the per-expert checkpoint format (experts.{e}.gate_proj.weight [h, d], ...)
-    that released Jamba checkpoints and save_pretrained use."""
-    if "experts.gate_up_proj" in f:
-        gate_up, h = f["experts.gate_up_proj"], cfg.wm_moe_hidden
-        return {"w_gate": gate_up[:, :h].transpose(1, 2), "w_up": gate_up[:, h:].transpose(1, 2),
-                "w_down": f["experts.down_proj"].transpose(1, 2)}
-    E = cfg.wm_moe_experts
-    return {ours: torch.stack([f[f"experts.{e}.{theirs}.weight"] for e in range(E)]).transpose(1, 2)
-            for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))}
-
-
 def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
     for s, a, m in _decoder_layers(sd, out, ff_norm="pre_ff_layernorm"):
@@ -132,7 +119,8 @@ def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
         f = _Tensors(s, "feed_forward.")
         if "router.weight" in f:
             out[m + "mixer.router.weight"] = f["router.weight"]
-            out.update({m + "mixer." + k: v for k, v in _experts(f, cfg).items()})
+            gate, up, down = _stacked_experts(f, cfg.wm_moe_experts, cfg.wm_moe_hidden)
+            _routed_experts(out, m + "mixer.", gate=gate, up=up, down=down)
         else:
             out[m + "mixer.w_in.weight"] = torch.cat((f["gate_proj.weight"], f["up_proj.weight"]), 0)
             out[m + "mixer.w_out.weight"] = f["down_proj.weight"]

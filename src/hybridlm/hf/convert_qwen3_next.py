@@ -12,8 +12,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _silu, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need,
-                     _rope_partial, _Tensors, _tied, register)
+from .common import (TWINS, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need, _rope_partial,
+                     _routed_experts, _silu, _stacked_experts, _Tensors, _tied, register)
 
 ARCH = "Qwen3NextForCausalLM"
 # ours (under a G block's mixer) -> theirs
@@ -71,16 +71,9 @@ def _moe(out: dict[str, Tensor], prefix: str, s: _Tensors, cfg: ModelConfig):
     """Qwen3-Next's sparse block -> RoutedMoE: experts gate_up_proj [E, 2h, d] -> w_gate, w_up [E, d, h];
     down_proj [E, d, h] -> w_down [E, h, d] (or, as checkpoints store them, experts.{e}.gate/up/down_proj.weight);
     the shared expert -> `shared`, its gate -> `shared_gate`."""
-    h, E = cfg.wm_moe_hidden, cfg.wm_moe_experts
-    if "mlp.experts.gate_up_proj" in s:                # transformers' in-memory (fused) names
-        gate_up, down = s["mlp.experts.gate_up_proj"], s["mlp.experts.down_proj"]
-        gate, up = gate_up[:, :h], gate_up[:, h:]
-    else:                                              # the per-expert names of saved and released checkpoints
-        gate, up, down = (torch.stack([s[f"mlp.experts.{e}.{p}_proj.weight"] for e in range(E)])
-                          for p in ("gate", "up", "down"))
+    gate, up, down = _stacked_experts(_Tensors(s, "mlp."), cfg.wm_moe_experts, cfg.wm_moe_hidden)
+    _routed_experts(out, prefix, gate=gate, up=up, down=down)
     out[prefix + "router.weight"] = s["mlp.gate.weight"]
-    out[prefix + "w_gate"], out[prefix + "w_up"] = gate.transpose(1, 2), up.transpose(1, 2)
-    out[prefix + "w_down"] = down.transpose(1, 2)
     shared = _Tensors(s, "mlp.shared_expert.")
     out[prefix + "shared.w_in.weight"] = torch.cat((shared["gate_proj.weight"], shared["up_proj.weight"]))
     out[prefix + "shared.w_out.weight"] = shared["down_proj.weight"]
