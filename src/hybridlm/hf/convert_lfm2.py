@@ -78,12 +78,12 @@ def lfm2_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
                       block_auto_adjust_ff_dim=False, num_hidden_layers=n_layers, num_attention_heads=heads,
                       num_key_value_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
                       max_position_embeddings=max_seq_len, norm_eps=1e-5, conv_L_cache=3, conv_bias=False,
-                      layer_types=[_lfm2_type(i, n_layers) for i in range(n_layers)], tie_word_embeddings=True,
+                      layer_types=[_lfm2_type(i) for i in range(n_layers)], tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                       pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
-def _lfm2_type(i: int, n: int) -> str:
+def _lfm2_type(i: int) -> str:
     """The preset's pattern: two conv layers, then attention (LFM2-350M puts 6 attention layers among 16)."""
     return "full_attention" if i % 3 == 2 else "conv"
 

@@ -53,6 +53,9 @@ def zamba2_config(hf) -> dict:
     d_inner = int(expand) * hf.hidden_size
     _need(d_inner % hf.n_mamba_heads == 0, ARCH,
           f"mamba_expand*hidden_size ({d_inner}) not divisible by n_mamba_heads ({hf.n_mamba_heads})")
+    _need(int(_get(hf, "mamba_headdim", d_inner // hf.n_mamba_heads)) == d_inner // hf.n_mamba_heads, ARCH,
+          f"mamba_headdim {_get(hf, 'mamba_headdim')} (the Mamba heads are mamba_expand*hidden_size / n_mamba_heads "
+          f"= {d_inner // hf.n_mamba_heads} wide)")
     n_kv = _get(hf, "num_key_value_heads") or hf.num_attention_heads
     adapters = bool(_get(hf, "use_shared_attention_adapter", False))
     _need(not adapters or n_kv == hf.num_attention_heads, ARCH,
