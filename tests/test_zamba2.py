@@ -169,7 +169,8 @@ def test_refused_options_are_named(kw, msg):
 
 
 def test_mamba_headdim_other_than_the_split_is_refused():
-    cfg = transformers.Zamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, n_mamba_heads=4)
+    cfg = transformers.Zamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, n_mamba_heads=4,
+                                    layers_block_type=["mamba", "hybrid"], num_attention_heads=4)
     cfg.mamba_headdim = 8                                  # transformers' mixer would use it; ours splits d_inner
     with pytest.raises(ConfigError, match="mamba_headdim 8"):
         config_from_transformers(cfg)
