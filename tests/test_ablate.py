@@ -138,3 +138,40 @@ def test_ablate_quick_writes_table_csv_curves_and_runs(tmp_path, capsys):
         assert [row["name"] for row in csv.DictReader(f)] == ["attn", "ssd"]
     assert (out / "curves.png").stat().st_size > 1000
     assert "validation on" in capsys.readouterr().out
+
+
+def _differing(recipe, a, b) -> set[str]:
+    """ModelConfig fields (and the layout) in which two configurations of a recipe differ, as written (unsized)."""
+    import dataclasses
+    ca, cb = (recipe.build(c, 256) for c in (a, b))
+    return {f.name for f in dataclasses.fields(ModelConfig) if getattr(ca, f.name) != getattr(cb, f.name)}
+
+
+@pytest.mark.parametrize("name", sorted(list_recipes()))
+def test_every_claim_differs_only_in_what_it_names(name):
+    """Recipe isolation: the two configurations of a claim differ in exactly the fields its `varies` lists; a
+    claim whose pairing is the paper's own (several things at once) has an isolated claim beside it."""
+    r = load_recipe(name)
+    by = {c.name: c for c in r.configs}
+    for cl in r.claims:
+        assert "varies" in cl, f"{name}: claim {cl['text']!r} does not say what it varies"
+        assert _differing(r, by[cl["better"]], by[cl["worse"]]) == set(cl["varies"]), cl["text"]
+        if cl.get("pairing") == "paper":
+            assert any(o.get("pairing", "isolated") == "isolated" and {o["better"], o["worse"]} & {cl["better"]}
+                       for o in r.claims), f"{name}: {cl['text']!r} has no isolated pairing"
+
+
+def test_ablate_resumes_finished_runs_and_adds_seeds(tmp_path, capsys):
+    text = TINY.replace("[budget]\n", "[budget]\nseeds = [0, 1]\neval_seq_lens = [64]\n") + 'at = 64\nvaries = ["layout"]\n'
+    out = tmp_path / "abl"
+    assert main(["ablate", str(_tiny(tmp_path, text)), "--quick", "--out", str(out), "--no-progress"]) == 0
+    first = json.loads((out / "ablate.json").read_text())
+    row = first["rows"][0]
+    assert row["seeds"] == [0, 1] and len(row["val_losses"]) == 2 and row["val_loss_std"] is not None
+    assert set(row["val_loss_at"]) == {"64"} and row["val_loss_at"]["64"] > 0
+    stamp = (out / "attn" / "seed0" / "metrics.jsonl").stat().st_mtime_ns
+    assert main(["ablate", str(_tiny(tmp_path, text)), "--quick", "--out", str(out), "--no-progress",
+                 "--seeds", "0,1,2"]) == 0
+    again = json.loads((out / "ablate.json").read_text())
+    assert (out / "attn" / "seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp    # seed 0 was not retrained
+    assert again["rows"][0]["val_losses"][:2] == row["val_losses"] and len(again["rows"][0]["val_losses"]) == 3

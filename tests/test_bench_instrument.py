@@ -75,6 +75,36 @@ def test_report_verdicts_and_page(tmp_path):
                                                                                   worse="b", paper="PPL 1 vs 2")])],
            "mqar": None, "bench": None}
     page = render(res, str(tmp_path / "results.md"))
-    assert "| a beats b | 000_x.txt | PPL 1 vs 2 | 1.500 vs 1.600 (Δ +0.100) | **reproduced** |" in page
+    assert "| a beats b | 000_x.txt | PPL 1 vs 2 | 1.500 vs 1.600 (Δ +0.100; margin 0.020, assumed) | **reproduced** |" \
+        in page
+    # seeds measure the margin; a claim with `at` is judged at the training length and at that length
+    seeded = _ablate([("a", 1.50), ("b", 1.52)], [dict(text="a beats b", better="a", worse="b", at=64,
+                                                       paper_delta=0.02)])
+    for r, sd in zip(seeded["rows"], (0.01, 0.02)):
+        r.update(val_loss_std=sd, val_losses=[r["val_loss"] - sd, r["val_loss"] + sd], seeds=[0, 1],
+                 val_loss_at={"64": r["val_loss"] + 0.5}, val_loss_at_std={"64": sd})
+    page = render(dict(res, ablate=[seeded]), str(tmp_path / "results.md"))
+    assert page.count("**not resolvable at this scale**") == 2 and "margin 0.040, 2 × seed s.d." in page
+    assert "a beats b — at 64 tokens" in page and "`hybridlm ablate r --scale 4`" in page   # (0.04 / 0.02)^2 = 4
+    assert "| 2.0000 ± 0.0100 |" in page                                                     # the 4x-length column
     assert "No MQAR results yet" in page and "No instrument results yet" in page
     assert main(["report", "--results", str(tmp_path / "missing")]) == 2
+
+
+def test_mqar_claims_on_a_sweep():
+    from hybridlm.bench.report import mqar_claims
+
+    def row(name, d, acc, state):
+        return dict(name=name, layout="x", d_model=d, seq_len=64, num_pairs=4, accuracy=acc, state_bytes=state)
+    rows = [row("attention", 32, 0.60, 9), row("attention", 64, 0.99, 9), row("attention", 128, 0.97, 9),
+            row("mamba2-n16", 32, 0.2, 100), row("mamba2-n16", 64, 0.5, 200), row("mamba2-n64", 32, 0.4, 400),
+            row("mamba2-n64", 64, 0.6, 800), row("rodimus-n16", 32, 0.3, 95), row("rodimus-n16", 64, 0.4, 190),
+            row("inner-fn-dynmask", 32, 0.7, 9), row("gated-deltanet", 64, 0.9, 300)]
+    got = {c["claim"].split(" ")[0] + " " + c["claim"].split(" ")[1]: c for c in mqar_claims({"rows": rows})}
+    assert got["attention is"]["verdict"] == REPRODUCED and "lowest 0.970" in got["attention is"]["here"]
+    assert got["SSD accuracy"]["verdict"] == REPRODUCED            # rises with d; N 64 >= N 16 at each d
+    assert got["Rodimus at"]["verdict"] == NOT_REPRODUCED and "1 of 2" in got["Rodimus at"]["here"]
+    assert got["inner-function attention"]["verdict"] == REPRODUCED
+    assert got["Gated DeltaNet"]["verdict"] == REPRODUCED and "vs mamba2-n16 0.50" in got["Gated DeltaNet"]["here"]
+    rows[5]["accuracy"] = 0.1                                       # N 64 below N 16 at d 32
+    assert {c["claim"][:12]: c["verdict"] for c in mqar_claims({"rows": rows})}["SSD accuracy"] == NOT_REPRODUCED

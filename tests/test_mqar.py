@@ -71,12 +71,63 @@ def test_mqar_quick_cli(tmp_path, capsys):
     rows = data["rows"]
     assert {r["name"] for r in rows} == {"attention", "mamba2"} and len(data["meta"]["trials"]) == 4
     for r in rows:
-        assert set(r) == {"name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "params", "state_bytes",
-                          "lr", "steps"}
+        assert set(r) == {"name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "accuracy_min",
+                          "accuracy_max", "seeds", "params", "state_bytes", "lr", "steps"}
         assert 0 <= r["accuracy"] <= 1 and r["params"] > 0 and r["state_bytes"] > 0 and r["lr"] in (3e-3, 1e-2)
     assert rows[0]["layout"] == "(AM)*2"
+    assert all(t["curve"] and t["curve"][-1][0] == t["steps"] for t in data["meta"]["trials"])
     assert (out / "mqar.csv").read_text().startswith("name,layout,d_model")
-    assert (out / "mqar.png").read_bytes()[:4] == b"\x89PNG"
+    for png in ("mqar.png", "mqar-state.png", "mqar-curves.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mqar_resumes_finished_runs_and_refuses_another_protocol(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "mq"
+    assert cli(["mqar", "--quick", "--out", str(out)]) == 0
+    first = json.loads((out / "mqar.json").read_text())["meta"]["trials"]
+    import hybridlm.eval.mqar as ev
+
+    def fail(*a, **k):
+        raise AssertionError("a finished run was trained again")
+    monkeypatch.setattr(ev, "train_mqar", fail)
+    capsys.readouterr()
+    assert cli(["mqar", "--quick", "--out", str(out)]) == 0                 # everything done: nothing trains
+    assert "resuming: 4 runs done" in capsys.readouterr().out
+    assert json.loads((out / "mqar.json").read_text())["meta"]["trials"] == first
+    assert cli(["mqar", "--quick", "--out", str(out), "--weight-decay", "0"]) == 2
+    assert "another protocol" in capsys.readouterr().err
+
+
+def test_early_stopping_stops_at_the_threshold(monkeypatch):
+    """Held-out accuracy is checked every eval_every steps; the run stops at the first check >= target, and a
+    target above 1 uses the whole budget. Once an lr reaches the target the sweep skips the others."""
+    import hybridlm.eval.mqar as ev
+    from hybridlm.commands.mqar import build_config
+    seen = iter([0.2, 0.5, 0.995, 1.0])
+    monkeypatch.setattr(ev, "accuracy", lambda *a, **k: next(seen))
+    task = ev.MQARTask(seq_len=32, num_pairs=2, vocab_size=64, train_examples=64, test_examples=16)
+    cfg = build_config("(AM)*1", {}, d_model=16, seq_len=32, vocab_size=64, layers=1)
+    r = ev.train_mqar(cfg, task, steps=40, batch_size=8, lr=1e-3, eval_every=5, progress=False)
+    assert r["steps"] == 15 and r["stopped_early"] and r["accuracy"] == 0.995
+    assert [s for s, _ in r["curve"]] == [5, 10, 15]
+    monkeypatch.setattr(ev, "accuracy", lambda *a, **k: 0.999)
+    r = ev.train_mqar(cfg, task, steps=12, batch_size=8, lr=1e-3, eval_every=5, target=1.01, progress=False)
+    assert r["steps"] == 12 and not r["stopped_early"] and [s for s, _ in r["curve"]] == [5, 10, 12]
+
+
+def test_lr_sweep_stops_once_one_reaches_the_target(tmp_path, monkeypatch, capsys):
+    import hybridlm.eval.mqar as ev
+    calls = []
+
+    def fake(cfg, task, *, lr, steps, **k):
+        calls.append(lr)
+        return {"accuracy": 0.995 if lr == 3e-3 else 0.3, "loss": 1.0, "params": 1, "steps": steps,
+                "stopped_early": lr == 3e-3, "curve": [[steps, 0.3]], "wall_s": 0.0}
+    monkeypatch.setattr(ev, "train_mqar", fake)
+    assert cli(["mqar", "--quick", "--lr", "1e-3", "3e-3", "1e-2", "--layouts", "a=A", "--out", str(tmp_path)]) == 0
+    assert calls == [1e-3, 3e-3]
+    row = json.loads((tmp_path / "mqar.json").read_text())["rows"][0]
+    assert row["lr"] == 3e-3 and row["accuracy"] == 0.995
 
 
 @pytest.mark.parametrize("argv, needle", [

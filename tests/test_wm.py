@@ -101,6 +101,11 @@ def test_rope_ssd_is_shift_invariant_and_has_no_conv_or_d():
     y0 = layer(x, ctx=SeqContext(positions=pos))
     y1 = layer(x, ctx=SeqContext(positions=pos + 37))      # every C·B score is relative (appendix A)
     assert_close(y1, y0, atol=1e-5)
+    conv = RopeSSD(32, layer_idx=0, d_state=16, expand=1, headdim=8, chunk_size=4, position="conv")
+    conv.load_state_dict(layer.state_dict(), strict=False)   # same projections: only the position source differs
+    assert {n for n, _ in conv.named_parameters()} - {n for n, _ in layer.named_parameters()} == \
+        {"conv_weight", "conv_bias", "D"}
+    assert not torch.allclose(conv(x, ctx=SeqContext(positions=pos)), y0)
 
 
 # --- every new option: decode == full forward, chunked prefill, padding ------------------------------------
@@ -115,6 +120,7 @@ CASES = {
     "F-position": ("(FM)*2", dict(wm_dyn_mask="position")),
     "F-dt-keep": ("(FM)*2", dict(wm_dyn_mask="dt", wm_keep_window=5, wm_inner_topk=1)),
     "S-rope": ("S S A", dict(wm_ssd_rope=True)),
+    "S-rope-conv": ("S S A", dict(wm_ssd_rope=True, wm_ssd_position="conv")),
     "E-doge": ("(AE)*2", dict(wm_cdmoe_form="doge", wm_cdmoe_heads=2)),
     "E-sum": ("(SE)*2", dict(wm_cdmoe_form="sum", wm_cdmoe_heads=2)),
     "E-compose": ("(SE)*2", dict(wm_cdmoe_form="compose", wm_ssd_rope=True)),
@@ -356,5 +362,7 @@ def test_bad_configs_give_clear_errors():
         ModelConfig(layout="AE", wm_cdmoe_form="mixture")
     with pytest.raises(ConfigError, match="ssd_d_state must be even"):
         ModelConfig(layout="S", wm_ssd_rope=True, ssd_d_state=15)
+    with pytest.raises(ConfigError, match="wm_ssd_position must be rope or conv"):
+        ModelConfig(layout="S", wm_ssd_rope=True, wm_ssd_position="alibi")
     with pytest.raises(ConfigError, match="perfect square"):
         presets.get("doge", wm_cdmoe_experts=100 * 101)

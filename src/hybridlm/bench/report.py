@@ -8,10 +8,12 @@ figures: "reproduced", "not reproduced", or "not comparable at this scale" with 
 """
 import glob
 import json
+import math
 import os
 
-REPRODUCED, NOT_REPRODUCED, NOT_COMPARABLE = "reproduced", "not reproduced", "not comparable at this scale"
+REPRODUCED, NOT_REPRODUCED, NOT_COMPARABLE = "reproduced", "not reproduced", "not resolvable at this scale"
 MFU_TARGET, SPEEDUP_TARGET, FLAT_MAX = 0.7, 2.0, 1.2
+GPU_FLOPS = 0.4 * 989e12     # an H100's dense bf16 peak at 40% MFU: the scale estimate's assumed throughput
 
 
 def _load(path: str) -> dict | None:
@@ -25,79 +27,116 @@ def collect(results_dir: str) -> dict:
     ablate = [_load(p) | {"_dir": os.path.dirname(p)} for p in sorted(glob.glob(os.path.join(results_dir, "ablate",
                                                                                               "*", "ablate.json")))]
     mqar = _load(os.path.join(results_dir, "mqar", "mqar.json"))
+    extra = {os.path.basename(os.path.dirname(p)): _load(p) | {"_dir": os.path.dirname(p)}
+             for p in sorted(glob.glob(os.path.join(results_dir, "mqar-*", "mqar.json")))}
     bench = _load(os.path.join(results_dir, "bench", "results.json"))
-    return {"dir": results_dir, "ablate": ablate, "mqar": mqar, "bench": bench}
+    return {"dir": results_dir, "ablate": ablate, "mqar": mqar, "mqar_extra": extra, "bench": bench}
 
 
 # --- verdicts ------------------------------------------------------------------------------------------------
-def ablation_verdict(claim: dict, rows: dict, margin: float) -> tuple[str, str]:
-    """-> (verdict, our figures). `better` must have the lower validation loss by more than the noise margin
-    (twice the larger seed spread when the rows have several seeds, else `margin`)."""
-    b, w = rows[claim["better"]], rows[claim["worse"]]
-    spread = max(b.get("val_loss_std") or 0.0, w.get("val_loss_std") or 0.0)
-    noise = max(margin, 2 * spread)
-    diff = w["val_loss"] - b["val_loss"]
-    here = f"{b['val_loss']:.3f} vs {w['val_loss']:.3f} (Δ {diff:+.3f})"
+def _at(row: dict, at) -> tuple[float, float | None]:
+    if at is None:
+        return row["val_loss"], row.get("val_loss_std")
+    return row["val_loss_at"][str(at)], (row.get("val_loss_at_std") or {}).get(str(at))
+
+
+def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float) -> str:
+    """The `--scale K` run that would resolve a claim, assuming the seed spread falls as 1/sqrt(tokens): tokens
+    must grow by (noise / effect)^2, where the effect is the paper's (`paper_delta`, nats) or, without one, ours;
+    --scale K gives K x the tokens and K^3 x the parameters, so K^4 x the FLOPs of this run."""
+    effect = claim.get("paper_delta") or abs(diff)
+    if not effect:
+        return ""
+    k = 1
+    while k * effect ** 2 < noise ** 2 and k < 64:
+        k *= 2
+    rows = [r for r in recipe["rows"] if r["name"] in (claim["better"], claim["worse"])]
+    b = recipe["meta"]["budget"]
+    tokens = b["steps"] * b["batch_size"] * b["seq_len"]
+    flops = sum(6 * r.get("active_params", r["params"]) * tokens * len(r["seeds"]) for r in rows) * k ** 4
+    hours = flops / GPU_FLOPS / 3600
+    size = f"`hybridlm ablate {recipe['recipe']} --scale {k}`" if k < 64 else "beyond `--scale 32`"
+    return f"; resolving it needs {size} (≈{hours:.2g} GPU-hours at 40% of an H100's bf16 peak)"
+
+
+def ablation_verdict(claim: dict, rows: dict, margin: float, recipe: dict | None = None) -> tuple[str, str]:
+    """-> (verdict, our figures). `better` must have the lower validation loss (at the claim's `at` length, else
+    the training length) by more than the noise margin: twice the larger seed standard deviation of the two
+    configurations when they ran several seeds (measured), else `margin` (assumed, and said so)."""
+    at = claim.get("at")
+    (bl, bs), (wl, ws) = _at(rows[claim["better"]], at), _at(rows[claim["worse"]], at)
+    spreads = [v for v in (bs, ws) if v is not None]
+    measured = bool(spreads)
+    noise = 2 * max(spreads) if measured else margin
+    diff = wl - bl
+    here = f"{bl:.3f} vs {wl:.3f} (Δ {diff:+.3f}; margin {noise:.3f}, {'2 × seed s.d.' if measured else 'assumed'})"
     if diff > noise:
         return REPRODUCED, here
     if diff < -noise:
         return NOT_REPRODUCED, here
-    return NOT_COMPARABLE, here + f": within the noise margin ±{noise:.3f} nats at this size and budget"
+    return NOT_COMPARABLE, here + (scale_estimate(recipe, claim, diff, noise) if recipe else "")
 
 
-def _mixers(layout: str) -> set[str]:
-    return set(layout) & set("ASRFWLI")
+_ATTN, _SSD, _ROD = "attention", ("mamba2-n16", "mamba2-n64"), ("rodimus-n16", "rodimus-n64")
 
 
-def mqar_claims(mqar: dict) -> list[dict]:
-    """The four MQAR claims of issue 11 checked on mqar.json rows (grouped by layout's token mixer)."""
+def mqar_claims(mqar: dict, tol: float = 0.02) -> list[dict]:
+    """The papers' recall claims checked on the default sweep's rows (by their names; `tol` accuracy is noise)."""
     rows = mqar["rows"]
-    kind = {r["name"]: ("attention" if _mixers(r["layout"]) == {"A"} else "ssd" if _mixers(r["layout"]) == {"S"}
-                        else "rodimus" if _mixers(r["layout"]) == {"R"} else "inner" if _mixers(r["layout"]) == {"F"}
-                        else "other") for r in rows}
+    by = {}
+    for r in rows:
+        by.setdefault(r["name"], []).append(r)
     out = []
-    att = [r for r in rows if kind[r["name"]] == "attention"]
+
+    def add(claim, source, ok, here):
+        out.append(dict(claim=claim, source=source, verdict=REPRODUCED if ok else NOT_REPRODUCED, here=here))
+
+    att = by.get(_ATTN, [])
     if att:
-        worst = min(att, key=lambda r: r["accuracy"])
-        ok = worst["accuracy"] >= 0.9
-        out.append(dict(claim="attention is near-perfect at the lengths tried", source="004_f196d22cc7fe6dbe.txt "
-                        "figure 8; 000_4348bfb066d62081.txt figure 5", verdict=REPRODUCED if ok else NOT_REPRODUCED,
-                        here=f"lowest attention accuracy {worst['accuracy']:.3f} (d {worst['d_model']}, "
-                             f"T {worst['seq_len']})"))
-    ssd = [r for r in rows if kind[r["name"]] == "ssd"]
+        big = [r for r in att if r["d_model"] >= 64] or att
+        worst = min(big, key=lambda r: r["accuracy"])
+        add("attention is near-perfect (>= 0.95 at every d_model >= 64)", "004_f196d22cc7fe6dbe.txt figure 8; "
+            "000_4348bfb066d62081.txt figure 5", worst["accuracy"] >= 0.95,
+            f"lowest {worst['accuracy']:.3f} (d {worst['d_model']}, T {worst['seq_len']}); learned positions")
+    ssd = [r for n in _SSD for r in by.get(n, [])]
     if ssd:
-        drops = []
-        for key in {(r["name"], r["seq_len"]) for r in ssd}:
-            pts = sorted((r["d_model"], r["accuracy"]) for r in ssd if (r["name"], r["seq_len"]) == key)
-            drops += [(key, a, b) for a, b in zip(pts, pts[1:]) if b[1] < a[1] - 0.02]
-        span = ", ".join(f"{n} T {T}: " + " → ".join(f"{a:.2f}" for _, a in sorted(
-            (r["d_model"], r["accuracy"]) for r in ssd if (r["name"], r["seq_len"]) == (n, T)))
-            for n, T in sorted({(r["name"], r["seq_len"]) for r in ssd}))
-        out.append(dict(claim="SSD accuracy rises with state size (d_model)", source="004_f196d22cc7fe6dbe.txt figure 8",
-                        verdict=NOT_REPRODUCED if drops else REPRODUCED, here=span))
-    pairs = []
-    for r in (r for r in rows if kind[r["name"]] == "rodimus"):
-        same = [s for s in ssd if (s["d_model"], s["seq_len"]) == (r["d_model"], r["seq_len"]) and r["state_bytes"]
-                and s["state_bytes"] and abs(s["state_bytes"] / r["state_bytes"] - 1) <= 0.25]
-        pairs += [(r, s) for s in same]
+        fails, parts = [], []
+        for n, T in sorted({(r["name"], r["seq_len"]) for r in ssd}):
+            pts = sorted((r["d_model"], r["accuracy"]) for r in ssd if (r["name"], r["seq_len"]) == (n, T))
+            fails += [(n, T) for a, b in zip(pts, pts[1:]) if b[1] < a[1] - tol]
+            parts.append(f"{n} T {T}: " + " → ".join(f"{a:.2f}" for _, a in pts))
+        small = {(r["d_model"], r["seq_len"]): r["accuracy"] for r in by.get(_SSD[0], [])}
+        fails += [r for r in by.get(_SSD[1], []) if r["accuracy"] < small.get((r["d_model"], r["seq_len"]), 0) - tol]
+        add("SSD accuracy rises with state size (d_model, and N 16 → 64)", "004_f196d22cc7fe6dbe.txt figure 8",
+            not fails, "; ".join(parts))
+    pairs = [(r, s) for n in _ROD for r in by.get(n, []) for s in ssd
+             if (s["d_model"], s["seq_len"]) == (r["d_model"], r["seq_len"])
+             and abs(s["state_bytes"] / r["state_bytes"] - 1) <= 0.25]
     if pairs:
-        lose = [(r, s) for r, s in pairs if r["accuracy"] < s["accuracy"] - 0.02]
-        out.append(dict(claim="Rodimus at least as good as Mamba-2 at equal state size", source="001_53f5bc9ef3e67888.txt "
-                        "MQAR (appendix E)", verdict=NOT_REPRODUCED if lose else REPRODUCED,
-                        here=f"{len(pairs) - len(lose)} of {len(pairs)} equal-state pairs; " + "; ".join(
-                            f"{r['name']} {r['accuracy']:.2f} vs {s['name']} {s['accuracy']:.2f} (d {r['d_model']}, "
-                            f"T {r['seq_len']})" for r, s in (lose or pairs)[:4])))
-    inner = [r for r in rows if kind[r["name"]] == "inner"]
+        lose = [(r, s) for r, s in pairs if r["accuracy"] < s["accuracy"] - tol]
+        add("Rodimus at least as good as Mamba-2 at equal state bytes", "001_53f5bc9ef3e67888.txt MQAR (appendix E), "
+            "figure 1b", not lose, f"{len(pairs) - len(lose)} of {len(pairs)} equal-state pairs; " + "; ".join(
+                f"{r['name']} {r['accuracy']:.2f} vs {s['name']} {s['accuracy']:.2f} (d {r['d_model']}, T {r['seq_len']})"
+                for r, s in (lose or pairs)[:4]))
+    inner = by.get("inner-fn-dynmask", [])
     if inner and att:
         d0 = min(r["d_model"] for r in inner + att)
         cmp = [(i, a) for i in inner for a in att if i["d_model"] == a["d_model"] == d0 and i["seq_len"] == a["seq_len"]]
         if cmp:
-            lose = [(i, a) for i, a in cmp if i["accuracy"] < a["accuracy"] - 0.02]
-            out.append(dict(claim="inner-function attention with dynamic mask at least as good as attention at the "
-                            "smallest d_model", source="000_4348bfb066d62081.txt figure 5",
-                            verdict=NOT_REPRODUCED if lose else REPRODUCED,
-                            here="; ".join(f"T {i['seq_len']}: {i['accuracy']:.2f} vs {a['accuracy']:.2f}" for i, a in cmp)
-                            + f" (d {d0})"))
+            add("inner-function attention with dynamic mask at least as good as attention at the smallest d_model",
+                "000_4348bfb066d62081.txt figure 5", all(i["accuracy"] >= a["accuracy"] - tol for i, a in cmp),
+                "; ".join(f"T {i['seq_len']}: {i['accuracy']:.2f} vs {a['accuracy']:.2f}" for i, a in cmp) + f" (d {d0})")
+    for name, label in (("gated-deltanet", "Gated DeltaNet"), ("kda", "KDA")):
+        cmp = []
+        for r in by.get(name, []):
+            near = [s for s in ssd if (s["d_model"], s["seq_len"]) == (r["d_model"], r["seq_len"])]
+            if near:
+                cmp.append((r, min(near, key=lambda s: abs(math.log(s["state_bytes"] / r["state_bytes"])))))
+        if cmp:
+            add(f"{label} at least as good as Mamba-2 of the nearest state size", "Gated DeltaNet / Kimi Linear "
+                "(delta rule vs SSD recall)", all(r["accuracy"] >= s["accuracy"] - tol for r, s in cmp),
+                "; ".join(f"{r['accuracy']:.2f} ({r['state_bytes'] / 1024:.0f} KiB) vs {s['name']} {s['accuracy']:.2f} "
+                          f"({s['state_bytes'] / 1024:.0f} KiB) at d {r['d_model']}, T {r['seq_len']}" for r, s in cmp))
     return out
 
 
@@ -162,6 +201,41 @@ def _meta_line(meta: dict) -> str:
             + (f", hybridlm {meta['hybridlm']}" if meta.get("hybridlm") else ""))
 
 
+def _pm(mean: float, sd: float | None) -> str:
+    return f"{mean:.4f}" + (f" ± {sd:.4f}" if sd is not None else "")
+
+
+def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str]:
+    """One sweep: its protocol, per-length tables (mean over seeds, min..max) and plots."""
+    st, meta = mq["meta"].get("settings", {}), mq["meta"]
+    trials = meta.get("trials", [])
+    L = [] if main else [f"### {os.path.basename(out_dir)}", ""]
+    L += [f"Command: `{meta.get('command', '')}`  ", f"Machine: {_meta_line(meta)}.", ""]
+    if "target" in st:
+        L += [f"Protocol (zoology's): vocab {st['vocab_size']}, {st['pairs']} key-value pairs, {st['layers']} layers of "
+              f"mixer + gated MLP, a fixed set of {st['train_examples']:,} training examples, batch {st['batch_size']}, "
+              f"{st['optimizer']}, weight decay {st['weight_decay']}, {st['schedule']} (budget {st['steps']:,} steps, "
+              f"held-out accuracy on {st['test_examples']:,} examples every {st['eval_every']} steps, stop at "
+              f"{st['target']}), lrs {st['lr']} tried in order (the rest skipped once one reaches the target), seeds "
+              f"{st['seeds']}. Accuracy is the mean over seeds of each seed's best lr; `steps` is the first seed's "
+              f"steps to stop. {len(trials)} runs, {sum(t.get('wall_s', 0) for t in trials) / 3600:.1f} CPU-hours "
+              "(one thread each).", ""]
+    for T in sorted({r["seq_len"] for r in mq["rows"]}):
+        rows = [r for r in mq["rows"] if r["seq_len"] == T]
+        L += [f"T = {T}, {rows[0]['num_pairs']} pairs:", ""]
+        L += _table(["name", "layout", "d_model", "accuracy", "seeds min..max", "params", "state bytes", "lr", "steps"],
+                    [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['accuracy']:.3f}",
+                      f"{r.get('accuracy_min', r['accuracy']):.3f}..{r.get('accuracy_max', r['accuracy']):.3f}",
+                      f"{r['params']:,}", f"{r['state_bytes']:,}" if r.get("state_bytes") else "-", f"{r['lr']:g}",
+                      f"{r['steps']:,}"] for r in rows])
+        L.append("")
+    for png, what in (("mqar.png", "accuracy against d_model"), ("mqar-state.png", "accuracy against state bytes"),
+                      ("mqar-curves.png", "held-out accuracy against steps")):
+        if os.path.exists(os.path.join(out_dir, png)):
+            L += [f"![MQAR {what}]({_rel(os.path.join(out_dir, png), page_dir)})", ""]
+    return L
+
+
 def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str:
     page_dir = os.path.dirname(os.path.abspath(page))
     L = ["# Results", "",
@@ -175,19 +249,25 @@ def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str
     for a in res["ablate"]:
         rows = {r["name"]: r for r in a["rows"]}
         for c in a.get("claims", []):
-            verdict, here = ablation_verdict(c, rows, margin)
-            claims.append(dict(claim=c["text"], source=a["source"], paper=c.get("paper", ""), here=here,
-                               verdict=verdict))
+            label = c["text"] + (" *(the paper's pairing: several things differ)*" if c.get("pairing") == "paper" else "")
+            for at in ([None, c["at"]] if c.get("at") else [None]):
+                verdict, here = ablation_verdict(dict(c, at=at), rows, margin, a)
+                claims.append(dict(claim=label + (f" — at {at} tokens" if at else ""), source=a["source"],
+                                   paper=c.get("paper", ""), here=here, verdict=verdict))
     if res["mqar"]:
         claims += mqar_claims(res["mqar"])
     if res["bench"] and res["bench"].get("mode") == "ours":
         claims += bench_claims(res["bench"])
     L += ["## The papers' claims, checked", "",
-          f"Ablation verdicts compare validation loss (nats/token): a claim is reproduced when the better "
-          f"configuration is lower by more than the noise margin ({margin} nats, or twice the seed spread when a "
-          "recipe ran several seeds), not reproduced when it is higher by more than that, and not comparable at "
-          "this scale otherwise. With one seed the seed-to-seed spread is not measured; at a few hundred steps it "
-          "is of the same order as most differences below, so single-seed verdicts are weak evidence either way.", ""]
+          "Ablation verdicts compare validation loss (nats/token, mean over seeds): a claim is reproduced when the "
+          "better configuration is lower by more than the noise margin, not reproduced when it is higher by more "
+          "than that, and not resolvable at this scale otherwise. The margin is measured: twice the larger seed "
+          f"standard deviation of the two configurations (a single-seed recipe falls back to an assumed {margin} "
+          "nats and says so). An unresolved claim names the `--scale` run that would resolve it, assuming the seed "
+          "spread falls as 1/√tokens, and its cost. A claim marked as the paper's pairing compares the paper's two "
+          "designs, which differ in several things; the isolated pairing beside it changes only what the claim "
+          "names (tests/test_ablate.py holds every recipe to the fields its claims list). MQAR verdicts treat 0.02 "
+          "accuracy as noise.", ""]
     L += _table(["claim", "source", "paper", "here", "verdict"],
                 [[c["claim"], c["source"].split(",")[0], c.get("paper", ""), c["here"], f"**{c['verdict']}**"]
                  for c in claims])
@@ -206,17 +286,21 @@ def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str
             L += [a["meta"]["note"], ""]
         sized = (f"; every model sized by {b['size_by']} to {b['params']:,} {'active ' if b.get('active') else ''}"
                  f"parameters (±{b['tolerance']:.0%})") if b.get("params") else "; same width for every model"
-        L += [f"Budget: {b['steps']} steps × {b['batch_size']}×{b['seq_len']} tokens, lr {b['lr']}, seeds "
+        L += [f"Budget: {b['steps']} steps × {b['batch_size']}×{b['seq_len']} tokens "
+              f"({b['steps'] * b['batch_size'] * b['seq_len'] / 1e6:.2g}M per model), lr {b['lr']}, seeds "
               f"{b['seeds']}, built-in corpus (Python sources, byte tokenizer, {b['max_bytes']:,} bytes){sized}. "
               f"Validation on {a['rows'][0]['val_tokens']:,} tokens"
               f"{' (the whole validation split)' if not b.get('eval_tokens') else ''}. Stated time "
               f"{m.get('minutes_per_model', '?')} min per model on 2 cores; the slowest took {wall:.1f} min here.", "",
               f"Command: `{m.get('command', '')}`  ", f"Machine: {_meta_line(m)}, {m.get('time', '')}.", ""]
-        L += _table(["configuration", "layout", "d_model", "params", "active params", "val loss", "val ppl",
-                     "tokens/s", "wall s"],
+        lens = sorted({n for r in a["rows"] for n in r.get("val_loss_at", {})}, key=int)
+        L += _table(["configuration", "layout", "d_model", "params", "active params", "val loss (mean ± s.d.)",
+                     "per seed", *[f"val loss at {n}" for n in lens], "tokens/s", "wall s per seed"],
                     [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['params']:,}", f"{r.get('active_params', 0):,}",
-                      f"{r['val_loss']:.4f}" + (f" ± {r['val_loss_std']:.4f}" if r.get("val_loss_std") else ""),
-                      f"{r['val_ppl']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['wall_s']:.0f}"] for r in a["rows"]])
+                      _pm(r["val_loss"], r.get("val_loss_std")),
+                      " / ".join(f"{v:.3f}" for v in r.get("val_losses", [])),
+                      *[_pm(r["val_loss_at"][n], (r.get("val_loss_at_std") or {}).get(n)) for n in lens],
+                      f"{r['tokens_per_s']:,.0f}", f"{r['wall_s']:.0f}"] for r in a["rows"]])
         png = os.path.join(a["_dir"], "curves.png")
         if os.path.exists(png):
             L += ["", f"![loss curves]({_rel(png, page_dir)})"]
@@ -225,16 +309,8 @@ def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str
     mq = res["mqar"]
     if not mq:
         L += ["No MQAR results yet: `hybridlm mqar --out docs/results/mqar`.", ""]
-    else:
-        L += [f"Command: `{mq['meta'].get('command', '')}`  ", f"Machine: {_meta_line(mq['meta'])}.", ""]
-        L += _table(["name", "layout", "d_model", "seq_len", "pairs", "accuracy", "params", "state bytes", "lr"],
-                    [[r["name"], f"`{r['layout']}`", r["d_model"], r["seq_len"], r["num_pairs"], f"{r['accuracy']:.3f}",
-                      f"{r['params']:,}", f"{r['state_bytes']:,}" if r.get("state_bytes") else "-", r["lr"]]
-                     for r in mq["rows"]])
-        png = os.path.join(res["dir"], "mqar", "mqar.png")
-        if os.path.exists(png):
-            L += ["", f"![MQAR accuracy]({_rel(png, page_dir)})"]
-        L.append("")
+    for name, m in [("mqar", mq)] * bool(mq) + sorted(res.get("mqar_extra", {}).items()):
+        L += _mqar_section(m, os.path.join(res["dir"], name), page_dir, main=name == "mqar")
     L += ["## Efficiency (`hybridlm bench`)", ""]
     bn = res["bench"]
     if not bn or bn.get("mode") != "ours":

@@ -1,59 +1,85 @@
 """`hybridlm mqar`: multi-query associative recall accuracy over a sweep of layouts, d_model and sequence length.
 
-Every layout is trained from scratch on the same data for each (d_model, seq_len) and each learning rate of
-`--lr` (the best is kept, as zoology does), then scored on held-out examples. Output under --out:
-mqar.json ({"meta", "rows"}), mqar.csv (the rows) and mqar.png (accuracy against d_model, one line per layout,
-one panel per sequence length). mqar.json is rewritten after every run, so an interrupted sweep keeps its rows.
+The protocol is zoology's (eval/mqar.py): per point, a fresh 2-layer model trained on a fixed set of 100k examples
+with AdamW (weight decay on matrices only), warmup + cosine, early stopping once held-out accuracy reaches 0.99, and a
+learning-rate sweep keeping the best (lrs run in the given order; once one reaches the target the rest are skipped:
+they cannot do better). Attention rows say their position encoding: `attention` uses zoology's learned absolute
+positions (the baseline every MQAR paper draws), `attention-rope` the library's default RoPE. The other mixers get
+no position embedding (their recurrence orders tokens), as in zoology. The curriculum is for `--hard` (the
+Mamba-2 / Wonderful Matrices variant), off by default.
+
+Output under --out: mqar.json ({"meta", "rows"}; meta.trials holds every run with its accuracy-against-steps curve),
+mqar.csv (the rows: per point the best lr of each seed, accuracy = mean over seeds), mqar.png (accuracy against
+d_model) and mqar-state.png (accuracy against recurrent-state bytes). mqar.json is rewritten after every run, and a
+rerun with the same protocol into the same --out skips the runs it already holds: an interrupted sweep resumes.
 
 A layout spec is NAME=VALUE[:FIELD=JSON...]: VALUE is a preset name, a layout string, or one token-mixer letter X,
 which becomes zoology's mixer + MLP stack `(XM)*LAYERS`; FIELD=JSON sets any ModelConfig field.
 """
+import argparse
 import csv
 import json
 import math
 import os
 import platform
+import statistics
 
 from ..cli import command_line
 from ..plots import pyplot
 from .common import out, parse_sets
 
 # the sweep's families: each a token mixer + gated MLP per layer, 2 layers (zoology's MQAR models)
-DEFAULT_LAYOUTS = ("attention=A,"
+DEFAULT_LAYOUTS = ("attention=A:pos_embedding=\"learned\","
+                   "attention-rope=A,"
                    "mamba2-n16=S:ssd_d_state=16,"
                    "mamba2-n64=S:ssd_d_state=64,"
                    "rodimus-n16=R:rodimus_d_state=16,"
                    "rodimus-n64=R:rodimus_d_state=64,"
-                   "inner-fn-dynmask=F:wm_dyn_mask=\"position\":wm_inner_values=2")
-ROW_KEYS = ("name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "params", "state_bytes", "lr", "steps")
+                   "inner-fn-dynmask=F:wm_dyn_mask=\"position\":wm_inner_values=2:pos_embedding=\"learned\","
+                   "cheems-ssd-n16=S:ssd_d_state=16:wm_ssd_rope=true,"
+                   "gated-deltanet=G,"
+                   "kda=K")
+ROW_KEYS = ("name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "accuracy_min", "accuracy_max", "seeds",
+            "params", "state_bytes", "lr", "steps")
+# settings that define the protocol: a resumed sweep must match them (the sweep's axes may grow)
+PROTOCOL_KEYS = ("layers", "pairs", "hard", "vocab_size", "curriculum", "steps", "batch_size", "train_examples",
+                 "test_examples", "eval_every", "target", "weight_decay")
 
 
 def add_arguments(p):
+    p.description = __doc__.split("\n\n")[1]
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, metavar="NAME=SPEC,...",
                    help="comma-separated NAME=VALUE[:FIELD=JSON...]; VALUE a preset, a layout string, or one mixer "
-                        "letter X meaning (XM)*LAYERS (default: attention, Mamba-2 at N=16/64, Rodimus at n=16/64, "
-                        "inner-function attention with the position dynamic mask)")
+                        "letter X meaning (XM)*LAYERS (default: attention with learned positions and with RoPE, "
+                        "Mamba-2 at N=16/64, Rodimus at n=16/64, inner-function attention with the position dynamic "
+                        "mask, Cheems' SSD (RoPE on C/B) at N=16, Gated DeltaNet, KDA)")
     p.add_argument("--layers", type=int, default=2, help="depth: the repeat count of (XM) or of a preset's block")
-    p.add_argument("--d-models", type=int, nargs="+", default=[16, 32, 64, 128], metavar="D")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[64, 128, 256], metavar="T")
+    p.add_argument("--d-models", type=int, nargs="+", default=[32, 64, 128], metavar="D")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[64, 128], metavar="T")
     p.add_argument("--pairs-div", type=int, default=None, metavar="K",
                    help="key-value pairs = T/K (default 16 as zoology's figure 2; 4 with --hard, as the papers)")
     p.add_argument("--hard", action="store_true",
-                   help="the papers' harder task: random filler tokens, pairs spread over the first half")
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--no-curriculum", action="store_true",
-                   help="train on the final pair count only (default: stages T/8K ... T/K pairs, Mamba-2 D.1)")
-    p.add_argument("--steps", type=int, default=1200, help="optimizer steps per run")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, nargs="+", default=[3e-3], help="one or more peak learning rates; the best "
-                   "held-out accuracy is kept")
-    p.add_argument("--train-examples", type=int, default=8192, help="training set size per curriculum stage")
-    p.add_argument("--test-examples", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (CPU processes of one thread each)")
+                   help="the papers' harder task: random filler tokens, pairs spread over the first half, "
+                        "a curriculum over the pair count")
+    p.add_argument("--vocab-size", type=int, default=8192, help="zoology's 8192 (default)")
+    p.add_argument("--curriculum", action=argparse.BooleanOptionalAction, default=None,
+                   help="stages T/8K ... T/K pairs (Mamba-2 D.1); default: on with --hard, off otherwise")
+    p.add_argument("--steps", type=int, default=16000,
+                   help="step budget per run (the cosine schedule spans it); runs stop earlier at --target")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-3, 3e-3],
+                   help="peak learning rates, tried in this order; the best held-out accuracy is kept and the rest "
+                        "are skipped once one reaches --target")
+    p.add_argument("--train-examples", type=int, default=100_000, help="fixed training set size (per stage)")
+    p.add_argument("--test-examples", type=int, default=1_000)
+    p.add_argument("--eval-every", type=int, default=250, help="held-out accuracy check every N steps")
+    p.add_argument("--target", type=float, default=0.99, help="early-stopping accuracy (> 1: never stop)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one full run (lr sweep) per seed")
+    p.add_argument("--jobs", type=int, default=1, help="points in parallel (CPU processes of one thread each)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layouts, one tiny size, a few steps")
-    p.add_argument("--out", default="runs/mqar", help="output directory (default: runs/mqar)")
+    p.add_argument("--out", default="runs/mqar", help="output directory (default: runs/mqar); resumes what it holds")
 
 
 def parse_layouts(text: str, layers: int) -> list[tuple[str, str, dict]]:
@@ -104,30 +130,57 @@ def build_config(value: str, over: dict, *, d_model: int, seq_len: int, vocab_si
         raise ConfigError(f"--layouts: {e}") from None
 
 
-def _run(job: dict) -> dict:
-    """One training run (also the worker of --jobs: one thread per process)."""
+def _trial_key(t: dict) -> tuple:
+    return (t["name"], t["layout"], t["d_model"], t["seq_len"], t["num_pairs"], t["lr"], t["seed"])
+
+
+def _run_point(job: dict) -> list[dict]:
+    """One sweep point and seed: its learning rates in order, stopping once one reaches the target (also the
+    worker of --jobs: one thread per process). Skips the trials of `job["done"]` (a resumed sweep)."""
     import torch
     from ..eval.mqar import train_mqar
     from .info import cache_bytes
     if job["threads"]:
         torch.set_num_threads(job["threads"])
-    res = train_mqar(job["cfg"], job["task"], steps=job["steps"], batch_size=job["batch_size"], lr=job["lr"],
-                     seed=job["seed"], device=job["device"], progress=job["progress"], desc=job["desc"])
-    state = cache_bytes(job["cfg"], [job["task"].seq_len])[0]
-    return {"name": job["name"], "layout": job["cfg"].layout, "d_model": job["cfg"].d_model,
-            "seq_len": job["task"].seq_len, "num_pairs": job["task"].num_pairs, "accuracy": res["accuracy"],
-            "params": res["params"], "state_bytes": state, "lr": job["lr"], "steps": res["steps"],
-            "loss": res["loss"], "wall_s": res["wall_s"]}
+    cfg, task = job["cfg"], job["task"]
+    state = cache_bytes(cfg, [task.seq_len])[0]
+    trials = []
+    for lr in job["lrs"]:
+        base = {"name": job["name"], "layout": cfg.layout, "d_model": cfg.d_model, "seq_len": task.seq_len,
+                "num_pairs": task.num_pairs, "lr": lr, "seed": job["seed"]}
+        prev = job["done"].get(_trial_key(base))
+        if prev is None:
+            res = train_mqar(cfg, task, steps=job["steps"], batch_size=job["batch_size"], lr=lr, seed=job["seed"],
+                             weight_decay=job["weight_decay"], eval_every=job["eval_every"], target=job["target"],
+                             device=job["device"], progress=job["progress"], desc=f"{job['desc']} lr={lr:g}")
+            prev = dict(base, accuracy=res["accuracy"], params=res["params"], state_bytes=state, steps=res["steps"],
+                        stopped_early=res["stopped_early"], loss=res["loss"], wall_s=res["wall_s"],
+                        curve=res["curve"], fields=job["fields"])
+            job["report"](prev)
+        trials.append(prev)
+        if prev["accuracy"] >= job["target"]:
+            break
+    return trials
 
 
 def best_rows(trials: list[dict]) -> list[dict]:
-    """Per (name, d_model, seq_len), the learning rate with the best accuracy (ties: the lower loss)."""
+    """Per (name, d_model, seq_len): each seed's best learning rate (ties: the lower loss), then the mean accuracy
+    over seeds (min/max beside it); lr and steps are those of the first seed's best run."""
     best = {}
     for t in trials:
-        key = (t["name"], t["d_model"], t["seq_len"])
+        key = (t["name"], t["d_model"], t["seq_len"], t["seed"])
         if key not in best or (t["accuracy"], -t["loss"]) > (best[key]["accuracy"], -best[key]["loss"]):
             best[key] = t
-    return [{k: r[k] for k in ROW_KEYS} for r in best.values()]
+    points = {}
+    for (name, d, T, _), t in sorted(best.items(), key=lambda kv: kv[0]):
+        points.setdefault((name, d, T), []).append(t)
+    rows = []
+    for runs in points.values():
+        accs = [r["accuracy"] for r in runs]
+        first = runs[0]
+        rows.append({**{k: first[k] for k in ROW_KEYS if k in first}, "accuracy": statistics.fmean(accs),
+                     "accuracy_min": min(accs), "accuracy_max": max(accs), "seeds": [r["seed"] for r in runs]})
+    return rows
 
 
 def write_results(out_dir: str, meta: dict, trials: list[dict]):
@@ -140,29 +193,80 @@ def write_results(out_dir: str, meta: dict, trials: list[dict]):
     with open(os.path.join(out_dir, "mqar.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROW_KEYS)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(dict(r, seeds=" ".join(map(str, r["seeds"]))) for r in rows)
     return rows
 
 
-def plot(rows: list[dict], path: str, title: str):
-    """Accuracy against d_model (log2 axis), one line per layout, one panel per sequence length."""
+def read_done(out_dir: str, settings: dict) -> dict:
+    """Trials of an earlier sweep in out_dir with the same protocol, by key (empty when there is none)."""
+    from ..errors import InputError
+    path = os.path.join(out_dir, "mqar.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            meta = json.load(f)["meta"]
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"{path} is not a readable mqar.json ({e}); remove it or pick another --out") from None
+    old = meta.get("settings", {})
+    diff = [f"{k}: {old.get(k)!r} there, {settings[k]!r} here" for k in PROTOCOL_KEYS if old.get(k) != settings[k]]
+    if diff:
+        raise InputError(f"{path} was written with another protocol ({'; '.join(diff)}); "
+                         f"pick another --out to start a new sweep")
+    return {_trial_key(t): t for t in meta.get("trials", []) if "seed" in t}
+
+
+def plot(rows: list[dict], path: str, title: str, x: str = "d_model"):
+    """Accuracy against d_model or state_bytes (log2 axis), one line per layout, one panel per sequence length;
+    the band spans the seeds' min..max."""
     plt = pyplot()
     seq_lens = sorted({r["seq_len"] for r in rows})
     names = list(dict.fromkeys(r["name"] for r in rows))
-    fig, axes = plt.subplots(1, len(seq_lens), figsize=(4 * len(seq_lens), 3.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(seq_lens), figsize=(4.4 * len(seq_lens), 3.6), sharey=True, squeeze=False)
     for ax, T in zip(axes[0], seq_lens):
-        for name in names:
-            pts = sorted((r["d_model"], r["accuracy"]) for r in rows if r["name"] == name and r["seq_len"] == T)
+        for i, name in enumerate(names):
+            pts = sorted((r[x], r["accuracy"], r["accuracy_min"], r["accuracy_max"]) for r in rows
+                         if r["name"] == name and r["seq_len"] == T)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+                xs, ys, lo, hi = zip(*pts)
+                ax.plot(xs, ys, marker="o", ms=4, color=f"C{i % 10}", label=name)
+                ax.fill_between(xs, lo, hi, color=f"C{i % 10}", alpha=0.15, lw=0)
         pairs = sorted({r["num_pairs"] for r in rows if r["seq_len"] == T})
         ax.set_title(f"T = {T}, {'/'.join(map(str, pairs))} pairs")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("d_model")
+        ax.set_xlabel("d_model" if x == "d_model" else "recurrent state / cache at T (bytes)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(trials: list[dict], path: str, title: str):
+    """Held-out accuracy against steps of every run at one width (64 when swept, else the middle one), one panel
+    per sequence length: where recall is learned, and where a run ran out of budget."""
+    plt = pyplot()
+    seq_lens = sorted({t["seq_len"] for t in trials})
+    names = list(dict.fromkeys(t["name"] for t in trials))
+    widths = sorted({t["d_model"] for t in trials})
+    d = 64 if 64 in widths else widths[len(widths) // 2]
+    lrs = sorted({t["lr"] for t in trials})
+    fig, axes = plt.subplots(1, len(seq_lens), figsize=(4.4 * len(seq_lens), 3.6), sharey=True, squeeze=False)
+    for ax, T in zip(axes[0], seq_lens):
+        for t in trials:
+            if t["seq_len"] == T and t["d_model"] == d and t.get("curve"):
+                i = names.index(t["name"])
+                ax.plot(*zip(*t["curve"]), color=f"C{i % 10}", ls=("-", "--", ":", "-.")[lrs.index(t["lr"]) % 4],
+                        lw=1.2, label=f"{t['name']} lr {t['lr']:g}" if t["seed"] == trials[0]["seed"] else None)
+        ax.set_title(f"T = {T}, d_model = {d}")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out accuracy")
+    axes[0][-1].legend(fontsize=6, loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -179,61 +283,80 @@ def main(args) -> int:
         args.layouts = "attention=A,mamba2=S:ssd_d_state=16" if args.layouts == DEFAULT_LAYOUTS else args.layouts
         args.d_models, args.seq_lens, args.vocab_size = [16], [32], 64
         args.steps, args.batch_size, args.train_examples, args.test_examples = 6, 8, 64, 32
+        args.eval_every = 3
     for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--jobs", args.jobs),
                     ("--layers", args.layers), ("--train-examples", args.train_examples),
-                    ("--test-examples", args.test_examples), ("--pairs-div", args.pairs_div or 1)):
+                    ("--test-examples", args.test_examples), ("--pairs-div", args.pairs_div or 1),
+                    ("--eval-every", args.eval_every)):
         if v < 1:
             raise InputError(f"{flag} must be >= 1, got {v}")
     if min(args.d_models) < 1 or min(args.seq_lens) < 1 or min(args.lr) <= 0:
         raise InputError("--d-models and --seq-lens must be >= 1 and --lr > 0")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     div = args.pairs_div or (4 if args.hard else 16)
+    curriculum = args.hard if args.curriculum is None else args.curriculum
     specs = parse_layouts(args.layouts, args.layers)
+    settings = {"layouts": args.layouts, "layers": args.layers, "d_models": args.d_models, "seq_lens": args.seq_lens,
+                "pairs": f"T/{div}", "hard": args.hard, "vocab_size": args.vocab_size, "curriculum": curriculum,
+                "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+                "train_examples": args.train_examples, "test_examples": args.test_examples,
+                "eval_every": args.eval_every, "target": args.target, "weight_decay": args.weight_decay,
+                "seeds": args.seeds, "power_a": 0.01, "optimizer": "AdamW (0.9, 0.95), decay on matrices only",
+                "schedule": "linear warmup (min(200, steps/50)), cosine to 0 over --steps; early stop at --target",
+                "mlp": "each token mixer X is followed by the gated MLP M: (XM)*layers"}
+    done = read_done(args.out, settings)
+    meta = {"machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"{os.cpu_count()} cpus"))),
+            "device": device, "torch": torch.__version__, "hybridlm": __version__, "python": platform.python_version(),
+            "command": command_line(), "settings": settings}
+    trials = list(done.values())
+
+    def report(t):
+        trials.append(t)
+        write_results(args.out, meta, trials)
+        out(f"  {t['name']:<18} d={t['d_model']:<4} T={t['seq_len']:<5} seed={t['seed']} lr={t['lr']:<8g} "
+            f"acc={t['accuracy']:.3f} steps={t['steps']:<6} loss={t['loss']:.3f} ({t['wall_s']:.0f}s)")
+
     jobs = []
     for T in sorted(args.seq_lens):
         task = MQARTask(seq_len=T, num_pairs=max(1, T // div), vocab_size=args.vocab_size, hard=args.hard,
-                        train_examples=args.train_examples, test_examples=args.test_examples,
-                        curriculum=not args.no_curriculum)
+                        train_examples=args.train_examples, test_examples=args.test_examples, curriculum=curriculum)
         check_sizes(task.seq_len, task.num_pairs, task.vocab_size)
         for d in sorted(args.d_models):
-            for name, value, over in specs:
-                cfg = build_config(value, over, d_model=d, seq_len=T, vocab_size=args.vocab_size, layers=args.layers)
-                for lr in args.lr:
-                    jobs.append(dict(name=name, cfg=cfg, task=task, steps=args.steps, batch_size=args.batch_size,
-                                     lr=lr, seed=args.seed, device=device, progress=args.jobs == 1,
-                                     threads=1 if args.jobs > 1 else 0,
-                                     desc=f"{name} d={d} T={T} lr={lr:g}"))
-    meta = {"machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"{os.cpu_count()} cpus"))),
-            "device": device, "torch": torch.__version__, "hybridlm": __version__, "python": platform.python_version(),
-            "command": command_line(),
-            "settings": {"layouts": args.layouts, "layers": args.layers, "d_models": args.d_models,
-                         "seq_lens": args.seq_lens, "pairs": f"T/{div}", "hard": args.hard,
-                         "vocab_size": args.vocab_size, "curriculum": not args.no_curriculum, "steps": args.steps,
-                         "batch_size": args.batch_size, "lr": args.lr, "train_examples": args.train_examples,
-                         "test_examples": args.test_examples, "seed": args.seed, "power_a": 0.01,
-                         "mlp": "each token mixer X is followed by the gated MLP M: (XM)*layers"}}
-    out(f"mqar: {len(jobs)} runs ({len(specs)} layouts x {len(args.d_models)} d_model x {len(args.seq_lens)} "
-        f"seq_len x {len(args.lr)} lr), {args.steps} steps each, on {device}")
-    trials = []
-
-    def done(row):
-        trials.append(row)
-        write_results(args.out, meta, trials)
-        out(f"  {row['name']:<18} d={row['d_model']:<4} T={row['seq_len']:<5} pairs={row['num_pairs']:<4} "
-            f"lr={row['lr']:<8g} acc={row['accuracy']:.3f} loss={row['loss']:.3f} ({row['wall_s']:.0f}s)")
-
+            for seed in args.seeds:
+                for name, value, over in specs:
+                    cfg = build_config(value, over, d_model=d, seq_len=T, vocab_size=args.vocab_size,
+                                       layers=args.layers)
+                    jobs.append(dict(name=name, cfg=cfg, task=task, fields=over, steps=args.steps,
+                                     batch_size=args.batch_size, lrs=args.lr, seed=seed, device=device,
+                                     weight_decay=args.weight_decay, eval_every=args.eval_every, target=args.target,
+                                     progress=args.jobs == 1, threads=1 if args.jobs > 1 else 0, done=done,
+                                     report=report if args.jobs == 1 else None, desc=f"{name} d={d} T={T} s={seed}"))
+    out(f"mqar: {len(jobs)} points ({len(specs)} layouts x {len(args.d_models)} d_model x {len(args.seq_lens)} "
+        f"seq_len x {len(args.seeds)} seeds; lrs {' '.join(f'{x:g}' for x in args.lr)}), at most {args.steps} steps "
+        f"each, early stop at {args.target}, on {device}" + (f"; resuming: {len(done)} runs done" if done else ""))
     if args.jobs == 1:
         for job in jobs:
-            done(_run(job))
+            _run_point(job)
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
         with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            for fut in as_completed([pool.submit(_run, j) for j in jobs]):
-                done(fut.result())
-    rows = write_results(args.out, meta, sorted(trials, key=lambda r: (r["seq_len"], r["d_model"], r["name"])))
-    png = os.path.join(args.out, "mqar.png")
-    plot(rows, png, f"MQAR ({'hard' if args.hard else 'zoology'}), vocab {args.vocab_size}, {args.layers} layers, "
-                    f"{args.steps} steps")
-    out(f"wrote {os.path.join(args.out, 'mqar.json')}, mqar.csv, mqar.png")
+            futs = [pool.submit(_run_point, dict(j, report=_noop)) for j in jobs]
+            for fut in as_completed(futs):
+                for t in fut.result():
+                    if _trial_key(t) not in done:
+                        report(t)
+    order = {name: i for i, (name, _, _) in enumerate(specs)}
+    trials.sort(key=lambda t: (t["seq_len"], t["d_model"], order.get(t["name"], len(order)), t["seed"], t["lr"]))
+    rows = write_results(args.out, meta, trials)
+    title = (f"MQAR ({'hard' if args.hard else 'zoology'}), vocab {args.vocab_size}, {args.layers} layers, "
+             f"<= {args.steps} steps, early stop {args.target}")
+    plot(rows, os.path.join(args.out, "mqar.png"), title)
+    plot(rows, os.path.join(args.out, "mqar-state.png"), title, x="state_bytes")
+    plot_curves(trials, os.path.join(args.out, "mqar-curves.png"), title)
+    out(f"wrote {os.path.join(args.out, 'mqar.json')}, mqar.csv, mqar.png, mqar-state.png, mqar-curves.png")
     return 0
+
+
+def _noop(_):
+    pass

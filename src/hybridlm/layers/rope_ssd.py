@@ -4,7 +4,13 @@ appendix A and listing 4), instead of Mamba-2's causal conv + D skip.
 X, B, C and dt come from their own projections of x (one fused matmul here, the same function); C and B
 are rotated with the attention's rotary tables, so C_t · B_s depends only on t - s (appendix A); there is
 no conv, no gate, no norm and no D. x [B, T, d_model] -> [B, T, d_model].
+
+`position="conv"` swaps the position source back to Mamba-2's (causal depthwise conv + SiLU on X, B, C and the D
+skip) and changes nothing else: the isolated pairing of the paper's table 1 claim, whose own comparison (Cheems' SSD
+against the Mamba-2 block) also drops the gate and the norm.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -14,14 +20,19 @@ from ..context import SeqContext
 from ..ops.rope import apply_rope
 from ..ops.ssd import ssd_chunked, ssd_step
 from .mamba2 import init_dt_bias
+from .short_conv import cached_short_conv
 
 
 class RopeSSD(nn.Module):
     def __init__(self, d_model: int, *, layer_idx: int, d_state: int = 128, expand: int = 1, headdim: int = 64,
                  ngroups: int = 1, chunk_size: int = 64, bias: bool = False, dt_min: float = 1e-3,
                  dt_max: float = 0.1, dt_floor: float = 1e-4, A_init_range: tuple[float, float] = (1.0, 16.0),
-                 rope_base: float = 10000.0, rope_interleaved: bool = False):
+                 rope_base: float = 10000.0, rope_interleaved: bool = False, position: str = "rope",
+                 d_conv: int = 4):
         super().__init__()
+        if position not in ("rope", "conv"):
+            raise ValueError(f"position must be rope or conv, got {position!r}")
+        self.position = position
         self.layer_idx, self.d_state, self.ngroups, self.headdim, self.chunk_size = \
             layer_idx, d_state, ngroups, headdim, chunk_size
         self.rope_base, self.rope_interleaved = rope_base, rope_interleaved
@@ -38,20 +49,33 @@ class RopeSSD(nn.Module):
             p._keep_init = True
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
         self.out_proj._is_residual_out = True
+        if position == "conv":   # Mamba-2's position source: conv over X, B, C (PyTorch's Conv1d init) + D skip
+            bound = 1 / math.sqrt(d_conv)
+            self.conv_weight = nn.Parameter(torch.empty(sum(self.split[:3]), d_conv).uniform_(-bound, bound))
+            self.conv_bias = nn.Parameter(torch.empty(sum(self.split[:3])).uniform_(-bound, bound))
+            self.D = nn.Parameter(torch.ones(self.nheads))
+            self.D._no_weight_decay = self.D._keep_init = True
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         Bsz, T, _ = x.shape
         h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
-        xs, Bm, Cm, dt = self.in_proj(x).split(self.split, dim=-1)
-        cos, sin = ctx.rope(n, self.rope_base)                        # the attention's tables (same dim/base)
-        Bm = apply_rope(Bm.view(Bsz, T, g, n), cos, sin, interleaved=self.rope_interleaved)
-        Cm = apply_rope(Cm.view(Bsz, T, g, n), cos, sin, interleaved=self.rope_interleaved)
+        xBC, dt = self.in_proj(x).split((sum(self.split[:3]), h), dim=-1)
+        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
+        if self.position == "conv":
+            if ctx.pad_mask is not None:                              # padding must not reach the conv taps
+                xBC = xBC * ctx.pad_mask.unsqueeze(-1).to(xBC.dtype)
+            xBC = F.silu(cached_short_conv(xBC, self.conv_weight, self.conv_bias, slot, ctx.resets))
+        xs, Bm, Cm = xBC.split(self.split[:3], dim=-1)
+        Bm, Cm = Bm.view(Bsz, T, g, n), Cm.view(Bsz, T, g, n)
+        if self.position == "rope":
+            cos, sin = ctx.rope(n, self.rope_base)                    # the attention's tables (same dim/base)
+            Bm = apply_rope(Bm, cos, sin, interleaved=self.rope_interleaved)
+            Cm = apply_rope(Cm, cos, sin, interleaved=self.rope_interleaved)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if ctx.pad_mask is not None:
             dt = dt * ctx.pad_mask.unsqueeze(-1)                      # dt = 0: padding neither writes nor decays
         A = -torch.exp(self.A_log.float())
-        xs = xs.view(Bsz, T, h, p)
-        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
+        xs = xs.reshape(Bsz, T, h, p)
         if slot is not None and T == 1 and slot.state is not None:
             y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], slot.state,
                                      inplace=not torch.is_grad_enabled())
@@ -61,4 +85,6 @@ class RopeSSD(nn.Module):
                                    initial_state=slot.state if slot is not None else None, resets=ctx.resets)
             if slot is not None:
                 slot.state = final
+        if self.position == "conv":
+            y = torch.addcmul(y, xs, self.D.to(y.dtype).unsqueeze(-1))
         return self.out_proj(y.reshape(Bsz, T, self.d_inner))

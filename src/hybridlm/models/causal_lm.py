@@ -261,6 +261,12 @@ class CausalLM(nn.Module):
             x = self.hc_head(x)                   # collapse the streams before the final norm
         return self.norm(x)
 
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """input_ids [B, T] -> the final-norm hidden states [B, T, d] the LM head reads (score a few positions
+        without [B, T, vocab] logits)."""
+        self._check_input(input_ids, attention_mask, None)
+        return self._hidden(input_ids, self._context(input_ids, attention_mask, None, None), None)
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: InferenceCache | None = None,
                 labels: Tensor | None = None, *, resets: Tensor | None = None,
                 logits_to_keep: int | None = None, aux_loss_weight: float = 0.01,

@@ -84,6 +84,7 @@ class ModelConfig:
                                           # (None = 1 with attn_shared_key, else n_kv_heads)
     # Wonderful Matrices: Cheems, Doge, CDMoE (E), routed MoE (O) (000_4348bfb066d62081.txt; models/mixers_wm.py)
     wm_ssd_rope: bool = False             # S layers: RoPE on C and B, own X/B/C/dt projections, no conv/gate/norm/D
+    wm_ssd_position: str = "rope"         # with wm_ssd_rope: "conv" puts Mamba-2's conv + D back in place of RoPE (ablation)
     wm_dyn_mask: str = "none"             # A and F layers: none | position (eq. 4: learned weight per head and key
                                           # position multiplied into the causal attention) | dt (Doge: bias
                                           # exp(A·softplus(dt_proj(V))) per key added to the scores)

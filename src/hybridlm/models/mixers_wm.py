@@ -66,6 +66,7 @@ def _validate_moe(cfg):
 
 def _validate_rope_ssd(cfg):
     need(cfg.ssd_d_state % 2 == 0, f"wm_ssd_rope rotates B and C: ssd_d_state must be even, got {cfg.ssd_d_state}")
+    need(cfg.wm_ssd_position in ("rope", "conv"), f"wm_ssd_position must be rope or conv, got {cfg.wm_ssd_position!r}")
 
 
 # --- builders -------------------------------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def _rope_ssd(cfg, idx):
                    headdim=cfg.ssd_headdim, ngroups=cfg.ssd_ngroups, chunk_size=cfg.ssd_chunk_size,
                    bias=cfg.ssd_bias, dt_min=cfg.ssd_dt_min, dt_max=cfg.ssd_dt_max,
                    A_init_range=cfg.ssd_A_init_range, rope_base=cfg.rope_base,
-                   rope_interleaved=cfg.rope_interleaved)
+                   rope_interleaved=cfg.rope_interleaved, position=cfg.wm_ssd_position, d_conv=cfg.ssd_d_conv)
 
 
 def _cdmoe(cfg, idx):

@@ -104,6 +104,10 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     dev = x.device.type
+    if dev == "cpu":  # sparse targets (MQAR answers, masked prompts): only their rows meet the head. On CPU the
+        valid = (target != ignore_index).nonzero().squeeze(1)    # count costs no device sync
+        if 2 * len(valid) <= len(target):
+            x, target = x.index_select(0, valid), target.index_select(0, valid)
     cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     with torch.autocast(dev, enabled=False):
         return _LinearCrossEntropy.apply(x, weight, target, ignore_index, chunk, cdtype, torch.is_grad_enabled())

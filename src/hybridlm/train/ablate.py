@@ -4,7 +4,12 @@
 
 Writes OUT/ablate.json ({"meta", "recipe", "title", "rows": [...]}), OUT/ablate.csv, OUT/curves.png and one
 run directory per configuration (OUT/<name>/metrics.jsonl, as `hybridlm train` writes; OUT/<name>/seed<k>/ when
-the recipe has several seeds). A row's val_loss is the mean over seeds (val_loss_std their spread).
+the recipe has several seeds). A row's val_loss is the mean over seeds, val_loss_std their sample standard deviation
+(the measured noise the claims are judged against) and val_losses each seed's figure; a budget's `eval_seq_lens`
+adds the final model's validation loss at those lengths (val_loss_at {length: mean}, val_loss_at_std).
+
+Each finished (configuration, seed) run leaves OUT/.../result.json: a rerun into the same OUT with the same budget
+reuses it, so an interrupted recipe resumes where it stopped.
 """
 import csv
 import datetime
@@ -21,8 +26,10 @@ from ..errors import ConfigError
 from .recipes import Recipe, RunConfig
 
 ROW_KEYS = ["name", "layout", "params", "active_params", "d_model", "mixer_layers", "val_loss", "val_loss_std",
-            "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds"]
+            "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds", "val_losses"]
+RESULT = "result.json"
 QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_tokens=256, log_every=1)
+QUICK_EVAL_SEQ_LENS = [64]
 
 
 def machine_meta() -> dict:
@@ -36,10 +43,19 @@ def machine_meta() -> dict:
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
 
 
-def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str, device: str, progress: bool,
+def _train_one(recipe: Recipe, c: RunConfig, cfg, data, tok, seed: int, run_dir: str, device: str, progress: bool,
                keep_checkpoints: bool) -> dict:
+    """Train one (configuration, seed), or reuse its result.json from an earlier run of the same budget."""
+    from ..eval.perplexity import validate
     from . import TrainConfig, train
+    from .checkpoint import load_checkpoint
     b = recipe.budget
+    path = os.path.join(run_dir, RESULT)
+    if os.path.exists(path):
+        with open(path) as f:
+            done = json.load(f)
+        if done.get("budget") == _run_budget(b) and done.get("layout") == cfg.layout and done.get("d_model") == cfg.d_model:
+            return done
     tcfg = TrainConfig(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
                        min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
                        weight_decay=b.get("weight_decay", 0.1), eval_every=b["eval_every"],
@@ -48,9 +64,30 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str,
     t0 = time.perf_counter()
     s = train(cfg, tcfg, data, run_dir, progress=progress)
     wall = time.perf_counter() - t0
+    at = {}
+    if b.get("eval_seq_lens"):           # the final model at other lengths (positions beyond training: WM table 1)
+        model, _ = load_checkpoint(s["checkpoint"])
+        for n in b["eval_seq_lens"]:
+            at[str(n)] = validate(model.float().eval(), data.tokens("val"), tok, seq_len=n, batch_size=1,
+                                  max_tokens=b["eval_tokens"] or None)["loss"]
     if not keep_checkpoints and s.get("checkpoint"):
         shutil.rmtree(s["checkpoint"], ignore_errors=True)
-    return dict(s, wall_s=wall)
+    res = {k: s[k] for k in ("val_loss", "val_tokens", "tokens_per_s")} | {
+        "wall_s": wall, "val_loss_at": at, "budget": _run_budget(b), "layout": cfg.layout, "d_model": cfg.d_model, "seed": seed}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(tmp, path)
+    return res
+
+
+def _run_budget(b: dict) -> dict:
+    """What a single run's result depends on (the seed list does not: adding seeds reuses the runs done)."""
+    return {k: v for k, v in b.items() if k != "seeds"}
+
+
+def _stats(values: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list[int] | None = None,
@@ -61,7 +98,8 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
     from ..data.tokenizer import load_tokenizer
     from ..models.sizing import count_parameters, token_mixers
     if quick:
-        recipe = Recipe(**{**recipe.__dict__, "budget": dict(recipe.budget, **QUICK, params=None),
+        recipe = Recipe(**{**recipe.__dict__, "budget": dict(recipe.budget, **QUICK, params=None, **(
+            {"eval_seq_lens": QUICK_EVAL_SEQ_LENS} if recipe.budget.get("eval_seq_lens") else {})),
                            "model": dict(recipe.model, d_model=32),
                            "configs": [RunConfig(**{**c.__dict__, "params": None,
                                                     "fields": {k: v for k, v in c.fields.items() if k != "d_model"}})
@@ -84,18 +122,23 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
         runs = []
         for seed in seeds:
             run_dir = os.path.join(out_dir, c.name) if len(seeds) == 1 else os.path.join(out_dir, c.name, f"seed{seed}")
-            runs.append(_train_one(recipe, c, cfg, data, seed, run_dir, device, progress, keep_checkpoints))
+            runs.append(_train_one(recipe, c, cfg, data, tok, seed, run_dir, device, progress, keep_checkpoints))
+            log(f"        seed {seed}: val loss {runs[-1]['val_loss']:.4f}" + "".join(
+                f", at {n}: {v:.4f}" for n, v in runs[-1]["val_loss_at"].items()))
         losses = [r["val_loss"] for r in runs]
-        mean = statistics.fmean(losses)
+        mean, std = _stats(losses)
+        at = {n: _stats([r["val_loss_at"][n] for r in runs]) for n in runs[0]["val_loss_at"]}
         row = dict(name=c.name, layout=cfg.layout, params=params, active_params=count_parameters(cfg, active=True),
-                   d_model=cfg.d_model, mixer_layers=token_mixers(cfg), val_loss=mean,
-                   val_loss_std=statistics.stdev(losses) if len(losses) > 1 else None,
-                   val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
+                   d_model=cfg.d_model, mixer_layers=token_mixers(cfg), val_loss=mean, val_loss_std=std,
+                   val_losses=losses, val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
                    tokens_per_s=statistics.fmean(r["tokens_per_s"] for r in runs), steps=b["steps"],
-                   wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds)
+                   wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds, note=c.note,
+                   **({"val_loss_at": {n: m for n, (m, _) in at.items()},
+                       "val_loss_at_std": {n: sd for n, (_, sd) in at.items()}} if at else {}))
         rows.append(row)
-        log(f"        val loss {mean:.4f} (ppl {row['val_ppl']:.3f}) on {row['val_tokens']:,} tokens, "
-            f"{row['tokens_per_s']:,.0f} tokens/s, {row['wall_s']:.0f} s")
+        log(f"        val loss {mean:.4f}" + (f" ± {std:.4f}" if std is not None else "") +
+            f" (ppl {row['val_ppl']:.3f}) on {row['val_tokens']:,} tokens, {row['tokens_per_s']:,.0f} tokens/s, "
+            f"{row['wall_s']:.0f} s")
     res = {"meta": dict(machine_meta(), quick=quick, recipe_path=recipe.path, budget=b,
                         minutes_per_model=recipe.minutes_per_model, source=recipe.source, model=recipe.model),
            "recipe": recipe.name, "title": recipe.title, "source": recipe.source, "claims": recipe.claims,
@@ -124,7 +167,8 @@ def write_outputs(res: dict, out_dir: str, run_dirs: list[str]):
         w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")
         w.writeheader()
         for r in res["rows"]:
-            w.writerow(dict(r, seeds=" ".join(map(str, r["seeds"]))))
+            w.writerow(dict(r, seeds=" ".join(map(str, r["seeds"])), val_losses=" ".join(f"{v:.4f}" for v in
+                                                                                       r["val_losses"])))
     plot_curves([r["name"] for r in res["rows"]], run_dirs, os.path.join(out_dir, "curves.png"), res["title"])
 
 

@@ -7,11 +7,17 @@ A recipe file:
 
     title = "..."; source = "004_f196d22cc7fe6dbe.txt, table 2"; minutes_per_model = 2
     [budget]   steps, batch_size, seq_len, lr, warmup, seeds, max_bytes, eval_every, eval_tokens (0: whole split),
-               params ("1M": every configuration sized to it), size_by ("width" | "depth"), tolerance, active
+               params ("1M": every configuration sized to it), size_by ("width" | "depth"), tolerance, active,
+               eval_seq_lens (also validate the final model at these lengths, e.g. 4x the training length)
     [model]    ModelConfig fields shared by every configuration (d_model when not sized, heads, state sizes, ...)
     [[config]] name, preset and/or layout (a "{n}" in the layout is the repeat count sized by depth), n_layers,
                params (overrides the budget's), any ModelConfig field
-    [[claim]]  text, better, worse (configuration names), paper (the paper's figures, for the results page)
+    [[claim]]  text, better, worse (configuration names), paper (the paper's figures, for the results page),
+               varies (the ModelConfig fields, or "layout", in which the two differ: a test holds every recipe to it),
+               pairing ("isolated": varies is what the claim names; "paper": the paper's own comparison, which
+               changes several things at once; the recipe then also holds the isolated pairing),
+               paper_delta (the paper's effect in nats, for the scale estimate), at (a length of eval_seq_lens:
+               judge the claim on the loss there)
 
 Sizing by width searches d_model over multiples of `width_step` (default 32); by depth, the `{n}` of the layout
 (or a preset's n_layers) from 1 up. `scale` K multiplies the batch by K, depth by K (the layout is repeated K
@@ -35,9 +41,9 @@ else:  # pragma: no cover
 TOP_KEYS = {"title", "source", "minutes_per_model", "note", "budget", "model", "config", "claim"}
 BUDGET_KEYS = {"steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "schedule", "weight_decay", "seeds",
                "max_bytes", "eval_every", "eval_tokens", "log_every", "params", "size_by", "tolerance", "active",
-               "width_step"}
+               "width_step", "eval_seq_lens"}
 CONFIG_KEYS = {"name", "preset", "layout", "n_layers", "params", "note"}
-CLAIM_KEYS = {"text", "better", "worse", "paper"}
+CLAIM_KEYS = {"text", "better", "worse", "paper", "varies", "pairing", "paper_delta", "at"}
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 DEFAULT_BUDGET = dict(steps=300, batch_size=8, seq_len=128, lr=2e-3, warmup=30, seeds=[0], max_bytes=1_000_000,
                       eval_every=0, eval_tokens=0, log_every=10, size_by="width", tolerance=0.05,
@@ -92,7 +98,8 @@ class Recipe:
         """The ModelConfig of configuration `c` at width d_model / repeat count n (None: as written)."""
         from ..models import presets
         over = dict(self.model, **c.fields, vocab_size=vocab_size)
-        over["max_seq_len"] = max(over.get("max_seq_len", 0), self.budget["seq_len"])
+        over["max_seq_len"] = max(over.get("max_seq_len", 0), self.budget["seq_len"],
+                                  *self.budget.get("eval_seq_lens") or [0])
         if d_model is not None:
             over["d_model"] = d_model
         if c.layout is not None:
@@ -206,6 +213,11 @@ def parse_recipe(raw: dict, name: str, path: str = "") -> Recipe:
     claims = raw.get("claim", [])
     for cl in claims:
         _check_keys(f"{where} [[claim]]", cl, CLAIM_KEYS)
+        if cl.get("pairing", "isolated") not in ("isolated", "paper"):
+            raise ConfigError(f"{where}: claim {cl.get('text', '')!r}: pairing must be 'isolated' or 'paper'")
+        if cl.get("at") is not None and cl["at"] not in (budget.get("eval_seq_lens") or []):
+            raise ConfigError(f"{where}: claim {cl.get('text', '')!r} is judged at length {cl['at']}, which is not "
+                              f"in the budget's eval_seq_lens")
         for side in ("better", "worse"):
             if cl.get(side) not in seen:
                 raise ConfigError(f"{where}: claim {cl.get('text', '')!r} names unknown configuration "
