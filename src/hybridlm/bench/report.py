@@ -236,6 +236,13 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
     return L
 
 
+def cpu_hours(res: dict) -> dict:
+    """CPU-hours behind each part of the page: MQAR runs and ablation runs (every seed) from their wall times."""
+    mq = [res["mqar"]] * bool(res.get("mqar")) + list(res.get("mqar_extra", {}).values())
+    return {"MQAR": sum(t.get("wall_s", 0) for m in mq for t in m["meta"].get("trials", [])) / 3600,
+            "ablations": sum(r["wall_s"] * len(r.get("seeds") or [0]) for a in res["ablate"] for r in a["rows"]) / 3600}
+
+
 def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str:
     page_dir = os.path.dirname(os.path.abspath(page))
     L = ["# Results", "",
@@ -245,6 +252,12 @@ def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str
          "figures. The same commands take `--scale` (ablate) or larger sizes (bench, mqar) on a GPU.", ""]
     if note:
         L += [note, ""]
+    hours = cpu_hours(res)
+    if any(hours.values()):
+        L += ["**Cost of this evidence** (sum of the runs' wall times, one torch thread each; `bash "
+              "scripts/evidence.sh` reruns it, part by part and resumably): " + ", ".join(
+                  f"{k} {v:.1f} h" for k, v in hours.items() if v) + f"; {sum(hours.values()):.1f} CPU-hours in all.",
+              ""]
     claims = []
     for a in res["ablate"]:
         rows = {r["name"]: r for r in a["rows"]}
