@@ -1,11 +1,13 @@
 """`hybridlm mqar`: multi-query associative recall accuracy over a sweep of layouts, d_model and sequence length.
 
 The protocol is zoology's (eval/mqar.py): per point, a fresh 2-layer model trained on a fixed set of 100k examples
-with AdamW (weight decay on matrices only), warmup + cosine, early stopping once held-out accuracy reaches 0.99, and a
-learning-rate sweep keeping the best (lrs run in the given order; once one reaches the target the rest are skipped:
-they cannot do better). Attention rows say their position encoding: `attention` uses zoology's learned absolute
-positions (the baseline every MQAR paper draws), `attention-rope` the library's default RoPE. The other mixers get
-no position embedding (their recurrence orders tokens), as in zoology. The curriculum is for `--hard` (the
+(too many to memorise) with AdamW (weight decay on matrices only), warmup + cosine over a large step budget, early
+stopping once held-out accuracy reaches 0.99, and a learning-rate sweep keeping the best (lrs run in the given
+order; once one reaches the target the rest are skipped: they cannot do better). Why: recall is a phase change after
+thousands of steps, so a short budget reports 1/pairs for every architecture; early stopping makes the large budget
+cheap where recall is easy. Attention rows say their position encoding: `attention` (and `inner-fn-dynmask`) use
+zoology's learned absolute positions, the baseline every MQAR paper draws; `attention-rope` is the library's
+default RoPE. The recurrent mixers get no position embedding (their recurrence orders tokens), as in zoology. The curriculum is for `--hard` (the
 Mamba-2 / Wonderful Matrices variant), off by default.
 
 Output under --out: mqar.json ({"meta", "rows"}; meta.trials holds every run with its accuracy-against-steps curve),
