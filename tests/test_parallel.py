@@ -95,6 +95,42 @@ def test_ddp_and_fsdp_match_one_process():
     spawn(_data_parallel)
 
 
+# --- validation shared out among ranks ------------------------------------------------------------------------
+def _val_stream():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (400,), generator=g)
+    ids[::97] = 256                                   # documents: the state resets at each eos
+    return ids.numpy()
+
+
+def _validations(model):
+    from hybridlm.data.tokenizer import ByteTokenizer
+    from hybridlm.eval.perplexity import validate
+    rank, world = (dist.get_rank(), WORLD) if dist.is_initialized() else (0, 1)
+    # 13 windows of 32 (the last one cut): ranks get 7 and 6, so one runs an uncounted forward to keep in step
+    return [validate(model, _val_stream(), ByteTokenizer(), 32, 4, max_tokens=m, rank=rank, world=world)
+            for m in (None, 150)]
+
+
+def _sharded_validation(rank, want):
+    from hybridlm.train.parallel import parallelize
+    for mode in ("none", "fsdp"):       # none: as under DDP, each rank runs its replica unwrapped
+        torch.manual_seed(0)
+        model = CausalLM(tiny("mamba2-attention", vocab_size=257))
+        if mode == "fsdp":
+            parallelize(model, mode, world=WORLD)
+        for got, ref in zip(_validations(model), want):
+            assert got["tokens"] == ref["tokens"] and got["whole"] == ref["whole"], (mode, got, ref)
+            assert abs(got["loss"] - ref["loss"]) < 1e-5 and abs(got["bpb"] - ref["bpb"]) < 1e-5, (mode, got, ref)
+
+
+def test_validation_shared_out_among_two_ranks_equals_one():
+    torch.manual_seed(0)
+    want = _validations(CausalLM(tiny("mamba2-attention", vocab_size=257)))
+    assert want[0]["whole"] and not want[1]["whole"] and want[0]["tokens"] == 399
+    spawn(_sharded_validation, want)
+
+
 # --- context parallelism ------------------------------------------------------------------------------------
 def _context_parallel(rank, preset_names):
     from hybridlm.train.context_parallel import all_reduce_grads, context_parallel_forward
@@ -188,6 +224,13 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
     # one process: the consolidated weights, the shards read directly, and the sharded model agree exactly
     ids = torch.arange(16)[None] * 7 % 257
     consolidated = load_checkpoint(str(ckpt))[0].eval()
+    # the final validation, shared out among the 2 ranks, is the one-process figure
+    from hybridlm.eval.perplexity import validate
+    data = _data(str(text))
+    one = validate(consolidated, data.tokens("val"), data.tokenizer, 16, 8, max_tokens=256, seed=3)
+    with open(tmp_path / "whole" / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f][-1]
+    assert last["val_tokens"] == one["tokens"] and abs(last["val_loss"] - one["loss"]) < 1e-5, (last, one)
     shutil.copytree(ckpt, tmp_path / "shards_only")
     os.remove(tmp_path / "shards_only" / "model.safetensors")
     write_manifest(str(tmp_path / "shards_only"))  # as a save without consolidation lists its files

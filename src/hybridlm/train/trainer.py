@@ -49,8 +49,10 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0               # 0 = off
     grad_accum: int = 1
-    eval_every: int = 200                # 0 = only at the end
-    eval_tokens: int = DEFAULT_VAL_TOKENS  # the whole val split up to this many tokens, else a fixed sample; 0 = all
+    eval_every: int = 200                # validate every N steps and at the end; 0 = only at the end
+    eval_tokens: int | None = DEFAULT_VAL_TOKENS  # the whole val split up to this many tokens, else a fixed sample
+                                                  # of about this many; None = the whole split; 0 = no validation
+    eval_batch_size: int | None = None   # windows per forward and rank; None = 4 x batch_size (see EVAL_BATCH)
     doc_mask: bool = True                # reset state / mask attention at document boundaries
     save_every: int = 500                # 0 = only at the end
     seed: int = 0
@@ -69,7 +71,8 @@ class TrainConfig:
         need = [(self.steps >= 1, "steps must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
                 (self.seq_len >= 2, "seq_len must be >= 2"), (self.grad_accum >= 1, "grad_accum must be >= 1"),
                 (self.lr > 0, "lr must be > 0"), (self.warmup >= 0, "warmup must be >= 0"),
-                (self.log_every >= 1, "log_every must be >= 1"), (self.eval_tokens >= 0, "eval_tokens must be >= 0"),
+                (self.log_every >= 1, "log_every must be >= 1"), (self.eval_tokens is None or self.eval_tokens >= 0, "eval_tokens must be >= 0"),
+                (self.eval_batch_size is None or self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
                 (self.adam_eps > 0, "adam_eps must be > 0"),
                 (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
@@ -91,6 +94,12 @@ class TrainConfig:
     def lr_for(self, step: int) -> float:
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         return lr_at(step, lr=self.lr, total=self.steps, warmup=self.warmup, min_lr=min_lr, schedule=self.schedule)
+
+
+# Validation keeps no activations for backward and the loss is fused with the LM head (no [B, T, V] logits), so a
+# few times the training micro-batch fits in the memory training used; under FSDP each forward all-gathers every
+# block, so larger batches mean fewer gathers per window.
+EVAL_BATCH = 4
 
 
 def _setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
@@ -186,9 +195,10 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=cfg.dtype == "bfloat16" and not par.mixed_precision)
 
-    def run_eval() -> dict:
-        return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens,
-                        seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast)
+    def run_eval() -> dict:   # every rank evaluates its share of the windows (eval/perplexity.py)
+        return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.eval_batch_size or EVAL_BATCH * B,
+                        max_tokens=cfg.eval_tokens, seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast,
+                        rank=rank, world=world)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
@@ -258,9 +268,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         bar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}", tok_s=f"{window_tokens / window_time:,.0f}")
 
         is_last = done == cfg.steps
-        do_eval = is_last or (cfg.eval_every and done % cfg.eval_every == 0)
+        do_eval = cfg.eval_tokens != 0 and (is_last or (cfg.eval_every and done % cfg.eval_every == 0))
         row_eval = {}
-        if do_eval and (main or par.sharded):   # a sharded model evaluates on every rank
+        if do_eval:
             val = run_eval()
             row_eval = {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"],
                         "val_bpb": val["bpb"]}
