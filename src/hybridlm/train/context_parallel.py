@@ -18,10 +18,16 @@ cache's `next_pos`. Every message is an autograd function whose backward sends t
 over the ranks that attended to it). Messages are chained through a zero scalar "token" added to the loss,
 so backward runs them in exactly the reverse order on every rank and the point-to-point and collective
 calls of different ranks always match. Layers run as a wavefront: rank r starts layer l when rank r-1 has
-finished it, so ranks overlap across layers rather than within one. The sequence is one document (no
-packed-document `resets`: the model takes none with a cache). Any layer that keeps a `RecurrentCache`, `KVCache`
-or `WindowKVCache` runs this way (tested: `S`, `R`, `A`); MLA and the indexer keep other kinds and are refused
-with a ConfigError.
+finished it, so ranks overlap across layers rather than within one.
+
+Packed documents (`resets`, the whole sequence's on every rank): the cache carries the document index of every
+earlier token and the position reached in the document that goes on into this chunk, so positions restart and
+attention stops at document starts as on one rank; a recurrent layer's received state and conv tail belong to
+the chunk's first document, which a reset ends (the ops zero the decay and the conv taps there).
+
+Layers (`check_layout`): a layer keeping a `RecurrentCache` with a state (S, R, G, K, B), a `KVCache` or a
+`WindowKVCache` (A, W, with or without a window) runs this way, channel mixers (M, E) need nothing. The others
+are refused by letter with the reason (`UNSUPPORTED`).
 """
 from dataclasses import dataclass
 
@@ -32,6 +38,27 @@ from torch import Tensor, nn
 from ..cache import InferenceCache, KVCache, RecurrentCache, WindowKVCache
 from ..errors import ConfigError, InputError
 from ..ops.loss import cross_entropy
+
+# letter -> why context parallelism cannot run it
+UNSUPPORTED = {
+    "L": "MLA keeps a latent cache, not per-layer keys and values that can be gathered",
+    "I": "the indexer keeps its own key cache and selects top-k keys over the whole sequence",
+    "F": "inner-function attention keeps value rows and a dynamic mask outside the K/V cache",
+    "Z": "Zamba2's shared block is one module over several positions of the layout, each with its own slot",
+    "C": "the gated short conv keeps only a conv tail, which travels with a recurrent state",
+    "O": "the routed MoE's load-balancing loss is a function of the whole sequence's routing",
+}
+
+
+def check_layout(cfg):
+    """A ConfigError naming the first layer letter of `cfg.layout` that context parallelism cannot run."""
+    from ..models.layout import flatten, parse_layout
+    from ..models.registry import LETTERS
+    for letter in dict.fromkeys(str(x) for x in flatten(parse_layout(cfg.layout, LETTERS))):
+        letter = letter[0]
+        if letter in UNSUPPORTED:
+            raise ConfigError(f"--context-parallel does not support layer {letter!r} in layout {cfg.layout!r}: "
+                              f"{UNSUPPORTED[letter]}")
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 12        # per tensor: ndim (0 = none), dtype code, 4 sizes
@@ -219,9 +246,10 @@ class ContextParallelOutput:
 
 
 def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor | None = None, *,
-                             group=None) -> ContextParallelOutput:
+                             resets: Tensor | None = None, group=None) -> ContextParallelOutput:
     """Run `model` on this rank's chunk of input_ids [B, T] (the same full sequence on every rank of `group`).
-    labels [B, T] are aligned with input_ids as in `CausalLM.forward` (-100 ignored)."""
+    labels [B, T] are aligned with input_ids as in `CausalLM.forward` (-100 ignored); resets [B, T] bool mark
+    document starts (packed documents), as in `CausalLM.forward`."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, T = input_ids.shape
     if T % world or T // world < 2:
@@ -232,7 +260,15 @@ def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor
     t = T // world
     start = rank * t
     cache = ContextParallelCache(B, model.num_layers, offset=start, device=input_ids.device, group=group)
-    logits = model(input_ids[:, start: start + t], cache=cache).logits
+    chunk_resets = None
+    if resets is not None:
+        resets = resets.bool()
+        idx = torch.arange(T, device=resets.device).expand(B, T)
+        pos = idx - torch.where(resets, idx, torch.zeros_like(idx)).cummax(1).values   # position in its document
+        cache.segments = resets.long().cumsum(1)[:, :start]
+        cache.next_pos = pos[:, start - 1] + 1 if start else torch.zeros_like(cache.next_pos)
+        chunk_resets = resets[:, start: start + t]
+    logits = model(input_ids[:, start: start + t], cache=cache, resets=chunk_resets).logits
     loss = None
     if labels is not None:
         # position i predicts labels[i + 1]; the chunk's last position predicts the next chunk's first label
