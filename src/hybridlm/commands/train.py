@@ -15,7 +15,7 @@ def _train_config(args):
                        eval_tokens=args.eval_tokens, eval_batch_size=args.eval_batch_size, doc_mask=not args.no_doc_mask, save_every=args.save_every,
                        seed=args.seed, dtype=args.dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
-                       parallel=args.parallel, keep=args.keep, on_nan=args.on_nan, data_order=args.data_order)
+                       parallel=args.parallel, context_parallel=args.context_parallel, keep=args.keep, on_nan=args.on_nan, data_order=args.data_order)
 
 
 def main(args) -> int:
@@ -125,6 +125,9 @@ def add_arguments(p):
     p.add_argument("--parallel", default="auto", choices=["auto", "ddp", "fsdp"],
                    help="under torchrun: ddp replicates the model, fsdp shards it (FSDP2) and saves distributed "
                         "checkpoints (auto = ddp)")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="under torchrun: split each sequence over N ranks (--seq-len / N positions each; data "
+                        "parallel over the other ranks); layers A, W, S, R, G, K, B with M/E channel mixers")
     p.add_argument("--keep", type=int, default=0, help="keep only the N newest step checkpoints (0 = all)")
     p.add_argument("--on-nan", default="stop", choices=["stop", "skip"],
                    help="a NaN/Inf loss stops the run (exit 1) or skips that batch (counted as nan_skipped)")

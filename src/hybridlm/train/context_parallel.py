@@ -25,9 +25,10 @@ earlier token and the position reached in the document that goes on into this ch
 attention stops at document starts as on one rank; a recurrent layer's received state and conv tail belong to
 the chunk's first document, which a reset ends (the ops zero the decay and the conv taps there).
 
-Layers (`check_layout`): a layer keeping a `RecurrentCache` with a state (S, R, G, K, B), a `KVCache` or a
-`WindowKVCache` (A, W, with or without a window) runs this way, channel mixers (M, E) need nothing. The others
-are refused by letter with the reason (`UNSUPPORTED`).
+Layers (`check_layout`): a layer keeping a `RecurrentCache` with a state (S, R, G, K, B) relays it; one keeping
+keys (A, W with or without a window, F, Z's shared attention: `KVCache`/`WindowKVCache`; L: MLA's `LatentCache`;
+I: the indexer's keys and those of the attention under it) gathers them; channel mixers (M, E) need nothing.
+C and O are refused by letter with the reason (`UNSUPPORTED`).
 """
 from dataclasses import dataclass
 
@@ -35,16 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..cache import InferenceCache, KVCache, RecurrentCache, WindowKVCache
+from ..cache import IndexerCache, InferenceCache, KVCache, LatentCache, RecurrentCache, WindowKVCache
 from ..errors import ConfigError, InputError
 from ..ops.loss import cross_entropy
 
 # letter -> why context parallelism cannot run it
 UNSUPPORTED = {
-    "L": "MLA keeps a latent cache, not per-layer keys and values that can be gathered",
-    "I": "the indexer keeps its own key cache and selects top-k keys over the whole sequence",
-    "F": "inner-function attention keeps value rows and a dynamic mask outside the K/V cache",
-    "Z": "Zamba2's shared block is one module over several positions of the layout, each with its own slot",
     "C": "the gated short conv keeps only a conv tail, which travels with a recurrent state",
     "O": "the routed MoE's load-balancing loss is a function of the whole sequence's routing",
 }
@@ -129,29 +126,30 @@ class _SendState(torch.autograd.Function):
 
 
 class _GatherKV(torch.autograd.Function):
-    """(token, k, v) [B, t, H, D] -> (token, keys, values) [B, (rank+1)·t, H, D] of ranks 0..rank; backward sums
-    each key's gradient over the ranks that read it (an all-reduce of the zero-padded gradients)."""
+    """(token, *xs) each [B, t, ...] -> (token, *gathered) each [B, (rank+1)·t, ...] of ranks 0..rank (keys and
+    values; MLA's latents; indexer keys); backward sums each key's gradient over the ranks that read it (an
+    all-reduce of the zero-padded gradients)."""
 
     @staticmethod
-    def forward(ctx, token, k, v, rank, world, group):
-        ctx.rank, ctx.world, ctx.group, ctx.t = rank, world, group, k.shape[1]
+    def forward(ctx, token, rank, world, group, *xs):
+        ctx.rank, ctx.world, ctx.group, ctx.t = rank, world, group, xs[0].shape[1]
         out = []
-        for x in (k, v):
+        for x in xs:
             parts = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(parts, x.contiguous(), group=group)
             out.append(torch.cat(parts[: rank + 1], 1))
         return (token.detach().clone(), *out)
 
     @staticmethod
-    def backward(ctx, g_token, gk, gv):
+    def backward(ctx, g_token, *gs):
         t, r = ctx.t, ctx.rank
         mine = []
-        for g in (gk, gv):
+        for g in gs:
             full = g.new_zeros(g.shape[0], ctx.world * t, *g.shape[2:])
             full[:, : (r + 1) * t] = g
             dist.all_reduce(full, group=ctx.group)
             mine.append(full[:, r * t: (r + 1) * t])
-        return g_token, *mine, None, None, None
+        return g_token, None, None, None, *mine
 
 
 class _Relay:
@@ -199,6 +197,28 @@ class _Gather:
     nbytes = 0
 
 
+class _GatherLatent(_Gather):
+    """An MLA layer's slot (as `LatentCache.update`): [latent | roped key] of this chunk and every earlier one."""
+
+    def update(self, latent: Tensor, k_rope: Tensor, at=None, n: int = 0) -> Tensor:
+        return self.cp.gather(torch.cat((latent, k_rope), -1))[0]
+
+
+class _GatherIndexer(_Gather):
+    """A lightning-indexer layer's slot (as `IndexerCache`): its keys gathered, and the slot of the attention it
+    masks (`layer`), itself gathering."""
+
+    main = None
+
+    def layer(self, idx: int, factory):
+        if self.main is None:
+            self.main = self.cp.slot_for(factory(), idx)
+        return self.main
+
+    def update_keys(self, k: Tensor, at=None, n: int = 0) -> Tensor:
+        return self.cp.gather(k)[0]
+
+
 class ContextParallelCache(InferenceCache):
     """The cache a rank's chunk runs with: slots that talk to the neighbouring ranks, positions from `offset`."""
 
@@ -211,17 +231,21 @@ class ContextParallelCache(InferenceCache):
         self.token = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
 
     def layer(self, idx: int, factory):
-        slot = self.layers[idx]
-        if slot is None:
-            kind = factory()
-            if isinstance(kind, RecurrentCache):
-                slot = _Relay(self)
-            elif type(kind) in (KVCache, WindowKVCache):
-                slot = _Gather(self)
-            else:
-                raise ConfigError(f"context parallelism does not support layer {idx} ({type(kind).__name__} state)")
-            self.layers[idx] = slot
-        return slot
+        if self.layers[idx] is None:
+            self.layers[idx] = self.slot_for(factory(), idx)
+        return self.layers[idx]
+
+    def slot_for(self, kind, idx: int):
+        """The slot standing in for a cache of `kind`'s type."""
+        if isinstance(kind, RecurrentCache):
+            return _Relay(self)
+        if type(kind) in (KVCache, WindowKVCache):
+            return _Gather(self)
+        if type(kind) is LatentCache:
+            return _GatherLatent(self)
+        if type(kind) is IndexerCache:
+            return _GatherIndexer(self)
+        raise ConfigError(f"context parallelism does not support layer {idx} ({type(kind).__name__} state)")
 
     def recv(self) -> tuple[Tensor | None, Tensor | None]:
         if self.rank == 0:
@@ -233,9 +257,9 @@ class ContextParallelCache(InferenceCache):
         if self.rank < self.world - 1:
             self.token = _SendState.apply(self.token, conv, state, self.rank + 1, self.group)
 
-    def gather(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.token, keys, values = _GatherKV.apply(self.token, k, v, self.rank, self.world, self.group)
-        return keys, values
+    def gather(self, *xs: Tensor) -> tuple[Tensor, ...]:
+        self.token, *out = _GatherKV.apply(self.token, self.rank, self.world, self.group, *xs)
+        return tuple(out)
 
 
 @dataclass

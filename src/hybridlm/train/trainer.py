@@ -9,6 +9,11 @@ and RNG state, so a resumed run reproduces the loss curve of an uninterrupted on
 `torchrun --nproc_per_node N` (WORLD_SIZE > 1) each rank draws its own batches, gradients are averaged by
 DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; under FSDP2
 every rank evaluates and writes its shards of a DCP checkpoint (train/dist_checkpoint.py).
+
+With `context_parallel` N, groups of N consecutive ranks split each sequence (train/context_parallel.py): the
+ranks of a group read the same batch and each runs its T/N positions; the groups are data parallel. Every rank
+holds the whole model, and one all-reduce over all ranks sums the gradient shares of a group and averages the
+groups. Validation runs unsplit windows, shared out among all ranks.
 """
 import contextlib
 import json
@@ -29,6 +34,7 @@ from ..models import CausalLM, ModelConfig
 from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, mark_latest,
                          save_checkpoint, set_rng_state, step_name)
 from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
+from .context_parallel import all_reduce_grads, context_parallel_forward
 from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
 from .parallel import MODES as PARALLEL_MODES
@@ -62,6 +68,7 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
     parallel: str = "auto"               # auto (= ddp) | ddp | fsdp, under torchrun (train/parallel.py)
+    context_parallel: int = 1            # ranks splitting each sequence (data parallel over the rest)
     keep: int = 0                        # step checkpoints kept (0 = all)
     on_nan: str = "stop"                 # stop | skip: a NaN/Inf loss ends the run or skips that batch
     data_order: str = "random"           # random | sequential (see data/sampling.py)
@@ -80,6 +87,7 @@ class TrainConfig:
                 (self.schedule in ("cosine", "wsd", "constant"),
                  f"schedule must be cosine, wsd or constant, got {self.schedule!r}"),
                 (self.keep >= 0, "keep must be >= 0"),
+                (self.context_parallel >= 1, "context_parallel must be >= 1"),
                 (self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}"),
                 (self.data_order in ORDERS, f"data_order must be one of {', '.join(ORDERS)}, got {self.data_order!r}")]
         for ok, msg in need:
@@ -119,6 +127,27 @@ def _setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
     if created:
         dist.init_process_group(backend)
     return rank, world, dev, created
+
+
+def _context_parallel_group(cfg, model_cfg, rank: int, world: int):
+    """This rank's process group of `cfg.context_parallel` consecutive ranks, after checking that the run can be
+    split so (one ConfigError otherwise)."""
+    from .context_parallel import check_layout
+    cp = cfg.context_parallel
+    if world % cp:
+        raise ConfigError(f"--context-parallel {cp} does not divide the {world} ranks")
+    if cfg.seq_len % cp or cfg.seq_len // cp < 2:
+        raise ConfigError(f"--context-parallel {cp} needs a --seq-len divisible by {cp} with at least 2 tokens per "
+                          f"rank, got {cfg.seq_len}")
+    for on, flag in ((cfg.parallel == "fsdp", "--parallel fsdp"), (cfg.compile, "--compile"),
+                     (cfg.grad_checkpointing, "--grad-checkpointing")):
+        if on:     # each rank's chunk exchanges states mid-forward: recomputing or tracing it would resend them
+            raise ConfigError(f"--context-parallel does not combine with {flag}")
+    check_layout(model_cfg)
+    if model_cfg.dropout:
+        raise ConfigError("--context-parallel needs dropout 0 (the ranks of a group would drop different units)")
+    groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]   # every rank creates all
+    return groups[rank // cp]
 
 
 def _write_metrics(path: str, rows: list[dict], mode: str):
@@ -168,13 +197,16 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model.to(device)
+    cp = cfg.context_parallel
+    cp_group = _context_parallel_group(cfg, model_cfg, rank, world) if cp > 1 else None
     # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
-    par = parallelize(model, cfg.parallel, world=world, device=device, dtype=cfg.dtype, compile=cfg.compile,
+    par = parallelize(model, cfg.parallel, world=1 if cp > 1 else world, device=device, dtype=cfg.dtype, compile=cfg.compile,
                       checkpointing=cfg.grad_checkpointing)
     fwd = par.module
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
     B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
-    sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, rank, world)
+    dp_rank, dp_world = rank // cp, world // cp      # the ranks of a context-parallel group read the same batch
+    sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, dp_rank, dp_world)
     nan_skipped = 0
     if resume:
         if has_dcp(ckpt):
@@ -202,7 +234,7 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
-    tokens_per_step = B * T * A * world
+    tokens_per_step = B * T * A * dp_world
     first_loss = loss_val = val = None
     window_tokens, window_time, train_time = 0, 0.0, 0.0
     ckpt_path = stopped = None
@@ -236,13 +268,23 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
                 fwd.set_requires_gradient_sync(micro == A - 1)
             with sync:
                 with autocast:
-                    loss = fwd(ids, labels=ids, resets=resets).loss
+                    if cp_group is None:
+                        loss = fwd(ids, labels=ids, resets=resets).loss
+                    else:   # this rank's share of the sequence's loss
+                        loss = context_parallel_forward(model, ids, labels=ids, resets=resets, group=cp_group).loss
                 (loss / A).backward()
             loss_sum += loss.detach().float()
         loss_avg = loss_sum / A
+        if cp_group is not None:   # sum the shares within a group, average the groups
+            for p in model.parameters():
+                if p.grad is None:      # every rank must reduce the same tensors
+                    p.grad = torch.zeros_like(p)
+            all_reduce_grads(model)
+            for p in model.parameters():
+                p.grad.div_(dp_world)
         if world > 1:  # every rank sees the same loss, so all take the same branch below
             dist.all_reduce(loss_avg)
-            loss_avg /= world
+            loss_avg /= dp_world
         loss_val = loss_avg.item()
         grad_norm = None
         if cfg.grad_clip:
