@@ -162,6 +162,85 @@ def test_context_parallel_equals_one_rank():
     spawn(_context_parallel, ["mamba2", "rodimus", "mamba2-attention"])
 
 
+# --- context parallelism in the trainer ---------------------------------------------------------------------
+CP_LAYOUTS = {"ssd": ("mamba2", {}), "gla": ("rodimus", {}), "attention": ("transformer++", {}),
+              "mla": ("deepseek-mla", {}), "hybrid": ("mamba2-attention", {})}
+
+
+def _docs(tmp) -> str:
+    """Short documents (16-40 bytes): packed, they start anywhere in a window, across the ranks' boundary too."""
+    path = os.path.join(tmp, "docs.jsonl")
+    with open(path, "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": f"x{i} = {i * 7 % 101}" + " + 1" * (i % 7)}) + "\n")
+    return path
+
+
+def _cp_cfg(name):
+    preset, kw = CP_LAYOUTS[name]
+    return tiny(preset, vocab_size=257, **kw)
+
+
+def _cp_runs(rank, tmp, names, resume):
+    from hybridlm.train import train
+    for name in names:
+        kw = dict(parallel="auto", context_parallel=2, seq_len=32, eval_tokens=300)
+        train(_cp_cfg(name), _train_cfg(**kw), _data(_docs(tmp)), f"{tmp}/{name}-cp", progress=False)
+        if resume:      # 2 steps, then resumed to 4: the same curve as one 4-step run
+            train(_cp_cfg(name), _train_cfg(steps=2, **kw), _data(_docs(tmp)), f"{tmp}/{name}-cut", progress=False)
+            train(_cp_cfg(name), _train_cfg(**kw), _data(_docs(tmp)), f"{tmp}/{name}-cut", resume=True,
+                  progress=False)
+
+
+def check_cp_training(tmp_path, names, resume=False):
+    """2 ranks splitting every sequence train as one process does: losses, validation and final weights."""
+    from hybridlm.train import load_checkpoint, train
+    spawn(_cp_runs, str(tmp_path), names, resume)
+    for name in names:
+        one = train(_cp_cfg(name), _train_cfg(parallel="auto", seq_len=32, eval_tokens=300), _data(_docs(tmp_path)),
+                    str(tmp_path / f"{name}-one"), progress=False)
+        want, got = _metrics(tmp_path / f"{name}-one"), _metrics(tmp_path / f"{name}-cp")
+        assert [r["step"] for r in got] == [1, 2, 3, 4], name
+        for a, b in zip(got, want):
+            assert abs(a["loss"] - b["loss"]) < 1e-5, (name, a, b)
+        assert abs(got[-1]["val_loss"] - one["val_loss"]) < 1e-5 and got[-1]["val_tokens"] == one["val_tokens"]
+        cp_model, one_model = load_checkpoint(str(tmp_path / f"{name}-cp"))[0], load_checkpoint(one["checkpoint"])[0]
+        for (n, p), q in zip(cp_model.named_parameters(), one_model.parameters()):
+            assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"{name} {n}")
+        if resume:
+            assert [r["loss"] for r in _metrics(tmp_path / f"{name}-cut")] == [r["loss"] for r in got], name
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_context_parallel_training_equals_one_process_and_resumes(tmp_path):
+    check_cp_training(tmp_path, ["hybrid"], resume=True)
+
+
+@pytest.mark.slow
+def test_context_parallel_training_ssd_gla_attention_mla(tmp_path):
+    check_cp_training(tmp_path, ["ssd", "gla", "attention", "mla"])
+
+
+@pytest.mark.parametrize("letter,layout", [("C", "CM"), ("O", "AO")])
+def test_context_parallel_refuses_uncovered_letters(letter, layout):
+    from hybridlm import ModelConfig
+    from hybridlm.train.context_parallel import check_layout
+    check_layout(ModelConfig(layout="S A L I F W R G K B E M Z@0 S".replace(" ", "")))   # the others pass
+    with pytest.raises(ConfigError, match=f"does not support layer '{letter}' in layout"):
+        check_layout(ModelConfig(layout=layout))
+
+
+def test_context_parallel_needs_ranks_to_split_over(tmp_path):
+    from hybridlm.train import train
+    with pytest.raises(ConfigError, match="--context-parallel 2 does not divide the 1 ranks"):
+        train(tiny("mamba2", vocab_size=257), _train_cfg(parallel="auto", context_parallel=2), _data(_docs(tmp_path)),
+              str(tmp_path))
+
+
 # --- distributed checkpoints --------------------------------------------------------------------------------
 def _data(text_path):
     from hybridlm.data.corpus import load_corpus

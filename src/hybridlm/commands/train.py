@@ -127,7 +127,7 @@ def add_arguments(p):
                         "checkpoints (auto = ddp)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="under torchrun: split each sequence over N ranks (--seq-len / N positions each; data "
-                        "parallel over the other ranks); layers A, W, S, R, G, K, B with M/E channel mixers")
+                        "parallel over the other ranks); every layer letter but C and O")
     p.add_argument("--keep", type=int, default=0, help="keep only the N newest step checkpoints (0 = all)")
     p.add_argument("--on-nan", default="stop", choices=["stop", "skip"],
                    help="a NaN/Inf loss stops the run (exit 1) or skips that batch (counted as nan_skipped)")

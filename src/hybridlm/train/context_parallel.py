@@ -1,5 +1,5 @@
-"""Context parallelism: one long sequence split across ranks, for models of SSD (`S`), Rodimus (`R`) and
-attention (`A`, `W`) layers plus any channel mixers.
+"""Context parallelism: one long sequence split across ranks, for every layer but the gated short conv (`C`) and
+the routed MoE (`O`); `hybridlm train --context-parallel N` runs it (train/trainer.py).
 
     out = context_parallel_forward(model, ids, labels=ids)     # ids [B, T] on every rank; T % world == 0
     out.loss.backward(); all_reduce_grads(model)                # = the single-rank loss and gradients
