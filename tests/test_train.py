@@ -145,7 +145,8 @@ def test_checkpoint_config_is_transformers_and_the_bare_config_of_old_checkpoint
     path = save_checkpoint(str(tmp_path / "new"), model, None, {"step": 1}, ByteTokenizer())
     cfg = json.load(open(os.path.join(path, "config.json")))
     assert cfg["model_type"] == "hybridlm" and cfg["architectures"] == ["HybridLMForCausalLM"]
-    assert ModelConfig.from_dict(cfg["hybridlm"]) == model.config and cfg["eos_token_id"] == 256 and cfg["hidden_size"] == 32
+    assert ModelConfig.from_dict(cfg["hybridlm"]) == model.config
+    assert cfg["eos_token_id"] == 256 and cfg["hidden_size"] == 32 and cfg["dtype"] == "float32"
     old = str(tmp_path / "old" / "checkpoint")                     # as written before: config.json = the ModelConfig
     shutil.copytree(path, old)
     with open(os.path.join(old, "config.json"), "w") as f:

@@ -12,10 +12,11 @@ def _train_config(args):
                        min_lr=args.min_lr, warmup=args.warmup, schedule=args.schedule,
                        weight_decay=args.weight_decay, betas=tuple(args.adam_betas), adam_eps=args.adam_eps,
                        grad_clip=args.grad_clip, grad_accum=args.grad_accum, eval_every=args.eval_every,
-                       eval_tokens=args.eval_tokens, eval_batch_size=args.eval_batch_size, doc_mask=not args.no_doc_mask, save_every=args.save_every,
-                       seed=args.seed, dtype=args.dtype, compile=args.compile,
+                       eval_tokens=args.eval_tokens, eval_batch_size=args.eval_batch_size, doc_mask=not args.no_doc_mask,
+                       save_every=args.save_every, seed=args.seed, dtype=args.dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
-                       parallel=args.parallel, context_parallel=args.context_parallel, keep=args.keep, on_nan=args.on_nan, data_order=args.data_order)
+                       parallel=args.parallel, context_parallel=args.context_parallel, keep=args.keep,
+                       on_nan=args.on_nan, data_order=args.data_order)
 
 
 def main(args) -> int:

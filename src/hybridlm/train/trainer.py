@@ -7,8 +7,9 @@ validation, metrics.jsonl, atomic checkpoints, exact resume, and DDP under torch
 Batches depend only on (seed, step, micro-batch, rank), and the checkpoint holds weights, optimizer state
 and RNG state, so a resumed run reproduces the loss curve of an uninterrupted one. Under
 `torchrun --nproc_per_node N` (WORLD_SIZE > 1) each rank draws its own batches, gradients are averaged by
-DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; under FSDP2
-every rank evaluates and writes its shards of a DCP checkpoint (train/dist_checkpoint.py).
+DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; every rank
+validates its share of the windows, and under FSDP2 writes its shards of a DCP checkpoint
+(train/dist_checkpoint.py).
 
 With `context_parallel` N, groups of N consecutive ranks split each sequence (train/context_parallel.py): the
 ranks of a group read the same batch and each runs its T/N positions; the groups are data parallel. Every rank
@@ -33,8 +34,8 @@ from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
 from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, mark_latest,
                          save_checkpoint, set_rng_state, step_name)
-from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
 from .context_parallel import all_reduce_grads, context_parallel_forward
+from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
 from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
 from .parallel import MODES as PARALLEL_MODES
@@ -58,7 +59,8 @@ class TrainConfig:
     eval_every: int = 200                # validate every N steps and at the end; 0 = only at the end
     eval_tokens: int | None = DEFAULT_VAL_TOKENS  # the whole val split up to this many tokens, else a fixed sample
                                                   # of about this many; None = the whole split; 0 = no validation
-    eval_batch_size: int | None = None   # windows per forward and rank; None = 4 x batch_size (see EVAL_BATCH)
+    eval_batch_size: int | None = None   # windows per forward and rank; None = EVAL_BATCH x batch_size (batch_size
+                                         # under context parallelism: a rank then evaluates whole windows)
     doc_mask: bool = True                # reset state / mask attention at document boundaries
     save_every: int = 500                # 0 = only at the end
     seed: int = 0
@@ -78,7 +80,8 @@ class TrainConfig:
         need = [(self.steps >= 1, "steps must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
                 (self.seq_len >= 2, "seq_len must be >= 2"), (self.grad_accum >= 1, "grad_accum must be >= 1"),
                 (self.lr > 0, "lr must be > 0"), (self.warmup >= 0, "warmup must be >= 0"),
-                (self.log_every >= 1, "log_every must be >= 1"), (self.eval_tokens is None or self.eval_tokens >= 0, "eval_tokens must be >= 0"),
+                (self.log_every >= 1, "log_every must be >= 1"),
+                (self.eval_tokens is None or self.eval_tokens >= 0, "eval_tokens must be >= 0"),
                 (self.eval_batch_size is None or self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
                 (self.adam_eps > 0, "adam_eps must be > 0"),
                 (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
@@ -200,8 +203,8 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     cp = cfg.context_parallel
     cp_group = _context_parallel_group(cfg, model_cfg, rank, world) if cp > 1 else None
     # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
-    par = parallelize(model, cfg.parallel, world=1 if cp > 1 else world, device=device, dtype=cfg.dtype, compile=cfg.compile,
-                      checkpointing=cfg.grad_checkpointing)
+    par = parallelize(model, cfg.parallel, world=1 if cp > 1 else world, device=device, dtype=cfg.dtype,
+                      compile=cfg.compile, checkpointing=cfg.grad_checkpointing)   # CP reduces gradients itself
     fwd = par.module
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
     B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
@@ -227,8 +230,10 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=cfg.dtype == "bfloat16" and not par.mixed_precision)
 
+    eval_batch = cfg.eval_batch_size or B * (EVAL_BATCH if cp == 1 else 1)
+
     def run_eval() -> dict:   # every rank evaluates its share of the windows (eval/perplexity.py)
-        return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.eval_batch_size or EVAL_BATCH * B,
+        return validate(model, data.tokens("val"), tok, cfg.seq_len, eval_batch,
                         max_tokens=cfg.eval_tokens, seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast,
                         rank=rank, world=world)
 
