@@ -274,6 +274,7 @@ def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor
     """Run `model` on this rank's chunk of input_ids [B, T] (the same full sequence on every rank of `group`).
     labels [B, T] are aligned with input_ids as in `CausalLM.forward` (-100 ignored); resets [B, T] bool mark
     document starts (packed documents), as in `CausalLM.forward`."""
+    check_layout(model.config)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, T = input_ids.shape
     if T % world or T // world < 2:
