@@ -49,7 +49,7 @@ def test_train_writes_checkpoint_and_metrics(run):
     rows = [json.loads(line) for line in open(run["out"] / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["val_ppl"] > 1
     cfg = json.load(open(ckpt / "config.json"))
-    assert cfg["vocab_size"] == 257 and cfg["d_model"] == 32
+    assert cfg["vocab_size"] == 257 and cfg["hybridlm"]["d_model"] == 32 and cfg["model_type"] == "hybridlm"
 
 
 def test_resume_continues(run):

@@ -191,8 +191,11 @@ def test_keep_prunes_old_steps_and_latest_follows(tmp_path):
     model = tiny_model()
     for step in (2, 4, 6, 8):
         save_step_checkpoint(str(tmp_path), step, model, None, {}, keep=2)
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000006", "step-000008"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "latest", "model.safetensors.index.json", "step-000006",
+                                            "step-000008"]
     assert load_checkpoint(str(tmp_path))[1]["step"] == 8
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))        # transformers' view of the run
+    assert set(index["weight_map"].values()) == {"step-000008/model.safetensors"}
     os.remove(tmp_path / "latest")  # a lost pointer falls back to the newest complete step
     assert find_checkpoint(str(tmp_path)).endswith("step-000008")
 

@@ -119,7 +119,9 @@ def test_cache_reorder_selects_every_slot():
         c.crop(1)
 
 
-def test_pipeline_continues_a_prompt_of_an_exported_trained_run(tmp_path):
+def test_pipeline_continues_a_prompt_of_a_trained_run_directory_and_its_export(tmp_path):
+    """The run directory itself opens in transformers (no conversion): same logits as our loader, and pipeline()
+    continues a prompt as our own decoding does; `convert --to-hf` writes a directory that does the same."""
     from hybridlm.commands.generate import stream_text
     from hybridlm.data.corpus import load_corpus
     from hybridlm.data.loader import TokenData
@@ -135,11 +137,17 @@ def test_pipeline_continues_a_prompt_of_an_exported_trained_run(tmp_path):
     train(cfg, tcfg, TokenData.from_corpus(load_corpus(str(text)), ByteTokenizer()), str(tmp_path / "run"),
           progress=False)
     export_to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
-    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
-    got = pipe("def add(a, b):\n    return", max_new_tokens=12, do_sample=False)[0]["generated_text"]
     model, tok = load_pretrained(str(tmp_path / "run"))
+    ids = torch.tensor([tok.encode("def add(a, b):\n")])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "run"))
+    assert type(hf) is HybridLMForCausalLM and hf.config.eos_token_id == tok.eos_id
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, model(ids).logits)
     ours = stream_text(model, tok, "def add(a, b):\n    return", 12, temperature=0, out=open("/dev/null", "w"))
-    assert got == "def add(a, b):\n    return" + ours and "a + b" in ours, got
+    for where in ("run", "hf"):
+        pipe = transformers.pipeline("text-generation", model=str(tmp_path / where))
+        got = pipe("def add(a, b):\n    return", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+        assert got == "def add(a, b):\n    return" + ours and "a + b" in ours, (where, got)
 
 
 def test_bench_suite_hf_quick():

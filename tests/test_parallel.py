@@ -95,6 +95,42 @@ def test_ddp_and_fsdp_match_one_process():
     spawn(_data_parallel)
 
 
+# --- validation shared out among ranks ------------------------------------------------------------------------
+def _val_stream():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (400,), generator=g)
+    ids[::97] = 256                                   # documents: the state resets at each eos
+    return ids.numpy()
+
+
+def _validations(model):
+    from hybridlm.data.tokenizer import ByteTokenizer
+    from hybridlm.eval.perplexity import validate
+    rank, world = (dist.get_rank(), WORLD) if dist.is_initialized() else (0, 1)
+    # 13 windows of 32 (the last one cut): ranks get 7 and 6, so one runs an uncounted forward to keep in step
+    return [validate(model, _val_stream(), ByteTokenizer(), 32, 4, max_tokens=m, rank=rank, world=world)
+            for m in (None, 150)]
+
+
+def _sharded_validation(rank, want):
+    from hybridlm.train.parallel import parallelize
+    for mode in ("none", "fsdp"):       # none: as under DDP, each rank runs its replica unwrapped
+        torch.manual_seed(0)
+        model = CausalLM(tiny("mamba2-attention", vocab_size=257))
+        if mode == "fsdp":
+            parallelize(model, mode, world=WORLD)
+        for got, ref in zip(_validations(model), want):
+            assert got["tokens"] == ref["tokens"] and got["whole"] == ref["whole"], (mode, got, ref)
+            assert abs(got["loss"] - ref["loss"]) < 1e-5 and abs(got["bpb"] - ref["bpb"]) < 1e-5, (mode, got, ref)
+
+
+def test_validation_shared_out_among_two_ranks_equals_one():
+    torch.manual_seed(0)
+    want = _validations(CausalLM(tiny("mamba2-attention", vocab_size=257)))
+    assert want[0]["whole"] and not want[1]["whole"] and want[0]["tokens"] == 399
+    spawn(_sharded_validation, want)
+
+
 # --- context parallelism ------------------------------------------------------------------------------------
 def _context_parallel(rank, preset_names):
     from hybridlm.train.context_parallel import all_reduce_grads, context_parallel_forward
@@ -117,13 +153,93 @@ def _context_parallel(rank, preset_names):
             assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=f"{name} grad {n}")
     with pytest.raises(InputError, match="divisible"):
         context_parallel_forward(model, ids[:, :39])
-    with pytest.raises(ConfigError, match="does not support"):     # MLA's latent cache cannot be split this way
-        context_parallel_forward(CausalLM(tiny("deepseek-mla", n_layers=1)), ids)
+    with pytest.raises(ConfigError, match="does not support layer 'C'"):  # a conv tail alone has no message
+        context_parallel_forward(CausalLM(tiny("mamba2", layout="CM")), ids)
 
 
 def test_context_parallel_equals_one_rank():
     assert tiny("mamba2-attention", n_layers=3).layout.replace(" ", "").count("A") == 1
     spawn(_context_parallel, ["mamba2", "rodimus", "mamba2-attention"])
+
+
+# --- context parallelism in the trainer ---------------------------------------------------------------------
+CP_LAYOUTS = {"ssd": ("mamba2", {}), "gla": ("rodimus", {}), "attention": ("transformer++", {}),
+              "mla": ("deepseek-mla", {}), "hybrid": ("mamba2-attention", {})}
+
+
+def _docs(tmp) -> str:
+    """Short documents (16-40 bytes): packed, they start anywhere in a window, across the ranks' boundary too."""
+    path = os.path.join(tmp, "docs.jsonl")
+    with open(path, "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": f"x{i} = {i * 7 % 101}" + " + 1" * (i % 7)}) + "\n")
+    return path
+
+
+def _cp_cfg(name):
+    preset, kw = CP_LAYOUTS[name]
+    return tiny(preset, vocab_size=257, **kw)
+
+
+def _cp_runs(rank, tmp, docs, names, resume):
+    from hybridlm.train import train
+    for name in names:
+        kw = dict(parallel="auto", context_parallel=2, seq_len=32, eval_tokens=300)
+        train(_cp_cfg(name), _train_cfg(**kw), _data(docs), f"{tmp}/{name}-cp", progress=False)
+        if resume:      # 2 steps, then resumed to 4: the same curve as one 4-step run
+            train(_cp_cfg(name), _train_cfg(steps=2, **kw), _data(docs), f"{tmp}/{name}-cut", progress=False)
+            train(_cp_cfg(name), _train_cfg(**kw), _data(docs), f"{tmp}/{name}-cut", resume=True,
+                  progress=False)
+
+
+def check_cp_training(tmp_path, names, resume=False):
+    """2 ranks splitting every sequence train as one process does: losses, validation and final weights."""
+    from hybridlm.train import load_checkpoint, train
+    docs = _docs(str(tmp_path))
+    spawn(_cp_runs, str(tmp_path), docs, names, resume)
+    for name in names:
+        one = train(_cp_cfg(name), _train_cfg(parallel="auto", seq_len=32, eval_tokens=300), _data(docs),
+                    str(tmp_path / f"{name}-one"), progress=False)
+        want, got = _metrics(tmp_path / f"{name}-one"), _metrics(tmp_path / f"{name}-cp")
+        assert [r["step"] for r in got] == [1, 2, 3, 4], name
+        for a, b in zip(got, want):
+            assert abs(a["loss"] - b["loss"]) < 1e-5, (name, a, b)
+        assert abs(got[-1]["val_loss"] - one["val_loss"]) < 1e-5 and got[-1]["val_tokens"] == one["val_tokens"]
+        cp_model, one_model = load_checkpoint(str(tmp_path / f"{name}-cp"))[0], load_checkpoint(one["checkpoint"])[0]
+        for (n, p), q in zip(cp_model.named_parameters(), one_model.parameters()):
+            assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"{name} {n}")
+        if resume:
+            assert [r["loss"] for r in _metrics(tmp_path / f"{name}-cut")] == [r["loss"] for r in got], name
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_context_parallel_training_equals_one_process_and_resumes(tmp_path):
+    check_cp_training(tmp_path, ["hybrid"], resume=True)
+
+
+@pytest.mark.slow
+def test_context_parallel_training_ssd_gla_attention_mla(tmp_path):
+    check_cp_training(tmp_path, ["ssd", "gla", "attention", "mla"])
+
+
+@pytest.mark.parametrize("letter,layout", [("C", "CM"), ("O", "AO")])
+def test_context_parallel_refuses_uncovered_letters(letter, layout):
+    from hybridlm import ModelConfig
+    from hybridlm.train.context_parallel import check_layout
+    check_layout(ModelConfig(layout="S A L I F W R G K B E M Z@0 S".replace(" ", "")))   # the others pass
+    with pytest.raises(ConfigError, match=f"does not support layer '{letter}' in layout"):
+        check_layout(ModelConfig(layout=layout))
+
+
+def test_context_parallel_needs_ranks_to_split_over(tmp_path):
+    from hybridlm.train import train
+    with pytest.raises(ConfigError, match="--context-parallel 2 does not divide the 1 ranks"):
+        train(tiny("mamba2", vocab_size=257), _train_cfg(parallel="auto", context_parallel=2), _data(_docs(tmp_path)),
+              str(tmp_path))
 
 
 # --- distributed checkpoints --------------------------------------------------------------------------------
@@ -188,6 +304,13 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
     # one process: the consolidated weights, the shards read directly, and the sharded model agree exactly
     ids = torch.arange(16)[None] * 7 % 257
     consolidated = load_checkpoint(str(ckpt))[0].eval()
+    # the final validation, shared out among the 2 ranks, is the one-process figure
+    from hybridlm.eval.perplexity import validate
+    data = _data(str(text))
+    one = validate(consolidated, data.tokens("val"), data.tokenizer, 16, 8, max_tokens=256, seed=3)
+    with open(tmp_path / "whole" / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f][-1]
+    assert last["val_tokens"] == one["tokens"] and abs(last["val_loss"] - one["loss"]) < 1e-5, (last, one)
     shutil.copytree(ckpt, tmp_path / "shards_only")
     os.remove(tmp_path / "shards_only" / "model.safetensors")
     write_manifest(str(tmp_path / "shards_only"))  # as a save without consolidation lists its files

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from hybridlm import CausalLM, CheckpointError, presets
+from hybridlm import CausalLM, CheckpointError, ModelConfig, presets
 from hybridlm.data.corpus import stdlib_corpus
 from hybridlm.data.loader import TokenData
 from hybridlm.data.tokenizer import ByteTokenizer
@@ -138,6 +138,27 @@ def test_checkpoint_round_trip_identical_logits(tmp_path, preset):
             assert torch.equal(v, b["state"][i][k])
     m2, tok = load_pretrained(str(tmp_path))
     assert isinstance(tok, ByteTokenizer) and not m2.training
+
+
+def test_checkpoint_config_is_transformers_and_the_bare_config_of_old_checkpoints_still_loads(tmp_path):
+    model = CausalLM(tiny_config())
+    path = save_checkpoint(str(tmp_path / "new"), model, None, {"step": 1}, ByteTokenizer())
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    assert cfg["model_type"] == "hybridlm" and cfg["architectures"] == ["HybridLMForCausalLM"]
+    assert ModelConfig.from_dict(cfg["hybridlm"]) == model.config
+    assert cfg["eos_token_id"] == 256 and cfg["hidden_size"] == 32 and cfg["dtype"] == "float32"
+    old = str(tmp_path / "old" / "checkpoint")                     # as written before: config.json = the ModelConfig
+    shutil.copytree(path, old)
+    with open(os.path.join(old, "config.json"), "w") as f:
+        json.dump(model.config.to_dict(), f)
+    ckpt_mod.write_manifest(old)
+    x = torch.randint(0, 257, (1, 9))
+    assert torch.equal(load_checkpoint(str(tmp_path / "old"))[0](x).logits, model(x).logits)
+    with open(os.path.join(old, "config.json"), "w") as f:      # another model's transformers directory
+        json.dump({"model_type": "llama", "hidden_size": 32}, f)
+    ckpt_mod.write_manifest(old)
+    with pytest.raises(CheckpointError, match="'llama' config, not a hybridlm checkpoint"):
+        load_checkpoint(old)
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

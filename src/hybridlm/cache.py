@@ -201,6 +201,9 @@ class InferenceCache:
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.static_pos: Tensor | None = None     # static decode: [1] long, the slot of the next token
         self.static_mask: Tensor | None = None    # static decode: [B, max_tokens] bool, real tokens written so far
+        # packed documents run in pieces (context parallelism): [B, seen] document index of every token seen; while
+        # None, calls with `resets` are refused
+        self.segments: Tensor | None = None
 
     def layer(self, idx: int, factory):
         """The slot of layer `idx`, created by `factory()` on first use."""

@@ -12,10 +12,11 @@ def _train_config(args):
                        min_lr=args.min_lr, warmup=args.warmup, schedule=args.schedule,
                        weight_decay=args.weight_decay, betas=tuple(args.adam_betas), adam_eps=args.adam_eps,
                        grad_clip=args.grad_clip, grad_accum=args.grad_accum, eval_every=args.eval_every,
-                       eval_tokens=args.eval_tokens, doc_mask=not args.no_doc_mask, save_every=args.save_every,
-                       seed=args.seed, dtype=args.dtype, compile=args.compile,
+                       eval_tokens=args.eval_tokens, eval_batch_size=args.eval_batch_size, doc_mask=not args.no_doc_mask,
+                       save_every=args.save_every, seed=args.seed, dtype=args.dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
-                       parallel=args.parallel, keep=args.keep, on_nan=args.on_nan, data_order=args.data_order)
+                       parallel=args.parallel, context_parallel=args.context_parallel, keep=args.keep,
+                       on_nan=args.on_nan, data_order=args.data_order)
 
 
 def main(args) -> int:
@@ -50,13 +51,23 @@ def main(args) -> int:
     if s["stopped"]:
         out(f"stopped by {s['stopped']} after step {s['steps']}: checkpoint {s['checkpoint']} (continue with --resume)")
     elif s["loss"] is not None:
-        val = describe({"loss": s["val_loss"], "ppl": s["val_ppl"], "tokens": s["val_tokens"],
-                        "whole": s["val_whole"], "bpb": s["val_bpb"]})
+        val = "no validation (--eval-tokens 0)" if s["val_loss"] is None else \
+            describe({"loss": s["val_loss"], "ppl": s["val_ppl"], "tokens": s["val_tokens"], "whole": s["val_whole"],
+                      "bpb": s["val_bpb"]})
         out(f"done    step {s['steps']}: train loss {s['loss']:.4f}, {val}; {s['tokens_per_s']:,.0f} tokens/s; "
             f"checkpoint {s['checkpoint']}")
     else:
         out(f"nothing to do: the checkpoint in {args.out} is already at step {s['steps']}")
     return 0
+
+
+def _tokens(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'all', got {text!r}") from None
 
 
 def _floats(n: int):
@@ -95,10 +106,14 @@ def add_arguments(p):
     p.add_argument("--adam-eps", type=float, default=1e-8)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--eval-tokens", type=int, default=1_000_000,
-                   help="validate on the whole split when it has at most this many tokens, else on a fixed seeded "
-                        "sample of that size (0 = always the whole split)")
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="validate every N steps and at the end (0 = only at the end)")
+    p.add_argument("--eval-tokens", type=_tokens, default=1_000_000, metavar="N|all",
+                   help="validate on the whole split when it has at most N tokens, else on a fixed seeded sample of "
+                        "about N, shared out among the ranks (all = always the whole split; 0 = no validation)")
+    p.add_argument("--eval-batch-size", type=int, default=None,
+                   help="validation windows per forward on each rank (default 4 x --batch-size: no activations "
+                        "are kept, and under fsdp fewer forwards mean fewer parameter gathers)")
     p.add_argument("--no-doc-mask", action="store_true",
                    help="let state and attention run across document boundaries (default: reset at each)")
     p.add_argument("--save-every", type=int, default=500)
@@ -111,6 +126,9 @@ def add_arguments(p):
     p.add_argument("--parallel", default="auto", choices=["auto", "ddp", "fsdp"],
                    help="under torchrun: ddp replicates the model, fsdp shards it (FSDP2) and saves distributed "
                         "checkpoints (auto = ddp)")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="under torchrun: split each sequence over N ranks (--seq-len / N positions each; data "
+                        "parallel over the other ranks); every layer letter but C and O")
     p.add_argument("--keep", type=int, default=0, help="keep only the N newest step checkpoints (0 = all)")
     p.add_argument("--on-nan", default="stop", choices=["stop", "skip"],
                    help="a NaN/Inf loss stops the run (exit 1) or skips that batch (counted as nan_skipped)")

@@ -141,6 +141,8 @@ def convert_from_hf(src_dir: str, out_dir: str, dtype: str | torch.dtype | None 
         raise CheckpointError(f"{src_dir} is not a directory")
     path = os.path.join(src_dir, "config.json")
     model_type = _json(path).get("model_type")
+    if model_type == "hybridlm":
+        raise ConfigError(f"{src_dir} is already a hybridlm checkpoint: use it as it is (--checkpoint {src_dir})")
     if model_type not in FROM_HF:
         raise ConfigError(f"{path}: model_type {model_type!r} cannot be converted; supported: "
                           f"{', '.join(sorted(FROM_HF))}")

@@ -41,13 +41,10 @@ class HybridLMConfig(PreTrainedConfig):
     use_cache: bool = True
 
     def __post_init__(self, **kwargs):
-        cfg = self.model_config
-        self.hybridlm = cfg.to_dict()
-        self.vocab_size, self.hidden_size, self.max_position_embeddings = cfg.vocab_size, cfg.d_model, cfg.max_seq_len
-        self.tie_word_embeddings = cfg.tie_embeddings
-        from ..models.layout import flatten, parse_layout
-        from ..models.registry import LETTERS
-        self.num_hidden_layers = len(flatten(parse_layout(cfg.layout, LETTERS.keys())))
+        mirrored = self.model_config.transformers_dict()           # the names a training checkpoint writes too
+        for key in ("hybridlm", "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
+                    "tie_word_embeddings"):
+            setattr(self, key, mirrored[key])
         super().__post_init__(**kwargs)
 
     @property

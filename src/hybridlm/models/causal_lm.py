@@ -228,15 +228,20 @@ class CausalLM(nn.Module):
             cache.seen += T
         seg = None
         if resets is not None:
-            if cache is not None:
+            if cache is not None and cache.segments is None:
                 raise InputError("resets (packed documents) are for training/scoring, not with a cache")
             resets = resets.bool()
             ids = resets.long().cumsum(1)
-            seg = (ids, ids)
-            # positions restart at every document start
+            # positions restart at every document start; before the first one they go on from the cache's
             idx = torch.arange(T, device=dev).expand(B, T)
-            starts = torch.where(resets, idx, torch.zeros_like(idx)).cummax(1).values
-            positions = idx - starts
+            starts = torch.where(resets, idx, torch.full_like(idx, -1)).cummax(1).values
+            positions = torch.where(starts >= 0, idx - starts, start[:, None] + idx)
+            seg = (ids, ids)
+            if cache is not None:     # the tokens before this call hold documents 0..last: the first one goes on
+                prev = cache.segments
+                ids = ids + (prev[:, -1:] if prev.shape[1] else 0)
+                seg = (ids, torch.cat((prev, ids), 1))
+                cache.segments, cache.next_pos = seg[1], positions[:, -1] + 1
         return SeqContext(positions=positions, pad_mask=pad, key_mask=key_mask, resets=resets, segment_ids=seg)
 
     def _hidden(self, input_ids: Tensor, ctx: SeqContext, cache: InferenceCache | None) -> Tensor:

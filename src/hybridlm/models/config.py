@@ -240,6 +240,17 @@ class ModelConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    def transformers_dict(self, **extra) -> dict:
+        """config.json as transformers reads it (model_type "hybridlm", hf/modeling.py's HybridLMConfig): this config
+        under "hybridlm", the few names transformers and other tools read mirrored from it, then `extra`
+        (eos_token_id, dtype, ...). Pure JSON: writing it needs no transformers."""
+        from .layout import flatten, parse_layout
+        from .registry import LETTERS
+        return {"architectures": ["HybridLMForCausalLM"], "model_type": "hybridlm", "vocab_size": self.vocab_size,
+                "hidden_size": self.d_model, "num_hidden_layers": len(flatten(parse_layout(self.layout, LETTERS))),
+                "max_position_embeddings": self.max_seq_len, "tie_word_embeddings": self.tie_embeddings,
+                **extra, "hybridlm": self.to_dict()}
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         check_fields(d)

@@ -59,7 +59,7 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, tok, seed: int, run_dir:
     tcfg = TrainConfig(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
                        min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
                        weight_decay=b.get("weight_decay", 0.1), eval_every=b["eval_every"],
-                       eval_tokens=b["eval_tokens"], save_every=0, seed=seed, log_every=b["log_every"],
+                       eval_tokens=b["eval_tokens"] or None, save_every=0, seed=seed, log_every=b["log_every"],
                        device=device)
     t0 = time.perf_counter()
     s = train(cfg, tcfg, data, run_dir, progress=progress)

@@ -3,22 +3,27 @@
     RUN/step-000500/            one directory per saved step (`save_step_checkpoint`, `keep` newest kept)
         model.safetensors       weights; a tied weight is stored once, its other names in the metadata
         optimizer.safetensors   AdamW state tensors as "<param index>.<name>"; param groups + scalars as JSON
-        config.json             ModelConfig
+        config.json             transformers' config (model_type "hybridlm"): the ModelConfig under "hybridlm"
         trainer_state.json      step, tokens seen, RNG states, train config, tokenizer spec, data position
         tokenizer_config.json   (+ tokenizer.json for BPE)
         manifest.json           sha256 and size of every file above
     RUN/latest                  the name of the newest complete step directory (replaced atomically)
+    RUN/config.json, RUN/model.safetensors.index.json, RUN/tokenizer*.json
+                                the latest step as a transformers directory: the index maps every tensor to
+                                `step-NNNNNN/model.safetensors`, so `AutoModelForCausalLM.from_pretrained(RUN)` and
+                                `pipeline(..., model=RUN)` open the run itself (after `import hybridlm`)
 
 A directory is first written to `RUN/NAME-tmp-XXXX`, fsynced, then renamed into place, and only then does
 `latest` move to it, so a crash or a full disk during a save leaves the previous checkpoint intact and never
 exposes a partial one. Loading verifies the manifest before reading any tensor: damaged bytes raise one
 `CheckpointError` naming the file. Runs written before step directories (`RUN/checkpoint/`, no manifest)
-still load.
+and checkpoints whose config.json is the bare ModelConfig still load.
 """
 import base64
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -35,6 +40,8 @@ from ..jsonio import read_json_object
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optimizer.safetensors"
 CONFIG_FILE, STATE_FILE = "config.json", "trainer_state.json"
 MANIFEST_FILE, LATEST_FILE = "manifest.json", "latest"
+INDEX_FILE = "model.safetensors.index.json"
+_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -173,7 +180,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
         _save_model(model, os.path.join(tmp, MODEL_FILE))
         if optimizer is not None:
             _save_optimizer(optimizer, os.path.join(tmp, OPTIM_FILE))
-        write_metadata(tmp, model.config, state, tokenizer)
+        write_metadata(tmp, model.config, state, tokenizer, dtype=next(model.parameters()).dtype)
         publish(tmp, directory, name)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -192,9 +199,12 @@ def new_tmp_dir(directory: str, name: str) -> str:
     return tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
 
 
-def write_metadata(tmp: str, config, state: dict | None, tokenizer=None):
-    """config.json, trainer_state.json (+ this process's RNG state) and the tokenizer files."""
-    _write_json(os.path.join(tmp, CONFIG_FILE), config.to_dict())
+def write_metadata(tmp: str, config, state: dict | None, tokenizer=None, dtype: torch.dtype = torch.float32):
+    """config.json (as transformers reads it), trainer_state.json (+ this process's RNG state) and the tokenizer
+    files."""
+    special = {} if tokenizer is None else {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.eos_id}
+    _write_json(os.path.join(tmp, CONFIG_FILE),
+                config.transformers_dict(bos_token_id=None, **special, dtype=str(dtype).removeprefix("torch.")))
     _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
     if tokenizer is not None:
         tokenizer.save(tmp)
@@ -229,6 +239,7 @@ def mark_latest(run_dir: str, path: str, keep: int = 0):
     step directories (0 = keep all) and what killed saves left behind."""
     try:
         _write_latest(run_dir, os.path.basename(path))
+        write_run_index(run_dir, path)     # before old steps go: the index never names a deleted one
     except OSError as e:
         raise CheckpointError(f"could not update {os.path.join(run_dir, LATEST_FILE)} ({e.strerror or e})") from None
     for stale in glob.glob(os.path.join(run_dir, "step-*-tmp-*")) + glob.glob(os.path.join(run_dir, "step-*-deleting")):
@@ -239,6 +250,37 @@ def mark_latest(run_dir: str, path: str, keep: int = 0):
             if old != path:  # renamed first, so a kill mid-delete leaves nothing that looks complete
                 os.replace(old, old + "-deleting")
                 shutil.rmtree(old + "-deleting", ignore_errors=True)
+
+
+def _copy_atomic(src: str, dst: str):
+    tmp = dst + ".tmp"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def write_run_index(run_dir: str, step_dir: str):
+    """Make `run_dir` a transformers directory of the step directory `step_dir`: its config.json and tokenizer files
+    copied up, and model.safetensors.index.json mapping each stored tensor to `STEP/model.safetensors` (transformers
+    reads an index's file names relative to the directory). A step saved as DCP shards only has no such file: the
+    index is removed until `consolidate` writes one, rather than left naming an older step."""
+    from ..data.tokenizer import BPE_FILE
+    from ..data.tokenizer import CONFIG_FILE as TOK_FILE
+    name, weights = os.path.basename(os.path.normpath(step_dir)), os.path.join(step_dir, MODEL_FILE)
+    index = os.path.join(run_dir, INDEX_FILE)
+    if not os.path.isfile(weights):
+        if os.path.exists(index):
+            os.remove(index)
+        return
+    for f in (CONFIG_FILE, TOK_FILE, BPE_FILE):
+        if os.path.isfile(os.path.join(step_dir, f)):
+            _copy_atomic(os.path.join(step_dir, f), os.path.join(run_dir, f))
+    with safe_open(weights, "pt") as f:
+        keys = list(f.keys())
+        size = sum(math.prod(f.get_slice(k).get_shape()) * _BYTES[f.get_slice(k).get_dtype()] for k in keys)
+    tmp = index + ".tmp"
+    _write_json(tmp, {"metadata": {"total_size": size, "step_dir": name},
+                      "weight_map": dict.fromkeys(keys, f"{name}/{MODEL_FILE}")})
+    os.replace(tmp, index)
 
 
 def ensure_writable(directory: str):
@@ -260,10 +302,11 @@ def ensure_writable(directory: str):
 # --- reading ---------------------------------------------------------------------------------------------
 def find_checkpoint(path: str, name: str = "checkpoint") -> str:
     """`path` itself if it is a checkpoint, else the step directory `path/latest` names (the newest complete
-    one if that is gone), else today's `path/name` (or the copy a crash left mid-swap)."""
+    one if that is gone), else today's `path/name` (or the copy a crash left mid-swap). A run directory's own
+    config.json (written for transformers, see the module doc) does not make it a checkpoint."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if os.path.exists(os.path.join(path, CONFIG_FILE)) or os.path.exists(os.path.join(path, MODEL_FILE)):
+    if os.path.exists(os.path.join(path, MODEL_FILE)):
         return path
     latest = os.path.join(path, LATEST_FILE)
     if os.path.isfile(latest):
@@ -279,6 +322,8 @@ def find_checkpoint(path: str, name: str = "checkpoint") -> str:
     aside = sorted(glob.glob(os.path.join(path, f"{name}-old-*", name)))
     if aside:
         return aside[-1]
+    if os.path.exists(os.path.join(path, CONFIG_FILE)) and not os.path.exists(os.path.join(path, INDEX_FILE)):
+        return path           # weights missing, or DCP shards only: loading says which
     raise CheckpointError(f"no checkpoint in {path} (expected {CONFIG_FILE} and {MODEL_FILE})")
 
 
@@ -356,8 +401,14 @@ def load_config(path: str):
     ckpt = find_checkpoint(path)
     verify_checkpoint(ckpt, [CONFIG_FILE])
     cfg_path = os.path.join(ckpt, CONFIG_FILE)
+    d = _read_json(cfg_path)
+    if "model_type" in d:     # transformers' layout, the ModelConfig under "hybridlm"; else the bare ModelConfig
+        if d["model_type"] != "hybridlm" or not isinstance(d.get("hybridlm"), dict):
+            raise CheckpointError(f"{cfg_path}: a transformers {d['model_type']!r} config, not a hybridlm checkpoint "
+                                  f"(convert it: hybridlm convert --from-hf {ckpt} --out RUN)")
+        d = d["hybridlm"]
     try:
-        return ModelConfig.from_dict(_read_json(cfg_path))
+        return ModelConfig.from_dict(d)
     except CheckpointError:
         raise
     except (HybridLMError, TypeError, ValueError) as e:

@@ -1,5 +1,5 @@
-"""Context parallelism: one long sequence split across ranks, for models of SSD (`S`), Rodimus (`R`) and
-attention (`A`, `W`) layers plus any channel mixers.
+"""Context parallelism: one long sequence split across ranks, for every layer but the gated short conv (`C`) and
+the routed MoE (`O`); `hybridlm train --context-parallel N` runs it (train/trainer.py).
 
     out = context_parallel_forward(model, ids, labels=ids)     # ids [B, T] on every rank; T % world == 0
     out.loss.backward(); all_reduce_grads(model)                # = the single-rank loss and gradients
@@ -18,10 +18,17 @@ cache's `next_pos`. Every message is an autograd function whose backward sends t
 over the ranks that attended to it). Messages are chained through a zero scalar "token" added to the loss,
 so backward runs them in exactly the reverse order on every rank and the point-to-point and collective
 calls of different ranks always match. Layers run as a wavefront: rank r starts layer l when rank r-1 has
-finished it, so ranks overlap across layers rather than within one. The sequence is one document (no
-packed-document `resets`: the model takes none with a cache). Any layer that keeps a `RecurrentCache`, `KVCache`
-or `WindowKVCache` runs this way (tested: `S`, `R`, `A`); MLA and the indexer keep other kinds and are refused
-with a ConfigError.
+finished it, so ranks overlap across layers rather than within one.
+
+Packed documents (`resets`, the whole sequence's on every rank): the cache carries the document index of every
+earlier token and the position reached in the document that goes on into this chunk, so positions restart and
+attention stops at document starts as on one rank; a recurrent layer's received state and conv tail belong to
+the chunk's first document, which a reset ends (the ops zero the decay and the conv taps there).
+
+Layers (`check_layout`): a layer keeping a `RecurrentCache` with a state (S, R, G, K, B) relays it; one keeping
+keys (A, W with or without a window, F, Z's shared attention: `KVCache`/`WindowKVCache`; L: MLA's `LatentCache`;
+I: the indexer's keys and those of the attention under it) gathers them; channel mixers (M, E) need nothing.
+C and O are refused by letter with the reason (`UNSUPPORTED`).
 """
 from dataclasses import dataclass
 
@@ -29,9 +36,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..cache import InferenceCache, KVCache, RecurrentCache, WindowKVCache
+from ..cache import IndexerCache, InferenceCache, KVCache, LatentCache, RecurrentCache, WindowKVCache
 from ..errors import ConfigError, InputError
 from ..ops.loss import cross_entropy
+
+# letter -> why context parallelism cannot run it
+UNSUPPORTED = {
+    "C": "the gated short conv keeps only a conv tail, which travels with a recurrent state",
+    "O": "the routed MoE's load-balancing loss is a function of the whole sequence's routing",
+}
+
+
+def check_layout(cfg):
+    """A ConfigError naming the first layer letter of `cfg.layout` that context parallelism cannot run."""
+    from ..models.layout import flatten, parse_layout
+    from ..models.registry import LETTERS
+    for letter in dict.fromkeys(str(x) for x in flatten(parse_layout(cfg.layout, LETTERS))):
+        letter = letter[0]
+        if letter in UNSUPPORTED:
+            raise ConfigError(f"--context-parallel does not support layer {letter!r} in layout {cfg.layout!r}: "
+                              f"{UNSUPPORTED[letter]}")
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 12        # per tensor: ndim (0 = none), dtype code, 4 sizes
@@ -102,29 +126,30 @@ class _SendState(torch.autograd.Function):
 
 
 class _GatherKV(torch.autograd.Function):
-    """(token, k, v) [B, t, H, D] -> (token, keys, values) [B, (rank+1)·t, H, D] of ranks 0..rank; backward sums
-    each key's gradient over the ranks that read it (an all-reduce of the zero-padded gradients)."""
+    """(token, *xs) each [B, t, ...] -> (token, *gathered) each [B, (rank+1)·t, ...] of ranks 0..rank (keys and
+    values; MLA's latents; indexer keys); backward sums each key's gradient over the ranks that read it (an
+    all-reduce of the zero-padded gradients)."""
 
     @staticmethod
-    def forward(ctx, token, k, v, rank, world, group):
-        ctx.rank, ctx.world, ctx.group, ctx.t = rank, world, group, k.shape[1]
+    def forward(ctx, token, rank, world, group, *xs):
+        ctx.rank, ctx.world, ctx.group, ctx.t = rank, world, group, xs[0].shape[1]
         out = []
-        for x in (k, v):
+        for x in xs:
             parts = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(parts, x.contiguous(), group=group)
             out.append(torch.cat(parts[: rank + 1], 1))
         return (token.detach().clone(), *out)
 
     @staticmethod
-    def backward(ctx, g_token, gk, gv):
+    def backward(ctx, g_token, *gs):
         t, r = ctx.t, ctx.rank
         mine = []
-        for g in (gk, gv):
+        for g in gs:
             full = g.new_zeros(g.shape[0], ctx.world * t, *g.shape[2:])
             full[:, : (r + 1) * t] = g
             dist.all_reduce(full, group=ctx.group)
             mine.append(full[:, r * t: (r + 1) * t])
-        return g_token, *mine, None, None, None
+        return g_token, None, None, None, *mine
 
 
 class _Relay:
@@ -172,6 +197,28 @@ class _Gather:
     nbytes = 0
 
 
+class _GatherLatent(_Gather):
+    """An MLA layer's slot (as `LatentCache.update`): [latent | roped key] of this chunk and every earlier one."""
+
+    def update(self, latent: Tensor, k_rope: Tensor, at=None, n: int = 0) -> Tensor:
+        return self.cp.gather(torch.cat((latent, k_rope), -1))[0]
+
+
+class _GatherIndexer(_Gather):
+    """A lightning-indexer layer's slot (as `IndexerCache`): its keys gathered, and the slot of the attention it
+    masks (`layer`), itself gathering."""
+
+    main = None
+
+    def layer(self, idx: int, factory):
+        if self.main is None:
+            self.main = self.cp.slot_for(factory(), idx)
+        return self.main
+
+    def update_keys(self, k: Tensor, at=None, n: int = 0) -> Tensor:
+        return self.cp.gather(k)[0]
+
+
 class ContextParallelCache(InferenceCache):
     """The cache a rank's chunk runs with: slots that talk to the neighbouring ranks, positions from `offset`."""
 
@@ -184,17 +231,21 @@ class ContextParallelCache(InferenceCache):
         self.token = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
 
     def layer(self, idx: int, factory):
-        slot = self.layers[idx]
-        if slot is None:
-            kind = factory()
-            if isinstance(kind, RecurrentCache):
-                slot = _Relay(self)
-            elif type(kind) in (KVCache, WindowKVCache):
-                slot = _Gather(self)
-            else:
-                raise ConfigError(f"context parallelism does not support layer {idx} ({type(kind).__name__} state)")
-            self.layers[idx] = slot
-        return slot
+        if self.layers[idx] is None:
+            self.layers[idx] = self.slot_for(factory(), idx)
+        return self.layers[idx]
+
+    def slot_for(self, kind, idx: int):
+        """The slot standing in for a cache of `kind`'s type."""
+        if isinstance(kind, RecurrentCache):
+            return _Relay(self)
+        if type(kind) in (KVCache, WindowKVCache):
+            return _Gather(self)
+        if type(kind) is LatentCache:
+            return _GatherLatent(self)
+        if type(kind) is IndexerCache:
+            return _GatherIndexer(self)
+        raise ConfigError(f"context parallelism does not support layer {idx} ({type(kind).__name__} state)")
 
     def recv(self) -> tuple[Tensor | None, Tensor | None]:
         if self.rank == 0:
@@ -206,9 +257,9 @@ class ContextParallelCache(InferenceCache):
         if self.rank < self.world - 1:
             self.token = _SendState.apply(self.token, conv, state, self.rank + 1, self.group)
 
-    def gather(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.token, keys, values = _GatherKV.apply(self.token, k, v, self.rank, self.world, self.group)
-        return keys, values
+    def gather(self, *xs: Tensor) -> tuple[Tensor, ...]:
+        self.token, *out = _GatherKV.apply(self.token, self.rank, self.world, self.group, *xs)
+        return tuple(out)
 
 
 @dataclass
@@ -219,9 +270,11 @@ class ContextParallelOutput:
 
 
 def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor | None = None, *,
-                             group=None) -> ContextParallelOutput:
+                             resets: Tensor | None = None, group=None) -> ContextParallelOutput:
     """Run `model` on this rank's chunk of input_ids [B, T] (the same full sequence on every rank of `group`).
-    labels [B, T] are aligned with input_ids as in `CausalLM.forward` (-100 ignored)."""
+    labels [B, T] are aligned with input_ids as in `CausalLM.forward` (-100 ignored); resets [B, T] bool mark
+    document starts (packed documents), as in `CausalLM.forward`."""
+    check_layout(model.config)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, T = input_ids.shape
     if T % world or T // world < 2:
@@ -232,7 +285,15 @@ def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor
     t = T // world
     start = rank * t
     cache = ContextParallelCache(B, model.num_layers, offset=start, device=input_ids.device, group=group)
-    logits = model(input_ids[:, start: start + t], cache=cache).logits
+    chunk_resets = None
+    if resets is not None:
+        resets = resets.bool()
+        idx = torch.arange(T, device=resets.device).expand(B, T)
+        pos = idx - torch.where(resets, idx, torch.zeros_like(idx)).cummax(1).values   # position in its document
+        cache.segments = resets.long().cumsum(1)[:, :start]
+        cache.next_pos = pos[:, start - 1] + 1 if start else torch.zeros_like(cache.next_pos)
+        chunk_resets = resets[:, start: start + t]
+    logits = model(input_ids[:, start: start + t], cache=cache, resets=chunk_resets).logits
     loss = None
     if labels is not None:
         # position i predicts labels[i + 1]; the chunk's last position predicts the next chunk's first label

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ..errors import CheckpointError
-from .checkpoint import (MANIFEST_FILE, MODEL_FILE, _save_model, new_tmp_dir, publish, verify_checkpoint,
-                         write_manifest, write_metadata)
+from .checkpoint import (LATEST_FILE, MANIFEST_FILE, MODEL_FILE, _save_model, new_tmp_dir, publish, verify_checkpoint,
+                         write_manifest, write_metadata, write_run_index)
 
 DCP_DIR = "dcp"
 
@@ -110,4 +110,8 @@ def consolidate(checkpoint_dir: str) -> str:
     os.replace(tmp, path)
     if os.path.exists(os.path.join(ckpt, MANIFEST_FILE)):
         write_manifest(ckpt)
+    run, name = os.path.split(os.path.abspath(ckpt))
+    latest = os.path.join(run, LATEST_FILE)
+    if os.path.isfile(latest) and open(latest).read().strip() == name:
+        write_run_index(run, ckpt)       # the run's latest step: transformers can now open the run directory
     return path

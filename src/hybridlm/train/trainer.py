@@ -7,8 +7,14 @@ validation, metrics.jsonl, atomic checkpoints, exact resume, and DDP under torch
 Batches depend only on (seed, step, micro-batch, rank), and the checkpoint holds weights, optimizer state
 and RNG state, so a resumed run reproduces the loss curve of an uninterrupted one. Under
 `torchrun --nproc_per_node N` (WORLD_SIZE > 1) each rank draws its own batches, gradients are averaged by
-DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; under FSDP2
-every rank evaluates and writes its shards of a DCP checkpoint (train/dist_checkpoint.py).
+DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; every rank
+validates its share of the windows, and under FSDP2 writes its shards of a DCP checkpoint
+(train/dist_checkpoint.py).
+
+With `context_parallel` N, groups of N consecutive ranks split each sequence (train/context_parallel.py): the
+ranks of a group read the same batch and each runs its T/N positions; the groups are data parallel. Every rank
+holds the whole model, and one all-reduce over all ranks sums the gradient shares of a group and averages the
+groups. Validation runs unsplit windows, shared out among all ranks.
 """
 import contextlib
 import json
@@ -28,6 +34,7 @@ from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
 from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, mark_latest,
                          save_checkpoint, set_rng_state, step_name)
+from .context_parallel import all_reduce_grads, context_parallel_forward
 from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
 from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
@@ -49,8 +56,11 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0               # 0 = off
     grad_accum: int = 1
-    eval_every: int = 200                # 0 = only at the end
-    eval_tokens: int = DEFAULT_VAL_TOKENS  # the whole val split up to this many tokens, else a fixed sample; 0 = all
+    eval_every: int = 200                # validate every N steps and at the end; 0 = only at the end
+    eval_tokens: int | None = DEFAULT_VAL_TOKENS  # the whole val split up to this many tokens, else a fixed sample
+                                                  # of about this many; None = the whole split; 0 = no validation
+    eval_batch_size: int | None = None   # windows per forward and rank; None = EVAL_BATCH x batch_size (batch_size
+                                         # under context parallelism: a rank then evaluates whole windows)
     doc_mask: bool = True                # reset state / mask attention at document boundaries
     save_every: int = 500                # 0 = only at the end
     seed: int = 0
@@ -60,6 +70,7 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
     parallel: str = "auto"               # auto (= ddp) | ddp | fsdp, under torchrun (train/parallel.py)
+    context_parallel: int = 1            # ranks splitting each sequence (data parallel over the rest)
     keep: int = 0                        # step checkpoints kept (0 = all)
     on_nan: str = "stop"                 # stop | skip: a NaN/Inf loss ends the run or skips that batch
     data_order: str = "random"           # random | sequential (see data/sampling.py)
@@ -69,7 +80,9 @@ class TrainConfig:
         need = [(self.steps >= 1, "steps must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
                 (self.seq_len >= 2, "seq_len must be >= 2"), (self.grad_accum >= 1, "grad_accum must be >= 1"),
                 (self.lr > 0, "lr must be > 0"), (self.warmup >= 0, "warmup must be >= 0"),
-                (self.log_every >= 1, "log_every must be >= 1"), (self.eval_tokens >= 0, "eval_tokens must be >= 0"),
+                (self.log_every >= 1, "log_every must be >= 1"),
+                (self.eval_tokens is None or self.eval_tokens >= 0, "eval_tokens must be >= 0"),
+                (self.eval_batch_size is None or self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
                 (self.adam_eps > 0, "adam_eps must be > 0"),
                 (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
                 (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
@@ -77,6 +90,7 @@ class TrainConfig:
                 (self.schedule in ("cosine", "wsd", "constant"),
                  f"schedule must be cosine, wsd or constant, got {self.schedule!r}"),
                 (self.keep >= 0, "keep must be >= 0"),
+                (self.context_parallel >= 1, "context_parallel must be >= 1"),
                 (self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}"),
                 (self.data_order in ORDERS, f"data_order must be one of {', '.join(ORDERS)}, got {self.data_order!r}")]
         for ok, msg in need:
@@ -91,6 +105,12 @@ class TrainConfig:
     def lr_for(self, step: int) -> float:
         min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         return lr_at(step, lr=self.lr, total=self.steps, warmup=self.warmup, min_lr=min_lr, schedule=self.schedule)
+
+
+# Validation keeps no activations for backward and the loss is fused with the LM head (no [B, T, V] logits), so a
+# few times the training micro-batch fits in the memory training used; under FSDP each forward all-gathers every
+# block, so larger batches mean fewer gathers per window.
+EVAL_BATCH = 4
 
 
 def _setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
@@ -110,6 +130,27 @@ def _setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
     if created:
         dist.init_process_group(backend)
     return rank, world, dev, created
+
+
+def _context_parallel_group(cfg, model_cfg, rank: int, world: int):
+    """This rank's process group of `cfg.context_parallel` consecutive ranks, after checking that the run can be
+    split so (one ConfigError otherwise)."""
+    from .context_parallel import check_layout
+    cp = cfg.context_parallel
+    if world % cp:
+        raise ConfigError(f"--context-parallel {cp} does not divide the {world} ranks")
+    if cfg.seq_len % cp or cfg.seq_len // cp < 2:
+        raise ConfigError(f"--context-parallel {cp} needs a --seq-len divisible by {cp} with at least 2 tokens per "
+                          f"rank, got {cfg.seq_len}")
+    for on, flag in ((cfg.parallel == "fsdp", "--parallel fsdp"), (cfg.compile, "--compile"),
+                     (cfg.grad_checkpointing, "--grad-checkpointing")):
+        if on:     # each rank's chunk exchanges states mid-forward: recomputing or tracing it would resend them
+            raise ConfigError(f"--context-parallel does not combine with {flag}")
+    check_layout(model_cfg)
+    if model_cfg.dropout:
+        raise ConfigError("--context-parallel needs dropout 0 (the ranks of a group would drop different units)")
+    groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]   # every rank creates all
+    return groups[rank // cp]
 
 
 def _write_metrics(path: str, rows: list[dict], mode: str):
@@ -159,13 +200,16 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model.to(device)
+    cp = cfg.context_parallel
+    cp_group = _context_parallel_group(cfg, model_cfg, rank, world) if cp > 1 else None
     # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
-    par = parallelize(model, cfg.parallel, world=world, device=device, dtype=cfg.dtype, compile=cfg.compile,
-                      checkpointing=cfg.grad_checkpointing)
+    par = parallelize(model, cfg.parallel, world=1 if cp > 1 else world, device=device, dtype=cfg.dtype,
+                      compile=cfg.compile, checkpointing=cfg.grad_checkpointing)   # CP reduces gradients itself
     fwd = par.module
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
     B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
-    sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, rank, world)
+    dp_rank, dp_world = rank // cp, world // cp      # the ranks of a context-parallel group read the same batch
+    sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, dp_rank, dp_world)
     nan_skipped = 0
     if resume:
         if has_dcp(ckpt):
@@ -186,13 +230,16 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=cfg.dtype == "bfloat16" and not par.mixed_precision)
 
-    def run_eval() -> dict:
-        return validate(model, data.tokens("val"), tok, cfg.seq_len, cfg.batch_size, max_tokens=cfg.eval_tokens,
-                        seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast)
+    eval_batch = cfg.eval_batch_size or B * (EVAL_BATCH if cp == 1 else 1)
+
+    def run_eval() -> dict:   # every rank evaluates its share of the windows (eval/perplexity.py)
+        return validate(model, data.tokens("val"), tok, cfg.seq_len, eval_batch,
+                        max_tokens=cfg.eval_tokens, seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast,
+                        rank=rank, world=world)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
-    tokens_per_step = B * T * A * world
+    tokens_per_step = B * T * A * dp_world
     first_loss = loss_val = val = None
     window_tokens, window_time, train_time = 0, 0.0, 0.0
     ckpt_path = stopped = None
@@ -226,13 +273,23 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
                 fwd.set_requires_gradient_sync(micro == A - 1)
             with sync:
                 with autocast:
-                    loss = fwd(ids, labels=ids, resets=resets).loss
+                    if cp_group is None:
+                        loss = fwd(ids, labels=ids, resets=resets).loss
+                    else:   # this rank's share of the sequence's loss
+                        loss = context_parallel_forward(model, ids, labels=ids, resets=resets, group=cp_group).loss
                 (loss / A).backward()
             loss_sum += loss.detach().float()
         loss_avg = loss_sum / A
+        if cp_group is not None:   # sum the shares within a group, average the groups
+            for p in model.parameters():
+                if p.grad is None:      # every rank must reduce the same tensors
+                    p.grad = torch.zeros_like(p)
+            all_reduce_grads(model)
+            for p in model.parameters():
+                p.grad.div_(dp_world)
         if world > 1:  # every rank sees the same loss, so all take the same branch below
             dist.all_reduce(loss_avg)
-            loss_avg /= world
+            loss_avg /= dp_world
         loss_val = loss_avg.item()
         grad_norm = None
         if cfg.grad_clip:
@@ -258,9 +315,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         bar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}", tok_s=f"{window_tokens / window_time:,.0f}")
 
         is_last = done == cfg.steps
-        do_eval = is_last or (cfg.eval_every and done % cfg.eval_every == 0)
+        do_eval = cfg.eval_tokens != 0 and (is_last or (cfg.eval_every and done % cfg.eval_every == 0))
         row_eval = {}
-        if do_eval and (main or par.sharded):   # a sharded model evaluates on every rank
+        if do_eval:
             val = run_eval()
             row_eval = {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"],
                         "val_bpb": val["bpb"]}
