@@ -43,9 +43,7 @@ def main(args) -> int:
         tok = other_tokenizer(args.tokenizer, model.config.vocab_size)
     else:
         model, tok = load_pretrained(args.checkpoint)
-    dtype, label = resolve_dtype(args.dtype, "cpu")
-    print(f"dtype   {label}", file=sys.stderr)      # stdout carries only the text
-    model = model.to(getattr(torch, dtype))
+    model = model.to(getattr(torch, resolve_dtype(args.dtype, "cpu")[0]))   # no header: stdout is the text
     prompt = args.prompt
     if args.chat:  # the tokenizer's chat template around one user turn, ending where the assistant speaks
         from ..data.tokenizer import apply_chat_template
