@@ -11,6 +11,22 @@ from hybridlm import dtypes
 from hybridlm.errors import ConfigError
 
 
+@pytest.fixture(autouse=True)
+def _detect(monkeypatch):
+    """conftest pins auto to float32 for the rest of the suite; here auto detects."""
+    monkeypatch.delenv("HYBRIDLM_AUTO_DTYPE", raising=False)
+
+
+def test_env_pins_auto(monkeypatch):
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"amx_bf16"})
+    monkeypatch.setenv("HYBRIDLM_AUTO_DTYPE", "float32")
+    assert dtypes.resolve_dtype("auto", "cpu") == ("float32", "float32 (auto: HYBRIDLM_AUTO_DTYPE)")
+    assert dtypes.resolve_dtype("bfloat16", "cpu")[0] == "bfloat16"
+    monkeypatch.setenv("HYBRIDLM_AUTO_DTYPE", "fp8")
+    with pytest.raises(ConfigError, match="HYBRIDLM_AUTO_DTYPE must be float32 or bfloat16, got 'fp8'"):
+        dtypes.resolve_dtype("auto", "cpu")
+
+
 @pytest.mark.parametrize("flags, want, why", [
     ({"avx2", "avx512f", "amx_bf16", "amx_tile", "avx512_bf16"}, "bfloat16", "AMX-BF16"),
     ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16", "AVX512-BF16"),

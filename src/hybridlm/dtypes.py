@@ -3,7 +3,11 @@
 CPUs with AMX-BF16 (Sapphire Rapids and later Xeons) or AVX512-BF16 (Cooper Lake, Zen 4 and later) run bf16
 matmuls at 2-4x float32; without them bf16 is emulated and slower than float32. CUDA GPUs with bf16 (Ampere and
 later) likewise. Training and evaluation then autocast to bf16 (float32 weights); generation casts the weights.
+HYBRIDLM_AUTO_DTYPE=float32|bfloat16 fixes what auto means (scripts and test suites that must not depend on the
+machine).
 """
+import os
+
 from .errors import ConfigError
 
 CHOICES = ("auto", "float32", "bfloat16")
@@ -43,6 +47,11 @@ def resolve_dtype(dtype: str, device="auto") -> tuple[str, str]:
         raise ConfigError(f"dtype must be one of {', '.join(CHOICES)}, got {dtype!r}")
     if dtype != "auto":
         return dtype, dtype
+    forced = os.environ.get("HYBRIDLM_AUTO_DTYPE")
+    if forced:
+        if forced not in CHOICES[1:]:
+            raise ConfigError(f"HYBRIDLM_AUTO_DTYPE must be float32 or bfloat16, got {forced!r}")
+        return forced, f"{forced} (auto: HYBRIDLM_AUTO_DTYPE)"
     chosen, why = _auto(resolve_device(device))
     return chosen, f"{chosen} (auto: {why})"
 
