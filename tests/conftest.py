@@ -8,6 +8,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # triton reads the switch when it is first imported, so it is set before any test module can import it
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# `--dtype auto` (the CLI default) resolves to float32 on every machine, subprocesses included, so float32 figures
+# do not change on a CPU with AMX-BF16; tests of auto itself (test_dtypes.py) unset it
+os.environ["HYBRIDLM_AUTO_DTYPE"] = "float32"
 
 
 @pytest.fixture(autouse=True)

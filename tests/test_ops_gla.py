@@ -86,7 +86,8 @@ def test_bf16_inputs():
         o_r, s_r = fn(q, k, v, w, initial_state=s0)
         assert o_r.dtype == torch.bfloat16 and s_r.dtype == torch.float32
         torch.testing.assert_close(o_c, o_r, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(s_c, s_r, rtol=1e-4, atol=1e-4)    # float32 inside: states agree tightly
+        # float32 state, bf16 matmul operands (ops/precision.py): agreement to bf16's rounding, normwise
+        assert ((s_c - s_r).norm() / s_r.norm()).item() < 1e-2
     # gradients: bf16 leaves, loose
     a = run(gla_chunked, q, k, v, w, s0)
     r = run(gla_recurrent, q, k, v, w, s0)

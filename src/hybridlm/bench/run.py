@@ -74,9 +74,11 @@ def add_arguments(p: argparse.ArgumentParser):
                         "--d-model")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd forward and forward+backward")
     p.add_argument("--device", default="cpu", help="without --compare-hf: cpu (default), cuda or cuda:N")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="without --compare-hf: bfloat16/float16 run every step under autocast (float32 weights, "
-                        "as mixed-precision training); MFU is against the matmul peak in this dtype")
+                        "as mixed-precision training); MFU is against the matmul peak in this dtype. auto "
+                        "(default): bfloat16 on CPUs with AMX-BF16 or AVX512-BF16 and GPUs with bf16, else float32; "
+                        "--compare-hf always runs float32")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                    help="peak memory of each step in a fresh process (default on; off with --quick)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default 8192; quick 512)")
@@ -121,6 +123,10 @@ def _settings(args) -> dict:
         s["compile"] = args.compile
         s["params"] = args.params
         s["device"], s["dtype"] = args.device, args.dtype
+        if args.dtype == "auto":
+            from ..dtypes import resolve_dtype
+            s["dtype"], label = resolve_dtype("auto", args.device)
+            print(f"dtype   {label}")
         if args.params:
             s["d_model"] = None
         if args.memory is not None:
@@ -228,7 +234,7 @@ def main(args) -> int:
         print(f"results: {args.out}")
         return 0
     if args.compare_hf and (args.params or args.compile or args.memory or args.device != "cpu"
-                            or args.dtype != "float32"):
+                            or args.dtype not in ("auto", "float32")):
         from ..errors import ConfigError
         raise ConfigError("--params, --compile, --memory, --device and --dtype apply to the preset instrument, "
                           "not to --compare-hf")

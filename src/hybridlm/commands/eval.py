@@ -5,6 +5,7 @@ from the checkpoint), the same split, window length, token budget, seed and docu
 figures agree."""
 import os
 
+from ..dtypes import CHOICES as DTYPES
 from .common import add_tokenizer_arg, other_tokenizer, out
 
 
@@ -12,11 +13,13 @@ def main(args) -> int:
     if args.tasks:  # lm-evaluation-harness tasks instead of the validation perplexity (eval/harness_tasks.py)
         from ..eval.harness_tasks import evaluate_checkpoint
         out(evaluate_checkpoint(args.checkpoint, args.tasks, include_path=args.include_path, limit=args.limit,
-                                num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, output=args.output))
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8, dtype=args.dtype,
+                                output=args.output))
         return 0
     import torch
     from ..data.loader import load_data
     from ..data.tokenizer import tokenizer_from_dir
+    from ..dtypes import resolve_dtype
     from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
     from ..train.checkpoint import load_checkpoint
     model, state = load_checkpoint(args.checkpoint)
@@ -35,10 +38,11 @@ def main(args) -> int:
     data = load_data(source, tok, max_bytes or None)
     seq_len = args.seq_len or tcfg.get("seq_len", 256)
     budget = args.max_tokens if args.max_tokens is not None else tcfg.get("eval_tokens", DEFAULT_VAL_TOKENS)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.get("dtype") == "bfloat16")
+    dtype, label = resolve_dtype(args.dtype, "cpu")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     r = validate(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
                  max_tokens=budget, seed=tcfg.get("seed", 0), doc_mask=tcfg.get("doc_mask", True), autocast=autocast)
-    out(f"{describe(r)} of the {data.source or 'stdlib'} validation split, seq_len {seq_len}")
+    out(f"{describe(r)} of the {data.source or 'stdlib'} validation split, seq_len {seq_len}, {label}")
     return 0
 
 
@@ -61,5 +65,8 @@ def add_arguments(p):
                    help="at most this many examples per task (a fraction if < 1), for quick checks")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--output", default=None, metavar="FILE", help="write lm-eval's results as JSON here")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="bfloat16: autocast (float32 weights); auto (default): bfloat16 on CPUs with AMX-BF16 or "
+                        "AVX512-BF16, else float32 (training's default resolves the same way, so the figures agree)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="whole split up to this many tokens, else a fixed sample (default: as in training; 0 = all)")

@@ -1,6 +1,7 @@
 """`hybridlm generate`: stream text from a checkpoint."""
 import sys
 
+from ..dtypes import CHOICES as DTYPES
 from .common import add_tokenizer_arg
 
 
@@ -34,6 +35,7 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8
 
 def main(args) -> int:
     import torch
+    from ..dtypes import resolve_dtype
     from ..train import load_checkpoint, load_pretrained
     from .common import other_tokenizer
     if args.tokenizer:            # the checkpoint need not carry one (e.g. converted without a tokenizer.json)
@@ -41,8 +43,7 @@ def main(args) -> int:
         tok = other_tokenizer(args.tokenizer, model.config.vocab_size)
     else:
         model, tok = load_pretrained(args.checkpoint)
-    if args.dtype:
-        model = model.to(getattr(torch, args.dtype))
+    model = model.to(getattr(torch, resolve_dtype(args.dtype, "cpu")[0]))   # no header: stdout is the text
     prompt = args.prompt
     if args.chat:  # the tokenizer's chat template around one user turn, ending where the assistant speaks
         from ..data.tokenizer import apply_chat_template
@@ -63,7 +64,8 @@ def add_arguments(p):
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (a user turn)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="run in this dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="cast the weights to this dtype; auto (default): bfloat16 on CPUs with AMX-BF16 or "
+                        "AVX512-BF16, else float32")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the one-token decode step (pays off for long outputs; needs a C++ compiler)")

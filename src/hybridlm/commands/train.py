@@ -2,18 +2,19 @@
 import argparse
 import os
 
+from ..dtypes import CHOICES as DTYPES
 from ..eval.perplexity import describe
 from .common import add_model_args, config_diff, is_main_rank, layout_summary, model_config, out, param_split
 
 
-def _train_config(args):
+def _train_config(args, dtype: str):
     from ..train import TrainConfig
     return TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                        min_lr=args.min_lr, warmup=args.warmup, schedule=args.schedule,
                        weight_decay=args.weight_decay, betas=tuple(args.adam_betas), adam_eps=args.adam_eps,
                        grad_clip=args.grad_clip, grad_accum=args.grad_accum, eval_every=args.eval_every,
                        eval_tokens=args.eval_tokens, eval_batch_size=args.eval_batch_size, doc_mask=not args.no_doc_mask,
-                       save_every=args.save_every, seed=args.seed, dtype=args.dtype, compile=args.compile,
+                       save_every=args.save_every, seed=args.seed, dtype=dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
                        parallel=args.parallel, context_parallel=args.context_parallel, keep=args.keep,
                        on_nan=args.on_nan, data_order=args.data_order)
@@ -21,13 +22,15 @@ def _train_config(args):
 
 def main(args) -> int:
     from ..data.loader import load_data
+    from ..dtypes import resolve_dtype
     from ..models import CausalLM, ModelConfig
     from ..train import TrainConfig, train
     from ..train.checkpoint import ensure_writable, find_checkpoint, load_config
     from ..train.checkpoint import load_tokenizer as checkpoint_tokenizer
     if args.out is None:
         args.out = os.path.join("runs", args.preset)
-    tcfg = _train_config(args)
+    dtype, label = resolve_dtype(args.dtype, args.device)
+    tcfg = _train_config(args, dtype)
     ensure_writable(args.out)  # before the data is read, not after
     if args.resume:
         ckpt = find_checkpoint(args.out)
@@ -42,6 +45,7 @@ def main(args) -> int:
     out(f"        {param_split(model)}")
     out(f"        config: {config_diff(model_cfg, ModelConfig(layout=model_cfg.layout))}")
     out(f"train   {config_diff(tcfg, TrainConfig())}")
+    out(f"        compute {label}{', autocast with float32 weights' if dtype == 'bfloat16' else ''}")
     del model
     out(f"data    {data.source or 'stdlib'}: {len(data.tokens('train')):,} train / {len(data.tokens('val')):,} val "
         f"tokens ({tok.kind} tokenizer, vocab {tok.vocab_size})")
@@ -119,7 +123,9 @@ def add_arguments(p):
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="bfloat16: autocast (float32 weights and optimizer); auto (default): bfloat16 on CPUs with "
+                        "AMX-BF16 or AVX512-BF16 and GPUs with bf16, else float32")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")

@@ -53,8 +53,11 @@ class HybridLMEval(TemplateLM):
             model, tokenizer = load_pretrained(str(checkpoint), device)
         if tokenizer is None:
             raise InputError("a model given to the hybridlm lm-eval model needs its tokenizer")
+        if dtype == "auto":   # bfloat16 on hardware with bf16 matmul units (hybridlm.dtypes)
+            from ..dtypes import resolve_dtype
+            dtype = resolve_dtype(dtype, device)[0]
         if dtype not in _DTYPES:
-            raise InputError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+            raise InputError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {dtype!r}")
         if str(batch_size).startswith("auto"):
             batch_size = 8  # lm-eval's "auto" probes GPU memory; a fixed default is predictable on any device
         self.model = model.to(device).eval()

@@ -106,12 +106,12 @@ def results_table(results: dict) -> str:
 
 def evaluate_checkpoint(checkpoint: str, tasks: str | list[str], *, include_path: list[str] | None = None,
                         limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 8,
-                        device: str = "auto", output: str | None = None) -> str:
+                        device: str = "auto", dtype: str = "auto", output: str | None = None) -> str:
     """Load a checkpoint, run the tasks, write the results JSON to `output` if given -> the results table."""
     _lm_eval()
     from lm_eval.utils import handle_non_serializable
     from .harness import HybridLMEval
-    lm = HybridLMEval(checkpoint, batch_size=batch_size, device=device)
+    lm = HybridLMEval(checkpoint, batch_size=batch_size, device=device, dtype=dtype)
     results = run_tasks(lm, tasks, include_path=include_path, limit=limit, num_fewshot=num_fewshot)
     if output:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

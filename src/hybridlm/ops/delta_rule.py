@@ -23,6 +23,7 @@ from torch import Tensor
 from hybridlm.errors import InputError
 
 from .gla import LOG_DECAY_MIN, SUBCHUNK, _compute_dtype, _DiagBlocks, _segsum
+from .precision import caster, matmul_dtype, no_autocast
 
 
 def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor,
@@ -81,11 +82,12 @@ def delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     return torch.stack(outs, 1), S
 
 
-def _channel_scores(x: Tensor, y: Tensor, b: Tensor) -> Tensor:
+def _channel_scores(x: Tensor, y: Tensor, b: Tensor, lo=caster(None)) -> Tensor:
     """P[t, i] = sum_d x[t, d] y[i, d] exp(b[t, d] - b[i, d]) for i <= t, 0 above the diagonal; x, y, b
     [..., C, K] -> [..., C, C], b a non-increasing cumulative log decay. As in gla_chunked: diagonal SUBCHUNK
     blocks use the exact pairwise decay; a query sub-chunk against earlier keys factors the decay through the
-    end g of the preceding sub-chunk, exp(b_t - g) and exp(g - b_i), both <= 1."""
+    end g of the preceding sub-chunk, exp(b_t - g) and exp(g - b_i), both <= 1. `lo` casts the operands of the
+    off-diagonal matmuls (ops/precision.py); the diagonal blocks stay in b's dtype."""
     C, K = x.shape[-2:]
     s = SUBCHUNK if C % SUBCHUNK == 0 else C
     ns, lead = C // s, x.shape[:-2]
@@ -96,8 +98,8 @@ def _channel_scores(x: Tensor, y: Tensor, b: Tensor) -> Tensor:
         parts = [diag[r]]
         if r:
             g = b[..., e - 1:e, :]
-            parts.insert(0, (x[..., e:e + s, :] * torch.exp(b[..., e:e + s, :] - g)) @
-                         (y[..., :e, :] * torch.exp(g - b[..., :e, :])).transpose(-1, -2))
+            parts.insert(0, (lo(x[..., e:e + s, :] * torch.exp(b[..., e:e + s, :] - g)) @
+                             lo(y[..., :e, :] * torch.exp(g - b[..., :e, :])).transpose(-1, -2)).to(b.dtype))
         if e + s < C:
             parts.append(x.new_zeros(*lead, s, C - e - s))
         rows.append(torch.cat(parts, -1))
@@ -118,10 +120,19 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay:
     (⟨x, y⟩_c = Σ_d x_d y_d exp(c_d)), solved once per chunk for both right-hand parts: W = U - Kb S with
     U = (I + A)⁻¹ βV and Kb = (I + A)⁻¹ β exp(b) K. Then o_t = scale (exp(b_t) q_t)ᵀ S + scale Σ_{i<=t}
     ⟨q_t, k_i⟩_{b_t - b_i} w_i and the next state is exp(b_C) S + Σ_i (exp(b_C - b_i) k_i) w_iᵀ, a loop over
-    chunks only. log_decay is clamped to [LOG_DECAY_MIN, 0] = [-40, 0]; resets are exact document masks."""
+    chunks only. log_decay is clamped to [LOG_DECAY_MIN, 0] = [-40, 0]; resets are exact document masks.
+    bf16 (or fp16) q or v, or autocast to it: the score, state and output matmuls read bf16 operands; decays, the
+    triangular solve and the carried state stay float32 (ops/precision.py)."""
     check_delta_inputs(q, k, v, beta, log_decay, initial_state, resets)
     if chunk_size < 1:
         raise InputError(f"delta_rule_chunked: chunk_size must be >= 1, got {chunk_size}")
+    lo = caster(matmul_dtype(q) or matmul_dtype(v))                # read before autocast is switched off
+    with no_autocast(q):
+        return _delta_rule_chunked(q, k, v, beta, log_decay, scale, initial_state, resets, chunk_size, lo)
+
+
+def _delta_rule_chunked(q, k, v, beta, log_decay, scale, initial_state, resets, chunk_size, lo):
+    """delta_rule_chunked's body; `lo` casts the matmul operands (the identity on the exact path)."""
     B, T, H, K = q.shape
     V, dt, C = v.shape[-1], _compute_dtype(q), chunk_size
     scale = K ** -0.5 if scale is None else scale
@@ -141,15 +152,16 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay:
     qf, kf, vf, bt, w = chunks(q) * scale, chunks(k), chunks(v), chunks(beta).unsqueeze(-1), chunks(w)
     if per_channel:                                  # b [B, H, N, C, K]
         b = w.cumsum(-2)
-        Akk = _channel_scores(kf, kf, b)
-        Aqk = _channel_scores(qf, kf, b)
+        Akk = _channel_scores(kf, kf, b, lo)
+        Aqk = _channel_scores(qf, kf, b, lo)
         k_end = kf * torch.exp(b[..., -1:, :] - b)
         chunk_decay = torch.exp(b[..., -1, :]).unsqueeze(-1)      # [B, H, N, K, 1]
     else:                                            # scalar: the pairwise decays from a masked cumsum (exact)
         L = torch.exp(_segsum(w))                    # [B, H, N, C, C], L[t, i] = exp(b_t - b_i), 0 for i > t
         b = w.cumsum(-1).unsqueeze(-1)               # [B, H, N, C, 1]
-        Akk = (kf @ kf.transpose(-1, -2)) * L
-        Aqk = (qf @ kf.transpose(-1, -2)) * L
+        kl = lo(kf)
+        Akk = (kl @ kl.transpose(-1, -2)) * L
+        Aqk = (lo(qf) @ kl.transpose(-1, -2)) * L
         k_end = kf * L[..., -1, :].unsqueeze(-1)
         chunk_decay = torch.exp(b[..., -1, :]).unsqueeze(-1)      # [B, H, N, 1, 1]
     k_start, q_start = kf * torch.exp(b), qf * torch.exp(b)
@@ -174,10 +186,10 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay:
     carried, writes = [], []
     for U_n, Kb_n, ke_n, d_n in zip(U.unbind(2), Kb.unbind(2), k_end.unbind(2), chunk_decay.unbind(2)):
         carried.append(S)
-        W_n = U_n - Kb_n @ S                          # [B, H, C, V] the chunk's delta-rule writes
+        W_n = U_n - lo(Kb_n) @ lo(S)                  # [B, H, C, V] the chunk's delta-rule writes
         writes.append(W_n)
-        S = d_n * S + ke_n.transpose(-1, -2) @ W_n
-    o = q_start @ torch.stack(carried, 2) + Aqk @ torch.stack(writes, 2)   # [B, H, N, C, V]
+        S = d_n * S + lo(ke_n.transpose(-1, -2)) @ lo(W_n)
+    o = (lo(q_start) @ lo(torch.stack(carried, 2))).to(dt) + lo(Aqk) @ lo(torch.stack(writes, 2))  # [B, H, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T]
     return o.transpose(1, 2).to(q.dtype), S
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridlm.errors import InputError
+from hybridlm.ops.precision import caster, matmul_dtype, no_autocast
 from hybridlm.ops.triton import enabled as triton_enabled
 
 # gla_chunked clamps log_decay to [LOG_DECAY_MIN, 0]: exp(-40) ≈ 4e-18 is invisible next to float32
@@ -177,6 +178,8 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
       - the diagonal SUBCHUNK x SUBCHUNK blocks use the exact pairwise form exp(b_t - b_i) per channel.
     Resets are applied as document masks (not -inf decays), so they are exact and NaN-free.
     log_decay is clamped to [LOG_DECAY_MIN, 0] = [-40, 0] to keep in-chunk cumulative sums precise.
+    bf16 (or fp16) q or v, or autocast to it: the in-chunk and state matmuls read bf16 operands; decays, cumsums,
+    the diagonal blocks and the carried state stay float32 (ops/precision.py).
     CUDA tensors go to our Triton kernels (ops/triton) when triton imports and HYBRIDLM_TRITON is not 0.
     """
     _check(q, k, v, log_decay, initial_state, resets)
@@ -186,6 +189,13 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
                                   chunk_size=chunk_size)
     if chunk_size < 1:
         raise InputError(f"gla_chunked: chunk_size must be >= 1, got {chunk_size}")
+    lo = caster(matmul_dtype(q) or matmul_dtype(v))                # read before autocast is switched off
+    with no_autocast(q):
+        return _gla_chunked(q, k, v, log_decay, scale, initial_state, resets, chunk_size, lo)
+
+
+def _gla_chunked(q, k, v, log_decay, scale, initial_state, resets, chunk_size, lo):
+    """gla_chunked's CPU form; `lo` casts the matmul operands (the identity on the exact path)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = _compute_dtype(q)
@@ -222,7 +232,8 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
     k_end = kf * torch.exp(b_last - b)
     if resets is not None:
         k_end = k_end * reaches_end
-    U = k_end.transpose(-1, -2) @ vf                               # [B, H, N, K, V]
+    vl = lo(vf)
+    U = (lo(k_end.transpose(-1, -2)) @ vl).to(dt)                  # [B, H, N, K, V]
     chunk_decay = torch.exp(b_last.squeeze(-2))                    # [B, H, N, K]
     if resets is not None:
         chunk_decay = chunk_decay * chunk_keeps
@@ -240,7 +251,7 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
     q_start = qf * torch.exp(b)
     if resets is not None:
         q_start = q_start * sees_carry
-    o = q_start @ carried                                          # [B, H, N, C, V]
+    o = lo(q_start) @ lo(carried)                                  # [B, H, N, C, V]
 
     # 4. intra-chunk output, diagonal sub-blocks: exact pairwise decay per key channel
     qs = qf.view(B, H, N, ns, s, K)
@@ -250,7 +261,7 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
     if resets is not None:
         ds = doc.view(B, 1, N, ns, s)
         A = A * (ds.unsqueeze(-1) == ds.unsqueeze(-2))
-    o_intra = A @ vf.view(B, H, N, ns, s, V)                       # [B, H, N, ns, s, V]
+    o_intra = (lo(A) @ vl.view(B, H, N, ns, s, V)).to(dt)          # [B, H, N, ns, s, V]
 
     # 5. intra-chunk output, query sub-chunk r >= 1 against the keys of all earlier sub-chunks, the decay
     #    factored through g (log decay from the chunk start to the end of sub-chunk r-1): both
@@ -263,10 +274,10 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
             g = b[..., e - 1:e, :]                                 # [B, H, N, 1, K]
             q_g = q_sub[r] * torch.exp(b_sub[r] - g)               # [B, H, N, s, K]
             k_g = kf[..., :e, :] * torch.exp(g - b[..., :e, :])    # [B, H, N, e, K]
-            A_r = q_g @ k_g.transpose(-1, -2)                      # [B, H, N, s, e]
+            A_r = lo(q_g) @ lo(k_g.transpose(-1, -2))              # [B, H, N, s, e]
             if resets is not None:
                 A_r = A_r * (ds[..., r, :, None] == doc[..., None, :e])
-            outs[r] = outs[r] + A_r @ vf[..., :e, :]
+            outs[r] = outs[r] + lo(A_r) @ vl[..., :e, :]
         o_intra = torch.stack(outs, 3)
 
     o = (o + o_intra.reshape(B, H, N, C, V)).reshape(B, H, N * C, V)[:, :, :T]

@@ -13,10 +13,16 @@ of decays, never the ratios exp(-cumsum) that overflow under strong decay, so it
 starting from the previous chunk's final state. A chunk's backward is the reverse scan, written by hand
 (`_ChunkScan`); under autograd each chunk is also recomputed in the backward (activation checkpointing), so training
 keeps one chunk's [b, L, d, n] tensors at a time, not the sequence's.
+
+bf16 inputs (or autocast): the scan has no large matmul, so, as mamba_ssm's selective_scan kernel, it reads bf16 and
+computes in float32 (autocast is switched off inside: it would round the float32 states to bf16 for the `H @ C`
+readout).
 """
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from .precision import no_autocast
 
 
 def _dtype(x: Tensor) -> torch.dtype:
@@ -108,6 +114,11 @@ def _chunk_from_inputs(x, dt, A, B, C, h0, resets):
 def selective_scan_chunked(x, dt, A, B, C, D=None, *, chunk_size: int = 64, initial_state=None, resets=None):
     """Fast form: log-depth scans inside chunks of `chunk_size`, the state passed from chunk to chunk (see the
     module docstring). Returns (y [b, t, d] in x's dtype, final_state [b, d, n] float32/float64)."""
+    with no_autocast(x):
+        return _selective_scan_chunked(x, dt, A, B, C, D, chunk_size, initial_state, resets)
+
+
+def _selective_scan_chunked(x, dt, A, B, C, D, chunk_size, initial_state, resets):
     b, T, d = x.shape
     B, C = _groups(B), _groups(C)
     g, n = B.shape[2], B.shape[3]

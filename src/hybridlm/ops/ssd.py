@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .precision import caster, matmul_dtype, no_autocast
 from .triton import enabled as triton_enabled
 
 
@@ -80,11 +81,20 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int = 64, initial_state=None, res
     state/output matmuls run per (batch, chunk, group) over all of that group's heads at once
     ([Q, n] x [n, heads*p]), with no expanded operands; the scan over chunks carries the state.
 
-    CUDA tensors go to our Triton kernels (ops/triton) when triton imports and HYBRIDLM_TRITON is not 0."""
+    bf16 (or fp16) x, or autocast to it: the four matmuls read bf16 operands; decays, cumsums and the carried state
+    stay float32 (ops/precision.py). CUDA tensors go to our Triton kernels (ops/triton) when triton imports and
+    HYBRIDLM_TRITON is not 0."""
     if triton_enabled(x, dt, B, C):
         from .triton import ssd_chunked_triton
         return ssd_chunked_triton(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state,
                                   resets=resets)
+    lo = caster(matmul_dtype(x))                                   # read before autocast is switched off
+    with no_autocast(x):
+        return _ssd_chunked(x, dt, A, B, C, chunk_size, initial_state, resets, lo)
+
+
+def _ssd_chunked(x, dt, A, B, C, chunk_size, initial_state, resets, lo):
+    """ssd_chunked's CPU form; `lo` casts the matmul operands (the identity on the exact path)."""
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g
@@ -101,21 +111,21 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int = 64, initial_state=None, res
     c = (T + pad) // Q
     a = a.view(b, c, Q, h).transpose(2, 3)                         # [b, c, h, Q]
     acum = torch.cumsum(a, dim=-1)                                 # decay chunk start -> l (inclusive)
-    Bc = Bf.view(b, c, Q, g, n).transpose(2, 3)                    # [b, c, g, Q, n]
-    Cc = Cf.view(b, c, Q, g, n).transpose(2, 3)
+    Bc = lo(Bf.view(b, c, Q, g, n).transpose(2, 3))                # [b, c, g, Q, n]
+    Cc = lo(Cf.view(b, c, Q, g, n).transpose(2, 3))
 
     # 1. intra-chunk outputs: (L ∘ C Bᵀ) xdt, one [Q, Q] x [Q, p] product per head
     CB = Cc @ Bc.transpose(-1, -2)                                 # [b, c, g, Q, Q]
     L = torch.exp(segsum(a))                                       # [b, c, h, Q, Q]
     M = (L.view(b, c, g, hg, Q, Q) * CB.unsqueeze(3)).view(b, c, h, Q, Q)
-    y_diag = M @ xdt.view(b, c, Q, h, p).transpose(2, 3)           # [b, c, h, Q, p]
+    y_diag = lo(M) @ lo(xdt.view(b, c, Q, h, p).transpose(2, 3))   # [b, c, h, Q, p]
 
     # 2. each chunk's own final state: decay every token to the chunk end (exclusive reverse cumsum)
     rev = torch.flip(torch.cumsum(torch.flip(a, [-1]), -1), [-1])
     to_end = torch.exp(F.pad(rev[..., 1:], (0, 1)))               # sum_{k>s} a_k, no differences
     xd = xdt.view(b, c, Q, h, p) * to_end.transpose(2, 3).unsqueeze(-1)      # [b, c, Q, h, p]
-    states = xd.view(b, c, Q, g, hg * p).permute(0, 1, 3, 4, 2) @ Bc         # [b, c, g, hg*p, n]
-    states = states.view(b, c, h, p, n)
+    states = lo(xd.view(b, c, Q, g, hg * p).permute(0, 1, 3, 4, 2)) @ Bc     # [b, c, g, hg*p, n]
+    states = states.view(b, c, h, p, n).float()
 
     # 3. pass states between chunks (a scan over chunks, not tokens)
     decay = torch.exp(acum[..., -1]).unsqueeze(-1).unsqueeze(-1)   # [b, c, h, 1, 1]
@@ -129,7 +139,7 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int = 64, initial_state=None, res
     carried = torch.stack(carried, 1)                              # [b, c, h, p, n]: state entering chunk
 
     # 4. contribution of the carried state to each position: exp(acum_l) · C_l · h_prev
-    y_off = Cc @ carried.view(b, c, g, hg * p, n).transpose(-1, -2)           # [b, c, g, Q, hg*p]
+    y_off = Cc @ lo(carried.view(b, c, g, hg * p, n).transpose(-1, -2))       # [b, c, g, Q, hg*p]
     y_off = y_off.view(b, c, g, Q, hg, p) * torch.exp(acum).view(b, c, g, hg, Q).transpose(3, 4).unsqueeze(-1)
     y = y_off + y_diag.view(b, c, g, hg, Q, p).transpose(3, 4)     # [b, c, g, Q, hg, p]
     y = y.transpose(2, 3).reshape(b, c * Q, h, p)[:, :T]

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ from tqdm import tqdm
 
 from ..data.loader import TokenData
 from ..data.sampling import ORDERS, make_sampler
+from ..dtypes import CHOICES as DTYPES
+from ..dtypes import resolve_dtype
 from ..errors import CheckpointError, ConfigError
 from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
@@ -64,7 +66,7 @@ class TrainConfig:
     doc_mask: bool = True                # reset state / mask attention at document boundaries
     save_every: int = 500                # 0 = only at the end
     seed: int = 0
-    dtype: str = "float32"               # float32 | bfloat16 (autocast; weights stay float32)
+    dtype: str = "float32"               # float32 | bfloat16 (autocast; weights stay float32) | auto (hybridlm.dtypes)
     compile: bool = False
     grad_checkpointing: bool = False
     log_every: int = 10
@@ -85,7 +87,7 @@ class TrainConfig:
                 (self.eval_batch_size is None or self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
                 (self.adam_eps > 0, "adam_eps must be > 0"),
                 (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two numbers in [0, 1)"),
-                (self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}"),
+                (self.dtype in DTYPES, f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}"),
                 (self.parallel in PARALLEL_MODES, f"parallel must be auto, ddp or fsdp, got {self.parallel!r}"),
                 (self.schedule in ("cosine", "wsd", "constant"),
                  f"schedule must be cosine, wsd or constant, got {self.schedule!r}"),
@@ -171,8 +173,8 @@ def _metrics_until(path: str, step: int) -> list[dict]:
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data: TokenData, out_dir: str, resume: bool = False,
           progress: bool = True) -> dict:
     """Train and return a summary dict (steps, loss, val_loss, val_ppl, tokens_seen, tokens_per_s, ...)."""
-    cfg = train_cfg
-    rank, world, device, own_pg = _setup_distributed(cfg.device)
+    rank, world, device, own_pg = _setup_distributed(train_cfg.device)
+    cfg = replace(train_cfg, dtype=resolve_dtype(train_cfg.dtype, device)[0])   # checkpoints record what ran
     try:
         with StopSignals() as signals:  # SIGTERM / SIGINT end the run after the current step, with a checkpoint
             return _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device, signals)
