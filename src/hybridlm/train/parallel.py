@@ -94,7 +94,9 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
                 p._no_weight_decay = True
         return Parallel(model, "fsdp", mixed_precision=mp)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    routed = bool(set(model.config.layout) & set("OE"))  # routed experts may get no tokens in a step
+    # routed experts may get no tokens in a step; an indexer not trained by its KL gets no gradient at all
+    unused = bool(set(model.config.layout) & set("OE")) or ("I" in model.config.layout and
+                                                            not model.config.dsa_kl_weight)
     ddp = DDP(model, device_ids=[device.index] if device is not None and device.type == "cuda" else None,
-              find_unused_parameters=routed)
+              find_unused_parameters=unused)
     return Parallel(ddp, "ddp")
