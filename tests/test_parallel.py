@@ -95,6 +95,41 @@ def test_ddp_and_fsdp_match_one_process():
     spawn(_data_parallel)
 
 
+def _indexer_data_parallel(rank):
+    """The lightning indexer's KL rides in the model's output: DDP and FSDP2 reproduce one process, in the sparse
+    stage and in the warm-up (frozen main model, dense attention)."""
+    from hybridlm.train.parallel import parallelize
+    from hybridlm.train.stages import apply_stage
+    torch.manual_seed(0)
+    cfg = tiny("deepseek-sparse", dsa_topk=5)
+    ids = torch.randint(0, 64, (4, 24))
+    mine = ids[2 * rank: 2 * rank + 2]
+    for stage, modes in (("full", ("ddp", "fsdp")), ("indexer-warmup", ("ddp", "fsdp"))):
+        ref = CausalLM(cfg)
+        apply_stage(ref, stage)
+        out = ref(ids, labels=ids)
+        out.loss.backward()
+        want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+        for mode in modes:
+            model = CausalLM(cfg)
+            model.load_state_dict(ref.state_dict())
+            apply_stage(model, stage)
+            par = parallelize(model, mode, world=WORLD)
+            res = par.module(mine, labels=mine)
+            res.loss.backward()
+            kl = res.indexer_kl.detach()
+            dist.all_reduce(kl)
+            assert_close(kl / WORLD, out.indexer_kl, msg=f"{stage} {mode} indexer_kl")
+            got = full_grads(model)
+            assert {n for n, g in got.items() if g is not None} == set(want), f"{stage} {mode}: trained parameters"
+            for n, g in want.items():
+                assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=f"{stage} {mode} grad {n}")
+
+
+def test_indexer_kl_under_ddp_and_fsdp_matches_one_process():
+    spawn(_indexer_data_parallel)
+
+
 # --- context parallelism ------------------------------------------------------------------------------------
 def _context_parallel(rank, preset_names):
     from hybridlm.train.context_parallel import all_reduce_grads, context_parallel_forward

@@ -37,7 +37,10 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
         self.w = nn.Linear(d_model, n_heads, bias=False)
 
-    def scores(self, x: Tensor, q_in: Tensor, ctx: SeqContext, slot: IndexerCache | None = None) -> Tensor:
+    fsdp_unit = True   # sharded on its own (train/parallel.py): FSDP2 gathers it for the backward of its output,
+                       # the only path of its KL's gradient (the warm-up's frozen block output carries none)
+
+    def forward(self, x: Tensor, q_in: Tensor, ctx: SeqContext, slot: IndexerCache | None = None) -> Tensor:
         """Index scores [B, T, S] in float32, -inf where the query may not see the key.
         x [B, T, d_model], q_in [B, T, q_dim]; with a cache slot the new keys are appended to it."""
         B, T, _ = x.shape
@@ -67,9 +70,9 @@ class LightningIndexer(nn.Module):
         return torch.zeros_like(idx, dtype=torch.bool).scatter_(-1, top, True)
 
     @torch.no_grad()
-    def forward(self, x: Tensor, q_in: Tensor, ctx: SeqContext, slot: IndexerCache | None = None) -> Tensor | None:
+    def selection(self, x: Tensor, q_in: Tensor, ctx: SeqContext, slot: IndexerCache | None = None) -> Tensor | None:
         """Selected keys [B, T, S] bool, or None when every key is kept (topk >= S)."""
-        return self.select(self.scores(x, q_in, ctx, slot), self.topk)
+        return self.select(self(x, q_in, ctx, slot), self.topk)
 
 
 def _hide(keep: Tensor | None, dtype) -> Tensor | None:
@@ -99,10 +102,10 @@ class IndexedAttention(nn.Module):
         extra = {"q_latent": q_lat} if q_lat is not None else {}
         self.indexer_kl = None
         if not (self.distill and self.training and cache is None):
-            keep = self.indexer(x, q_in, ctx, slot)                      # (which also fills its key cache)
+            keep = self.indexer.selection(x, q_in, ctx, slot)            # (which also fills its key cache)
             keep = None if self.dense else keep
             return self.attn(x, ctx=ctx, cache=slot, bias=_hide(keep, x.dtype), **extra)
-        idx = self.indexer.scores(x.detach(), q_in.detach(), ctx)        # the KL's gradient stops at the indexer
+        idx = self.indexer(x.detach(), q_in.detach(), ctx)               # the KL's gradient stops at the indexer
         keep = None if self.dense else self.indexer.select(idx.detach(), self.indexer.topk)
         y, target = self.attn(x, ctx=ctx, bias=_hide(keep, x.dtype), need_weights=True, **extra)
         if keep is not None:
