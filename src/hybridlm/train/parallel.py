@@ -6,8 +6,9 @@ checkpointing per block, `torch.compile` per block, then DDP or FSDP2 `fully_sha
     opt = make_optimizer(model, ...)               # after sharding: the optimizer must see the sharded params
 
 FSDP2 units: every block (and a module in it flagged `fsdp_unit`), the embedding, the final norm + lm_head
-together, then the root (which keeps what is left: positional embedding, hyper-connection head). A tied lm_head shares the embedding's weight, and a
-parameter lives in one unit, so with tied weights embedding, norm and lm_head all stay in the root unit.
+together, then the root (which keeps what is left: positional embedding, hyper-connection head). A tied lm_head
+shares the embedding's weight, and a parameter lives in one unit, so with tied weights embedding, norm and lm_head
+all stay in the root unit.
 bf16 runs under FSDP2 use `MixedPrecisionPolicy`: parameters are gathered in bf16 for compute, gradients are
 reduced in float32 and the sharded master weights stay float32 (recurrent states are float32 inside the ops).
 """
