@@ -227,3 +227,37 @@ def test_untrained_indexer_with_zero_weight_stays_at_init():
         out.loss.backward()
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(ix, before))
+
+
+# --- captured attention mass (eval/attention_recall.py) -----------------------------------------------------------
+def test_captured_mass_by_hand_and_monotone_in_k():
+    import numpy as np
+
+    from hybridlm.data.tokenizer import ByteTokenizer
+    from hybridlm.eval.attention_recall import captured_mass
+    from hybridlm.layers.indexer import LightningIndexer
+    torch.manual_seed(0)
+    m = sparse_model(topk=5, n_layers=1, vocab_size=257).eval()
+    ids = np.random.default_rng(0).integers(0, 256, 20)                # one window
+    got = captured_mass(m, ids, ByteTokenizer(), seq_len=20, doc_mask=False)
+    # by hand: the one `I` layer's input is the normed embedding; its dense head-mean attention, its top-5 keys
+    layer = indexers(m)[0]
+    x = torch.as_tensor(ids[:20])[None]
+    h = m.blocks[0].norm(m.embed(x))
+    ctx = SeqContext(positions=torch.arange(20)[None])
+    q_lat = layer.attn.query_latent(h)
+    scores = layer.indexer(h, q_lat, ctx)
+    keep = LightningIndexer.select(scores, 5)
+    _, p = layer.attn(h, ctx=ctx, need_weights=True, q_latent=q_lat)
+    want = (p * keep).sum(-1)[0, 5:]                               # queries 5.. see more than 5 keys
+    assert got["queries"] == 15 and got["k"] == 5
+    assert_close(torch.tensor(got["mass"]), want.mean(), atol=1e-5)
+    assert_close(torch.tensor(got["random"]), (5 / torch.arange(6, 21).float()).mean(), atol=1e-6)
+    masses = []
+    for k in (3, 8, 14):
+        layer.indexer.topk = k
+        masses.append(captured_mass(m, ids, ByteTokenizer(), seq_len=20, doc_mask=False)["mass"])
+    assert masses[0] <= masses[1] <= masses[2] <= 1.0 + 1e-6        # a larger top-k keeps a superset of keys
+    with pytest.raises(Exception, match="needs `I` layers"):
+        captured_mass(CausalLM(presets.get("deepseek-mla", n_layers=1, d_model=32, n_heads=2, vocab_size=257)), ids,
+                      ByteTokenizer(), seq_len=20)
