@@ -21,7 +21,8 @@ from ..errors import ConfigError
 from .recipes import Recipe, RunConfig
 
 ROW_KEYS = ["name", "layout", "params", "active_params", "d_model", "mixer_layers", "val_loss", "val_loss_std",
-            "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds"]
+            "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds", "indexer_kl", "captured_mass",
+            "captured_mass_std", "captured_mass_init", "captured_random"]
 QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_tokens=256, log_every=1)
 
 
@@ -48,9 +49,35 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str,
     t0 = time.perf_counter()
     s = train(cfg, tcfg, data, run_dir, progress=progress)
     wall = time.perf_counter() - t0
+    extra = _measure(recipe, cfg, data, seed, s["checkpoint"]) if s.get("checkpoint") else {}
     if not keep_checkpoints and s.get("checkpoint"):
         shutil.rmtree(s["checkpoint"], ignore_errors=True)
-    return dict(s, wall_s=wall)
+    return dict(s, wall_s=wall, **extra)
+
+
+def _measure(recipe: Recipe, cfg, data, seed: int, ckpt: str) -> dict:
+    """The recipe's `measure` figures of one trained model. captured_mass: the attention mass its `I` layers' top-k
+    keep on the validation split, with the trained indexers and with the indexers put back to their initialisation
+    (`train` seeds torch with the run's seed right before building the model: the same draw is made here)."""
+    if "captured_mass" not in recipe.measure or "I" not in cfg.layout:
+        return {}
+    import torch
+
+    from ..eval.attention_recall import captured_mass
+    from ..models import CausalLM
+    from .checkpoint import load_checkpoint
+    b = recipe.budget
+    model, _ = load_checkpoint(ckpt)
+    kw = dict(seq_len=b["seq_len"], batch_size=b["batch_size"], max_tokens=b["eval_tokens"] or 32_768, seed=seed)
+    after = captured_mass(model, data.tokens("val"), data.tokenizer, **kw)
+    torch.manual_seed(seed)
+    init = {n: p for n, p in CausalLM(cfg).state_dict().items() if ".indexer." in n}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in init:
+                p.copy_(init[n])
+    before = captured_mass(model, data.tokens("val"), data.tokenizer, **kw)
+    return {"captured_mass": after["mass"], "captured_mass_init": before["mass"], "captured_random": after["random"]}
 
 
 def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list[int] | None = None,
@@ -93,9 +120,18 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
                    val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
                    tokens_per_s=statistics.fmean(r["tokens_per_s"] for r in runs), steps=b["steps"],
                    wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds)
+        for key in ("indexer_kl", "captured_mass", "captured_mass_init", "captured_random"):
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            if vals:
+                row[key] = statistics.fmean(vals)
+                if key == "captured_mass" and len(vals) > 1:
+                    row["captured_mass_std"] = statistics.stdev(vals)
         rows.append(row)
         log(f"        val loss {mean:.4f} (ppl {row['val_ppl']:.3f}) on {row['val_tokens']:,} tokens, "
             f"{row['tokens_per_s']:,.0f} tokens/s, {row['wall_s']:.0f} s")
+        if "captured_mass" in row:
+            log(f"        captured attention mass {row['captured_mass']:.3f} (indexer at init "
+                f"{row['captured_mass_init']:.3f}, random top-k {row['captured_random']:.3f})")
     res = {"meta": dict(machine_meta(), quick=quick, recipe_path=recipe.path, budget=b,
                         minutes_per_model=recipe.minutes_per_model, source=recipe.source, model=recipe.model),
            "recipe": recipe.name, "title": recipe.title, "source": recipe.source, "claims": recipe.claims,
@@ -113,6 +149,14 @@ def format_table(res: dict) -> str:
         std = f"±{r['val_loss_std']:.3f}" if r.get("val_loss_std") is not None else ""
         lines.append(f"{r['name']:22s} {r['params']:9,d} {r['d_model']:4d} {r['val_loss']:9.4f}{std} "
                      f"{r['val_ppl']:8.3f} {r['tokens_per_s']:7.0f} {r['wall_s']:7.0f}  {r['layout']}")
+    mass = [r for r in res["rows"] if r.get("captured_mass") is not None]
+    if mass:
+        lines.append("captured attention mass of the top-k (dense attention's mass on the selected keys):")
+        for r in mass:
+            std = f"±{r['captured_mass_std']:.3f}" if r.get("captured_mass_std") is not None else ""
+            kl = f", final indexer KL {r['indexer_kl']:.4f}" if r.get("indexer_kl") is not None else ""
+            lines.append(f"  {r['name']:20s} {r['captured_mass']:.3f}{std} (indexer at init "
+                         f"{r['captured_mass_init']:.3f}, random {r['captured_random']:.3f}{kl})")
     lines.append(f"validation on {res['rows'][0]['val_tokens']:,} tokens" if res["rows"] else "no rows")
     return "\n".join(lines)
 

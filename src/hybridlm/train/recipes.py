@@ -12,6 +12,8 @@ A recipe file:
     [[config]] name, preset and/or layout (a "{n}" in the layout is the repeat count sized by depth), n_layers,
                params (overrides the budget's), any ModelConfig field
     [[claim]]  text, better, worse (configuration names), paper (the paper's figures, for the results page)
+    measure    extra figures of each trained model: ["captured_mass"] (the attention mass an `I` layer's top-k
+               keeps, with the trained indexer and with the indexer at its initialisation; eval/attention_recall.py)
 
 Sizing by width searches d_model over multiples of `width_step` (default 32); by depth, the `{n}` of the layout
 (or a preset's n_layers) from 1 up. `scale` K multiplies the batch by K, depth by K (the layout is repeated K
@@ -32,7 +34,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-TOP_KEYS = {"title", "source", "minutes_per_model", "note", "budget", "model", "config", "claim"}
+TOP_KEYS = {"title", "source", "minutes_per_model", "note", "budget", "model", "config", "claim", "measure"}
+MEASURES = {"captured_mass"}   # extra figures per configuration (train/ablate.py)
 BUDGET_KEYS = {"steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "schedule", "weight_decay", "seeds",
                "max_bytes", "eval_every", "eval_tokens", "log_every", "params", "size_by", "tolerance", "active",
                "width_step"}
@@ -68,6 +71,7 @@ class Recipe:
     claims: list[dict]
     note: str = ""
     path: str = ""
+    measure: list[str] = field(default_factory=list)
 
     def scaled(self, k: int) -> "Recipe":
         """Batch ×k, depth ×k, width ×k (a parameter budget ×k³); k = 1 returns self."""
@@ -210,8 +214,13 @@ def parse_recipe(raw: dict, name: str, path: str = "") -> Recipe:
             if cl.get(side) not in seen:
                 raise ConfigError(f"{where}: claim {cl.get('text', '')!r} names unknown configuration "
                                   f"{cl.get(side)!r}")
+    measure = list(raw.get("measure", []))
+    for m in measure:
+        if m not in MEASURES:
+            raise ConfigError(f"{where}: unknown measure {m!r} (known: {', '.join(sorted(MEASURES))})")
     r = Recipe(name=name, title=raw["title"], source=raw["source"], minutes_per_model=float(raw["minutes_per_model"]),
-               budget=budget, model=model, configs=configs, claims=claims, note=raw.get("note", ""), path=path)
+               budget=budget, model=model, configs=configs, claims=claims, note=raw.get("note", ""), path=path,
+               measure=measure)
     from ..models.layout import parse_layout
     from ..models.registry import LETTERS
     for c in configs:                                   # a bad layout is reported now, not after other runs
