@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close
+from conftest import assert_close, decode_logits
 from hybridlm import CausalLM, ConfigError, presets
 from hybridlm.context import SeqContext
 from hybridlm.layers.attention import Attention, norm_and_rope
@@ -227,6 +227,30 @@ def test_untrained_indexer_with_zero_weight_stays_at_init():
         out.loss.backward()
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(ix, before))
+
+
+def test_after_indexer_training_decode_equals_forward_and_checkpointing_keeps_gradients():
+    torch.manual_seed(0)
+    m = sparse_model(topk=5)
+    ids = torch.randint(0, 61, (2, 22))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(3):
+        out = m.train()(ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    m.eval()
+    assert_close(decode_logits(m, ids, 7), m(ids).logits, atol=2e-5)
+    # activation checkpointing recomputes the block, KL included: the same loss and gradients
+    m.train()
+    grads = []
+    for ckpt in (False, True):
+        m.gradient_checkpointing = ckpt
+        m.zero_grad()
+        m(ids, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert_close(a, b, atol=1e-6)
 
 
 # --- captured attention mass (eval/attention_recall.py) -----------------------------------------------------------
