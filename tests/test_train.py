@@ -256,3 +256,18 @@ def test_indexer_warmup_stage_from_a_checkpoint_trains_only_the_indexers(tmp_pat
     assert warm["indexer_kl"] > 0
     with pytest.raises(Exception, match="stage must be one of"):
         fast_cfg(stage="warmup")
+
+
+def test_indexer_dense_steps_switch_to_top_k_after_n_steps(tmp_path, data, monkeypatch):
+    from hybridlm.train import trainer
+    seen = []
+
+    def spy(model, dense):
+        seen.append((len(read_metrics(tmp_path)) if os.path.exists(tmp_path / "metrics.jsonl") else 0, dense))
+        return set_dense(model, dense)
+    set_dense = trainer.set_dense
+    monkeypatch.setattr(trainer, "set_dense", spy)
+    train(tiny_config("deepseek-sparse", dsa_topk=8), fast_cfg(steps=4, eval_every=0, save_every=0,
+                                                               indexer_dense_steps=2), data, str(tmp_path),
+          progress=False)
+    assert seen == [(0, True), (2, False)]          # dense before step 1, top-k from step 3 on

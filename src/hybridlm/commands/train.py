@@ -17,7 +17,7 @@ def _train_config(args):
                        seed=args.seed, dtype=args.dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
                        parallel=args.parallel, keep=args.keep, on_nan=args.on_nan, data_order=args.data_order,
-                       stage=args.stage, init_from=args.init_from)
+                       stage=args.stage, init_from=args.init_from, indexer_dense_steps=args.indexer_dense_steps)
 
 
 def main(args) -> int:
@@ -129,4 +129,7 @@ def add_arguments(p):
     p.add_argument("--stage", default="full", choices=["full", "indexer-warmup"],
                    help="indexer-warmup: `I` layers attend densely and only their lightning indexers train, on "
                         "their KL to the main attention (DeepSeek-V3.2's first stage; use with --init-from)")
+    p.add_argument("--indexer-dense-steps", type=int, default=0, metavar="N",
+                   help="training from scratch: the first N steps run `I` layers densely, their indexers learning "
+                        "the dense attention over all keys, then top-k")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines still print)")

@@ -41,11 +41,11 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str,
                keep_checkpoints: bool) -> dict:
     from . import TrainConfig, train
     b = recipe.budget
-    tcfg = TrainConfig(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
-                       min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
-                       weight_decay=b.get("weight_decay", 0.1), eval_every=b["eval_every"],
-                       eval_tokens=b["eval_tokens"], save_every=0, seed=seed, log_every=b["log_every"],
-                       device=device)
+    budget = dict(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
+                  min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
+                  weight_decay=b.get("weight_decay", 0.1),
+                  eval_every=b["eval_every"], eval_tokens=b["eval_tokens"], save_every=0, log_every=b["log_every"])
+    tcfg = TrainConfig(**{**budget, **c.train}, seed=seed, device=device)
     t0 = time.perf_counter()
     s = train(cfg, tcfg, data, run_dir, progress=progress)
     wall = time.perf_counter() - t0
@@ -87,10 +87,11 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
     from ..data.loader import TokenData
     from ..data.tokenizer import load_tokenizer
     from ..models.sizing import count_parameters, token_mixers
-    if quick:
+    if quick:   # a configuration's own train fields may not undo the smoke run's budget
         recipe = Recipe(**{**recipe.__dict__, "budget": dict(recipe.budget, **QUICK, params=None),
                            "model": dict(recipe.model, d_model=32),
                            "configs": [RunConfig(**{**c.__dict__, "params": None,
+                                                    "train": {k: v for k, v in c.train.items() if k not in QUICK},
                                                     "fields": {k: v for k, v in c.fields.items() if k != "d_model"}})
                                        for c in recipe.configs]})
     b = recipe.budget

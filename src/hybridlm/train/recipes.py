@@ -10,7 +10,7 @@ A recipe file:
                params ("1M": every configuration sized to it), size_by ("width" | "depth"), tolerance, active
     [model]    ModelConfig fields shared by every configuration (d_model when not sized, heads, state sizes, ...)
     [[config]] name, preset and/or layout (a "{n}" in the layout is the repeat count sized by depth), n_layers,
-               params (overrides the budget's), any ModelConfig field
+               params (overrides the budget's), any ModelConfig field, train = {TrainConfig fields of this one}
     [[claim]]  text, better, worse (configuration names), paper (the paper's figures, for the results page)
     measure    extra figures of each trained model: ["captured_mass"] (the attention mass an `I` layer's top-k
                keeps, with the trained indexer and with the indexer at its initialisation; eval/attention_recall.py)
@@ -39,7 +39,7 @@ MEASURES = {"captured_mass"}   # extra figures per configuration (train/ablate.p
 BUDGET_KEYS = {"steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "schedule", "weight_decay", "seeds",
                "max_bytes", "eval_every", "eval_tokens", "log_every", "params", "size_by", "tolerance", "active",
                "width_step"}
-CONFIG_KEYS = {"name", "preset", "layout", "n_layers", "params", "note"}
+CONFIG_KEYS = {"name", "preset", "layout", "n_layers", "params", "note", "train"}
 CLAIM_KEYS = {"text", "better", "worse", "paper"}
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 DEFAULT_BUDGET = dict(steps=300, batch_size=8, seq_len=128, lr=2e-3, warmup=30, seeds=[0], max_bytes=1_000_000,
@@ -57,6 +57,7 @@ class RunConfig:
     params: int | None = None
     fields: dict = field(default_factory=dict)
     note: str = ""
+    train: dict = field(default_factory=dict)    # TrainConfig fields for this configuration only
 
 
 @dataclass
@@ -204,9 +205,12 @@ def parse_recipe(raw: dict, name: str, path: str = "") -> Recipe:
         if not c.get("preset") and not c.get("layout"):
             raise ConfigError(f"{where}, configuration {cname!r}: give a preset or a layout")
         fields = {k: v for k, v in c.items() if k not in CONFIG_KEYS}
+        from .trainer import TrainConfig
+        _check_keys(f"{where}, configuration {cname!r}, train", c.get("train", {}),
+                    {f.name for f in dataclasses.fields(TrainConfig)} - {"seed", "device", "init_from"})
         configs.append(RunConfig(name=cname, preset=c.get("preset"), layout=c.get("layout"), n_layers=c.get("n_layers"),
                                  params=parse_count(c["params"]) if c.get("params") else None, fields=fields,
-                                 note=c.get("note", "")))
+                                 note=c.get("note", ""), train=dict(c.get("train", {}))))
     claims = raw.get("claim", [])
     for cl in claims:
         _check_keys(f"{where} [[claim]]", cl, CLAIM_KEYS)

@@ -7,6 +7,10 @@
     full            everything trains; `I` layers attend to the indexer's top-k, the indexer learns from its KL
                     over the selected keys and the rest from the LM loss (layers/indexer.py). The default.
 
+Training from scratch has no trained dense model to start from; `indexer_dense_steps` (TrainConfig) runs the first
+steps of a `full` run with `I` layers dense instead, so that the indexers learn the dense distribution over all
+keys (which the sparse stage's KL, over the selected keys only, cannot teach) while the model trains.
+
 Applied to the model before parallelism wraps it, so DDP / FSDP2 and the optimizer see only the trainable
 parameters.
 """
@@ -17,14 +21,20 @@ from ..errors import ConfigError
 STAGES = ("full", "indexer-warmup")
 
 
-def apply_stage(model: nn.Module, stage: str):
-    """Set `model` (a CausalLM) up for `stage`, in place."""
+def set_dense(model: nn.Module, dense: bool) -> list:
+    """Make every `I` layer of `model` attend densely (or not); returns those layers."""
     from ..layers.indexer import IndexedAttention
-    if stage not in STAGES:
-        raise ConfigError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
     indexed = [m for m in model.modules() if isinstance(m, IndexedAttention)]
     for m in indexed:
-        m.dense = stage == "indexer-warmup"
+        m.dense = dense
+    return indexed
+
+
+def apply_stage(model: nn.Module, stage: str):
+    """Set `model` (a CausalLM) up for `stage`, in place."""
+    if stage not in STAGES:
+        raise ConfigError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    indexed = set_dense(model, stage == "indexer-warmup")
     if stage == "full":
         return
     if not indexed:

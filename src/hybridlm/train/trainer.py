@@ -33,7 +33,7 @@ from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
 from .parallel import MODES as PARALLEL_MODES
 from .parallel import parallelize
-from .stages import STAGES, apply_stage
+from .stages import STAGES, apply_stage, set_dense
 
 
 @dataclass
@@ -66,6 +66,7 @@ class TrainConfig:
     data_order: str = "random"           # random | sequential (see data/sampling.py)
     stage: str = "full"                  # full | indexer-warmup (train/stages.py)
     init_from: str | None = None         # start from this checkpoint's weights (fresh optimizer, step 0)
+    indexer_dense_steps: int = 0         # stage full: the first N steps run `I` layers densely (train/stages.py)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -82,7 +83,8 @@ class TrainConfig:
                 (self.keep >= 0, "keep must be >= 0"),
                 (self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}"),
                 (self.data_order in ORDERS, f"data_order must be one of {', '.join(ORDERS)}, got {self.data_order!r}"),
-                (self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}")]
+                (self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}"),
+                (self.indexer_dense_steps >= 0, "indexer_dense_steps must be >= 0")]
         for ok, msg in need:
             if not ok:
                 raise ConfigError(msg)
@@ -224,6 +226,8 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         lr = cfg.lr_for(step)
         for g in opt.param_groups:
             g["lr"] = lr
+        if cfg.indexer_dense_steps and cfg.stage == "full" and step in (start, cfg.indexer_dense_steps):
+            set_dense(model, step < cfg.indexer_dense_steps)
         loss_sum = torch.zeros((), device=device)
         kl_sum = None                       # the lightning indexers' KL (`I` layers), logged on its own
         for micro in range(A):
