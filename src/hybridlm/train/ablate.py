@@ -49,6 +49,8 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, seed: int, run_dir: str,
     t0 = time.perf_counter()
     s = train(cfg, tcfg, data, run_dir, progress=progress)
     wall = time.perf_counter() - t0
+    if s.get("stopped"):     # SIGTERM / SIGINT: that run saved a checkpoint and stopped; the recipe stops with it
+        raise KeyboardInterrupt(f"{c.name} (seed {seed}) stopped by {s['stopped']} at step {s['steps']}")
     extra = _measure(recipe, cfg, data, seed, s["checkpoint"]) if s.get("checkpoint") else {}
     if not keep_checkpoints and s.get("checkpoint"):
         shutil.rmtree(s["checkpoint"], ignore_errors=True)
