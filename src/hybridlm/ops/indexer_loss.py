@@ -25,7 +25,7 @@ def _masked_scores(q: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | Non
     """softmax logits [B, Hq, T, S] in float32 with -inf where hidden; kv head g serves query heads g·rep ... ."""
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
-    qg = q.float().view(B, T, Hk, Hq // Hk, D)
+    qg = q.float().reshape(B, T, Hk, Hq // Hk, D)
     s = torch.einsum("btgrd,bsgd->bgrts", qg, k.float()).flatten(1, 2) * (scale if scale is not None else D ** -0.5)
     if bias is not None:
         s = s + bias.float()
