@@ -39,6 +39,16 @@ def main(args) -> int:
     r = validate(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
                  max_tokens=budget, seed=tcfg.get("seed", 0), doc_mask=tcfg.get("doc_mask", True), autocast=autocast)
     out(f"{describe(r)} of the {data.source or 'stdlib'} validation split, seq_len {seq_len}")
+    if args.attention_mass:
+        from ..eval.attention_recall import captured_mass
+        m = captured_mass(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
+                          max_tokens=budget or 32_768, seed=tcfg.get("seed", 0), doc_mask=tcfg.get("doc_mask", True))
+        if m["mass"] is None:
+            out(f"captured attention mass: no query sees more than the top-{m['k']} keys at seq_len {seq_len}")
+        else:
+            layers = ", ".join(f"{v:.3f}" if v is not None else "-" for v in m["per_layer"])
+            out(f"captured attention mass {m['mass']:.3f} of the dense attention in the top-{m['k']} keys "
+                f"(per `I` layer {layers}; {m['random']:.3f} for k random keys) over {m['queries']:,} queries")
     return 0
 
 
@@ -61,5 +71,7 @@ def add_arguments(p):
                    help="at most this many examples per task (a fraction if < 1), for quick checks")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--output", default=None, metavar="FILE", help="write lm-eval's results as JSON here")
+    p.add_argument("--attention-mass", action="store_true",
+                   help="also the dense attention mass each `I` layer's top-k keys capture (eval/attention_recall.py)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="whole split up to this many tokens, else a fixed sample (default: as in training; 0 = all)")
