@@ -169,6 +169,7 @@ worse = "frozen"
     rows = {r["name"]: r for r in json.loads((out / "ablate.json").read_text())["rows"]}
     for r in rows.values():
         assert 0 < r["captured_random"] < 1 and 0 < r["captured_mass"] <= 1 and 0 < r["captured_mass_init"] <= 1
+        assert max(r["captured_mass"], r["captured_mass_init"]) <= r["captured_oracle"] + 1e-6
     # the frozen indexer is still its initialisation: the redrawn init reproduces the run's exactly
     assert rows["frozen"]["captured_mass"] == pytest.approx(rows["frozen"]["captured_mass_init"], abs=1e-9)
     assert rows["trained"]["captured_mass"] != pytest.approx(rows["trained"]["captured_mass_init"], abs=1e-9)

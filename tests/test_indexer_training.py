@@ -276,6 +276,8 @@ def test_captured_mass_by_hand_and_monotone_in_k():
     want = (p * keep).sum(-1)[0, 5:]                               # queries 5.. see more than 5 keys
     assert got["queries"] == 15 and got["k"] == 5
     assert_close(torch.tensor(got["mass"]), want.mean(), atol=1e-5)
+    assert_close(torch.tensor(got["oracle"]), p.topk(5, dim=-1).values.sum(-1)[0, 5:].mean(), atol=1e-5)
+    assert got["random"] < got["oracle"] and got["mass"] <= got["oracle"] + 1e-6
     assert_close(torch.tensor(got["random"]), (5 / torch.arange(6, 21).float()).mean(), atol=1e-6)
     masses = []
     for k in (3, 8, 14):

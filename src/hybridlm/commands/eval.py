@@ -48,7 +48,8 @@ def main(args) -> int:
         else:
             layers = ", ".join(f"{v:.3f}" if v is not None else "-" for v in m["per_layer"])
             out(f"captured attention mass {m['mass']:.3f} of the dense attention in the top-{m['k']} keys "
-                f"(per `I` layer {layers}; {m['random']:.3f} for k random keys) over {m['queries']:,} queries")
+                f"(per `I` layer {layers}; the best k keys {m['oracle']:.3f}, k random keys {m['random']:.3f}) over "
+                f"{m['queries']:,} queries")
     return 0
 
 

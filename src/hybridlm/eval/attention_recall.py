@@ -1,12 +1,13 @@
 """Captured attention mass: how much of the dense attention an `I` layer's top-k keys keep (the recall of attention
 mass that DeepSeek-V3.2 trains its lightning indexer for).
 
-    captured_mass(model, val_ids, tokenizer, seq_len=1024) -> {"mass", "per_layer", "random", "queries", "k"}
+    captured_mass(model, val_ids, tokenizer, seq_len=1024) -> {"mass", "per_layer", "oracle", "random", "queries", "k"}
 
 At each `I` layer, on that layer's input in the model as it runs (sparse), take the dense attention's head-mean
 probabilities p[t, :] over every visible key (the indexer's warm-up target) and the indexer's top-k S_t:
 captured[t] = Σ_{s ∈ S_t} p[t, s], averaged over the queries that see more than k keys (the others keep all).
-1.0: the selection loses nothing. `random` is what k keys drawn at random would capture on average (k / visible).
+1.0: the selection loses nothing. `oracle` is the most any k keys could capture (the mass of the dense
+attention's own top k): a diffuse attention caps it below 1. `random` is what k random keys capture (k / visible).
 """
 import torch
 
@@ -15,19 +16,21 @@ from ..errors import InputError
 from ..layers.indexer import IndexedAttention, LightningIndexer
 
 
-def _layer_mass(layer: IndexedAttention, x: torch.Tensor, ctx) -> tuple[float, float, int]:
-    """(Σ captured, Σ k/visible, queries counted) of one layer's input x [B, T, d]."""
+def _layer_mass(layer: IndexedAttention, x: torch.Tensor, ctx) -> tuple[float, float, float, int]:
+    """(Σ captured, Σ oracle, Σ k/visible, queries counted) of one layer's input x [B, T, d]."""
     q_lat = layer.attn.query_latent(x) if hasattr(layer.attn, "query_latent") else None
     extra = {"q_latent": q_lat} if q_lat is not None else {}
     scores = layer.indexer(x, q_lat if q_lat is not None else x, ctx)              # [B, T, S]
     visible = torch.isfinite(scores).sum(-1)                                       # [B, T]
     rows = visible > layer.indexer.topk
     if not rows.any():
-        return 0.0, 0.0, 0
+        return 0.0, 0.0, 0.0, 0
     keep = LightningIndexer.select(scores, layer.indexer.topk)
     _, p = layer.attn(x, ctx=ctx, need_weights=True, **extra)                     # dense: no bias
     captured = (p * keep).sum(-1)
-    return float(captured[rows].sum()), float((layer.indexer.topk / visible[rows]).sum()), int(rows.sum())
+    oracle = p.topk(layer.indexer.topk, dim=-1).values.sum(-1)
+    return (float(captured[rows].sum()), float(oracle[rows].sum()), float((layer.indexer.topk / visible[rows]).sum()),
+            int(rows.sum()))
 
 
 @torch.no_grad()
@@ -40,7 +43,7 @@ def captured_mass(model, ids, tokenizer, seq_len: int = 1024, batch_size: int = 
     seq_len = min(seq_len, model.config.max_seq_len)
     if len(ids) < seq_len:
         raise InputError(f"captured attention mass needs at least {seq_len} tokens, got {len(ids)}")
-    sums = {id(m): [0.0, 0.0, 0] for m in layers}
+    sums = {id(m): [0.0, 0.0, 0.0, 0] for m in layers}
 
     def hook(module, args, kwargs, output):
         if kwargs.get("cache") is None:
@@ -59,8 +62,8 @@ def captured_mass(model, ids, tokenizer, seq_len: int = 1024, batch_size: int = 
         for h in handles:
             h.remove()
         model.train(was_training)
-    per_layer = [s[0] / s[2] if s[2] else None for s in (sums[id(m)] for m in layers)]
-    n = sum(s[2] for s in sums.values())
-    return {"mass": sum(s[0] for s in sums.values()) / n if n else None, "per_layer": per_layer,
-            "random": sum(s[1] for s in sums.values()) / n if n else None, "queries": n,
+    per_layer = [s[0] / s[3] if s[3] else None for s in (sums[id(m)] for m in layers)]
+    n = sum(s[3] for s in sums.values())
+    total = [sum(s[i] for s in sums.values()) / n if n else None for i in range(3)]
+    return {"mass": total[0], "per_layer": per_layer, "oracle": total[1], "random": total[2], "queries": n,
             "k": layers[0].indexer.topk}

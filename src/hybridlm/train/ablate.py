@@ -22,7 +22,7 @@ from .recipes import Recipe, RunConfig
 
 ROW_KEYS = ["name", "layout", "params", "active_params", "d_model", "mixer_layers", "val_loss", "val_loss_std",
             "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds", "indexer_kl", "captured_mass",
-            "captured_mass_std", "captured_mass_init", "captured_random"]
+            "captured_mass_std", "captured_mass_init", "captured_oracle", "captured_random"]
 QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_tokens=256, log_every=1)
 
 
@@ -79,7 +79,8 @@ def _measure(recipe: Recipe, cfg, data, seed: int, ckpt: str) -> dict:
             if n in init:
                 p.copy_(init[n])
     before = captured_mass(model, data.tokens("val"), data.tokenizer, **kw)
-    return {"captured_mass": after["mass"], "captured_mass_init": before["mass"], "captured_random": after["random"]}
+    return {"captured_mass": after["mass"], "captured_mass_init": before["mass"], "captured_oracle": after["oracle"],
+            "captured_random": after["random"]}
 
 
 def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list[int] | None = None,
@@ -123,7 +124,7 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
                    val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
                    tokens_per_s=statistics.fmean(r["tokens_per_s"] for r in runs), steps=b["steps"],
                    wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds)
-        for key in ("indexer_kl", "captured_mass", "captured_mass_init", "captured_random"):
+        for key in ("indexer_kl", "captured_mass", "captured_mass_init", "captured_oracle", "captured_random"):
             vals = [r[key] for r in runs if r.get(key) is not None]
             if vals:
                 row[key] = statistics.fmean(vals)
@@ -134,7 +135,8 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
             f"{row['tokens_per_s']:,.0f} tokens/s, {row['wall_s']:.0f} s")
         if "captured_mass" in row:
             log(f"        captured attention mass {row['captured_mass']:.3f} (indexer at init "
-                f"{row['captured_mass_init']:.3f}, random top-k {row['captured_random']:.3f})")
+                f"{row['captured_mass_init']:.3f}, best k keys {row['captured_oracle']:.3f}, random k keys "
+                f"{row['captured_random']:.3f})")
     res = {"meta": dict(machine_meta(), quick=quick, recipe_path=recipe.path, budget=b,
                         minutes_per_model=recipe.minutes_per_model, source=recipe.source, model=recipe.model),
            "recipe": recipe.name, "title": recipe.title, "source": recipe.source, "claims": recipe.claims,
@@ -158,8 +160,9 @@ def format_table(res: dict) -> str:
         for r in mass:
             std = f"±{r['captured_mass_std']:.3f}" if r.get("captured_mass_std") is not None else ""
             kl = f", final indexer KL {r['indexer_kl']:.4f}" if r.get("indexer_kl") is not None else ""
-            lines.append(f"  {r['name']:20s} {r['captured_mass']:.3f}{std} (indexer at init "
-                         f"{r['captured_mass_init']:.3f}, random {r['captured_random']:.3f}{kl})")
+            lines.append(f"  {r['name']:22s} {r['captured_mass']:.3f}{std} (indexer at init "
+                         f"{r['captured_mass_init']:.3f}, best k keys {r['captured_oracle']:.3f}, random "
+                         f"{r['captured_random']:.3f}{kl})")
     lines.append(f"validation on {res['rows'][0]['val_tokens']:,} tokens" if res["rows"] else "no rows")
     return "\n".join(lines)
 
