@@ -75,6 +75,8 @@ def test_info_and_eval(run):
     r = hybridlm("eval", "--checkpoint", run["out"], "--data", run["text"], "--batch-size", 2)
     assert r.returncode == 0, r.stderr
     assert "ppl" in r.stdout
+    assert_one_line_error(hybridlm("eval", "--checkpoint", run["out"], "--data", run["text"], "--attention-mass"),
+                          "captured attention mass needs `I` layers")
 
 
 @pytest.mark.parametrize("cmd", sorted(__import__("hybridlm.cli").cli.COMMANDS))

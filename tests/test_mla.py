@@ -105,7 +105,7 @@ def test_indexer_scores_are_eq70_and_selection_is_the_true_topk():
     key_mask = torch.ones(B, T, dtype=torch.bool)
     key_mask[1, :4] = False                                         # left padding on row 1
     ctx = SeqContext(positions=torch.arange(T).expand(B, T), key_mask=key_mask)
-    scores = ix.scores(x, q_in, ctx)
+    scores = ix(x, q_in, ctx)
     # eq. 70 written out head by head
     from hybridlm.ops.rope import apply_rope
     cos, sin = ctx.rope(4, 10000.0)
@@ -116,7 +116,7 @@ def test_indexer_scores_are_eq70_and_selection_is_the_true_topk():
     visible = torch.ones(T, T, dtype=torch.bool).tril() & key_mask[:, None, :]
     assert_close(scores[visible], ref[visible], atol=1e-5)
     assert torch.isinf(scores[~visible]).all()
-    keep = ix(x, q_in, ctx)
+    keep = ix.selection(x, q_in, ctx)
     assert (keep.sum(-1) == 5).all()
     for b in range(B):
         for t in range(T):
@@ -157,7 +157,7 @@ def test_sparse_attention_equals_attention_restricted_to_selected_keys(base):
     x = torch.randn(2, T, D)
     ctx = ctx_for(2, 0, T)
     q_in = layer.attn.query_latent(x) if base == "L" else x
-    keep = layer.indexer(x, q_in, ctx)                             # (its top-k is checked above)
+    keep = layer.indexer.selection(x, q_in, ctx)                   # (its top-k is checked above)
     assert keep.shape == (2, T, T) and (keep.sum(-1) == 6).all()
     bias = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).unsqueeze(1)
     assert_close(layer(x, ctx=ctx), layer.attn(x, ctx=ctx, bias=bias), atol=1e-6)

@@ -129,6 +129,39 @@ def test_validation_shared_out_among_two_ranks_equals_one():
     want = _validations(CausalLM(tiny("mamba2-attention", vocab_size=257)))
     assert want[0]["whole"] and not want[1]["whole"] and want[0]["tokens"] == 399
     spawn(_sharded_validation, want)
+def _indexer_data_parallel(rank):
+    """The lightning indexer's KL rides in the model's output: DDP and FSDP2 reproduce one process, in the sparse
+    stage and in the warm-up (frozen main model, dense attention)."""
+    from hybridlm.train.parallel import parallelize
+    from hybridlm.train.stages import apply_stage
+    torch.manual_seed(0)
+    cfg = tiny("deepseek-sparse", dsa_topk=5)
+    ids = torch.randint(0, 64, (4, 24))
+    mine = ids[2 * rank: 2 * rank + 2]
+    for stage, modes in (("full", ("ddp", "fsdp")), ("indexer-warmup", ("ddp", "fsdp"))):
+        ref = CausalLM(cfg)
+        apply_stage(ref, stage)
+        out = ref(ids, labels=ids)
+        out.loss.backward()
+        want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+        for mode in modes:
+            model = CausalLM(cfg)
+            model.load_state_dict(ref.state_dict())
+            apply_stage(model, stage)
+            par = parallelize(model, mode, world=WORLD)
+            res = par.module(mine, labels=mine)
+            res.loss.backward()
+            kl = res.indexer_kl.detach()
+            dist.all_reduce(kl)
+            assert_close(kl / WORLD, out.indexer_kl, msg=f"{stage} {mode} indexer_kl")
+            got = full_grads(model)
+            assert {n for n, g in got.items() if g is not None} == set(want), f"{stage} {mode}: trained parameters"
+            for n, g in want.items():
+                assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=f"{stage} {mode} grad {n}")
+
+
+def test_indexer_kl_under_ddp_and_fsdp_matches_one_process():
+    spawn(_indexer_data_parallel)
 
 
 # --- context parallelism ------------------------------------------------------------------------------------
@@ -230,7 +263,9 @@ def test_context_parallel_training_ssd_gla_attention_mla(tmp_path):
 def test_context_parallel_refuses_uncovered_letters(letter, layout):
     from hybridlm import ModelConfig
     from hybridlm.train.context_parallel import check_layout
-    check_layout(ModelConfig(layout="S A L I F W R G K B E M Z@0 S".replace(" ", "")))   # the others pass
+    check_layout(ModelConfig(layout="S A L I F W R G K B E M Z@0 S".replace(" ", ""), dsa_kl_weight=0.0))  # pass
+    with pytest.raises(ConfigError, match="does not train the lightning indexer"):
+        check_layout(ModelConfig(layout="IM"))
     with pytest.raises(ConfigError, match=f"does not support layer '{letter}' in layout"):
         check_layout(ModelConfig(layout=layout))
 

@@ -258,3 +258,37 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     rows = read_metrics(str(out))
     assert rows[-1]["step"] == 3 and rows[-1]["tokens"] == 3 * 2 * 32 * 2  # both ranks' tokens counted
     assert json.load(open(out / "step-000003" / "trainer_state.json"))["step"] == 3
+
+
+def test_indexer_warmup_stage_from_a_checkpoint_trains_only_the_indexers(tmp_path, data):
+    """DeepSeek-V3.2's order: a trained model, then `stage=indexer-warmup` from its weights (`init_from`): only the
+    indexers move, and every logged step carries indexer_kl."""
+    from safetensors.torch import load_file
+    cfg = tiny_config("deepseek-sparse", dsa_topk=8)
+    first = train(cfg, fast_cfg(steps=3, eval_every=0, save_every=0), data, str(tmp_path / "a"), progress=False)
+    assert all("indexer_kl" in r for r in read_metrics(tmp_path / "a"))
+    warm = train(cfg, fast_cfg(steps=3, eval_every=0, save_every=0, stage="indexer-warmup",
+                               init_from=str(tmp_path / "a")), data, str(tmp_path / "b"), progress=False)
+    before = load_file(os.path.join(first["checkpoint"], "model.safetensors"))
+    after = load_file(os.path.join(warm["checkpoint"], "model.safetensors"))
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and all(".indexer." in n for n in moved), moved
+    assert {n for n in before if ".indexer." in n and n.endswith("wq.weight")} <= moved
+    assert warm["indexer_kl"] > 0
+    with pytest.raises(Exception, match="stage must be one of"):
+        fast_cfg(stage="warmup")
+
+
+def test_indexer_dense_steps_switch_to_top_k_after_n_steps(tmp_path, data, monkeypatch):
+    from hybridlm.train import trainer
+    seen = []
+
+    def spy(model, dense):
+        seen.append((len(read_metrics(tmp_path)) if os.path.exists(tmp_path / "metrics.jsonl") else 0, dense))
+        return set_dense(model, dense)
+    set_dense = trainer.set_dense
+    monkeypatch.setattr(trainer, "set_dense", spy)
+    train(tiny_config("deepseek-sparse", dsa_topk=8), fast_cfg(steps=4, eval_every=0, save_every=0,
+                                                               indexer_dense_steps=2), data, str(tmp_path),
+          progress=False)
+    assert seen == [(0, True), (2, False)]          # dense before step 1, top-k from step 3 on

@@ -43,6 +43,17 @@ def main(args) -> int:
     r = validate(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
                  max_tokens=budget, seed=tcfg.get("seed", 0), doc_mask=tcfg.get("doc_mask", True), autocast=autocast)
     out(f"{describe(r)} of the {data.source or 'stdlib'} validation split, seq_len {seq_len}, {label}")
+    if args.attention_mass:
+        from ..eval.attention_recall import captured_mass
+        m = captured_mass(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
+                          max_tokens=budget or 32_768, seed=tcfg.get("seed", 0), doc_mask=tcfg.get("doc_mask", True))
+        if m["mass"] is None:
+            out(f"captured attention mass: no query sees more than the top-{m['k']} keys at seq_len {seq_len}")
+        else:
+            layers = ", ".join(f"{v:.3f}" if v is not None else "-" for v in m["per_layer"])
+            out(f"captured attention mass {m['mass']:.3f} of the dense attention in the top-{m['k']} keys "
+                f"(per `I` layer {layers}; the best k keys {m['oracle']:.3f}, k random keys {m['random']:.3f}) over "
+                f"{m['queries']:,} queries")
     return 0
 
 
@@ -68,5 +79,7 @@ def add_arguments(p):
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="bfloat16: autocast (float32 weights); auto (default): bfloat16 on CPUs with AMX-BF16 or "
                         "AVX512-BF16, else float32 (training's default resolves the same way, so the figures agree)")
+    p.add_argument("--attention-mass", action="store_true",
+                   help="also the dense attention mass each `I` layer's top-k keys capture (eval/attention_recall.py)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="whole split up to this many tokens, else a fixed sample (default: as in training; 0 = all)")

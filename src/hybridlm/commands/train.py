@@ -4,7 +4,8 @@ import os
 
 from ..dtypes import CHOICES as DTYPES
 from ..eval.perplexity import describe
-from .common import add_model_args, config_diff, is_main_rank, layout_summary, model_config, out, param_split
+from .common import (add_model_args, config_diff, is_main_rank, layout_summary, model_config, out, param_split,
+                     parse_sets)
 
 
 def _train_config(args, dtype: str):
@@ -17,7 +18,8 @@ def _train_config(args, dtype: str):
                        save_every=args.save_every, seed=args.seed, dtype=dtype, compile=args.compile,
                        grad_checkpointing=args.grad_checkpointing, log_every=args.log_every, device=args.device,
                        parallel=args.parallel, context_parallel=args.context_parallel, keep=args.keep,
-                       on_nan=args.on_nan, data_order=args.data_order)
+                       on_nan=args.on_nan, data_order=args.data_order, stage=args.stage, init_from=args.init_from,
+                       indexer_dense_steps=args.indexer_dense_steps)
 
 
 def main(args) -> int:
@@ -36,12 +38,16 @@ def main(args) -> int:
         ckpt = find_checkpoint(args.out)
         data = load_data(args.data, checkpoint_tokenizer(ckpt), args.max_bytes or None)
         model_cfg = load_config(ckpt)
+    elif args.init_from:   # the checkpoint's model and tokenizer; --set may change what leaves the weights alone
+        data = load_data(args.data, checkpoint_tokenizer(args.init_from), args.max_bytes or None)
+        model_cfg = load_config(args.init_from).replace(**parse_sets(args.set))
     else:
         data = load_data(args.data, args.tokenizer, args.max_bytes or None)
         model_cfg = model_config(args, data.tokenizer.vocab_size, args.seq_len)
     tok = data.tokenizer
     model = CausalLM(model_cfg)
-    out(f"model   {args.preset if not args.resume else 'resumed'}: {layout_summary(model_cfg)}")
+    origin = "resumed" if args.resume else f"from {args.init_from}" if args.init_from else args.preset
+    out(f"model   {origin}: {layout_summary(model_cfg)}")
     out(f"        {param_split(model)}")
     out(f"        config: {config_diff(model_cfg, ModelConfig(layout=model_cfg.layout))}")
     out(f"train   {config_diff(tcfg, TrainConfig())}")
@@ -141,4 +147,13 @@ def add_arguments(p):
     p.add_argument("--data-order", default="random", choices=["random", "sequential"],
                    help="random windows seeded by step, or epochs read in order with the cursor saved for --resume")
     p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from this checkpoint's weights, model config (with --set applied) and tokenizer, "
+                        "at step 0 with a fresh optimizer")
+    p.add_argument("--stage", default="full", choices=["full", "indexer-warmup"],
+                   help="indexer-warmup: `I` layers attend densely and only their lightning indexers train, on "
+                        "their KL to the main attention (DeepSeek-V3.2's first stage; use with --init-from)")
+    p.add_argument("--indexer-dense-steps", type=int, default=0, metavar="N",
+                   help="training from scratch: the first N steps run `I` layers densely, their indexers learning "
+                        "the dense attention over all keys, then top-k")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (validation lines still print)")

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from ..cache import KVCache, WindowKVCache
 from ..context import SeqContext
 from ..ops.attention import attention
+from ..ops.indexer_loss import attention_target
 from ..ops.rope import apply_rope
 from .norm import RMSNorm
 
@@ -78,8 +79,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
-    def forward(self, x: Tensor, *, ctx: SeqContext, cache=None, bias: Tensor | None = None) -> Tensor:
-        """`bias` [B|1, 1|H, T, S]: extra additive scores (-inf hides a key; the lightning indexer's top-k)."""
+    def forward(self, x: Tensor, *, ctx: SeqContext, cache=None, bias: Tensor | None = None,
+                need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """`bias` [B|1, 1|H, T, S]: extra additive scores (-inf hides a key; the lightning indexer's top-k).
+        need_weights: also return the attention probabilities averaged over heads [B, T, S] (float32, no
+        gradient: the lightning indexer's training target)."""
         B, T, _ = x.shape
         H, Hk, Hv, D = self.n_heads, self.n_k_heads, self.n_kv_heads, self.head_dim
         qkv, gate = self.qkv(x), None
@@ -102,8 +106,9 @@ class Attention(nn.Module):
         k, v, causal, window, key_mask = cache_keys_values(self, cache, k, v, ctx, ring_step=bias is None)
         if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
             k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)
-        y = attention(q, k, v, causal=causal, key_mask=key_mask, window=window,
-                      segment_ids=ctx.segment_ids, bias=bias)
+        masks = dict(causal=causal, key_mask=key_mask, window=window, segment_ids=ctx.segment_ids, bias=bias)
+        y = attention(q, k, v, **masks)
         if gate is not None:
             y = y * torch.sigmoid(gate)
-        return self.drop(self.out(y.reshape(B, T, H * D)))
+        y = self.drop(self.out(y.reshape(B, T, H * D)))
+        return (y, attention_target(q, k, **masks)) if need_weights else y

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ..cache import LatentCache
 from ..context import SeqContext
 from ..ops.attention import attention
+from ..ops.indexer_loss import attention_target
 from ..ops.rope import apply_rope
 from .norm import RMSNorm
 
@@ -64,9 +65,10 @@ class MLA(nn.Module):
         return self.q_norm(self.q_a(x)) if hasattr(self, "q_a") else None
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None, bias: Tensor | None = None,
-                q_latent: Tensor | None = None) -> Tensor:
+                q_latent: Tensor | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """`bias` [B|1, 1|H, T, S]: extra additive scores (-inf hides a key; the lightning indexer's top-k);
-        `q_latent`: a precomputed `query_latent(x)`."""
+        `q_latent`: a precomputed `query_latent(x)`. need_weights: also return the attention probabilities
+        averaged over heads [B, T, S] (float32, no gradient: the lightning indexer's training target)."""
         B, T, _ = x.shape
         H, R = self.n_heads, self.kv_lora_rank
         if hasattr(self, "q_a"):
@@ -89,12 +91,15 @@ class MLA(nn.Module):
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and cache is not None
                                                and T <= self.absorb_max_tokens)
         masks = dict(causal=True, key_mask=ctx.key_mask, segment_ids=ctx.segment_ids, bias=bias, scale=self.scale)
+        weights = None
         w_kv = self.kv_b.weight.view(H, self.nope + self.v_dim, R)
         if absorbed:
             w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]                  # [H, nope, R], [H, v, R]
             q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)                   # W_uk folded into the query
             q_full = torch.cat((q_lat, q_rope), -1)                               # [B, T, H, R+rope]
             k = ck.unsqueeze(2)                                                   # one shared head [B, S, 1, R+rope]
+            if need_weights:
+                weights = attention_target(q_full, k, **masks)
             if T == 1 and ctx.segment_ids is None:
                 # one query sees every cached key: treat the H heads as H queries of the single shared head
                 # (no causal mask needed, and the latent is never repeated per head)
@@ -107,5 +112,9 @@ class MLA(nn.Module):
             S = c.shape[1]
             k_nope, v = self.kv_b(c).view(B, S, H, self.nope + self.v_dim).split((self.nope, self.v_dim), dim=-1)
             k = torch.cat((k_nope, k_rope.unsqueeze(2).expand(B, S, H, self.rope)), -1)
-            o = attention(torch.cat((q_nope, q_rope), -1), k, v, **masks)
-        return self.drop(self.out(o.reshape(B, T, H * self.v_dim)))
+            q = torch.cat((q_nope, q_rope), -1)
+            o = attention(q, k, v, **masks)
+            if need_weights:
+                weights = attention_target(q, k, **masks)
+        y = self.drop(self.out(o.reshape(B, T, H * self.v_dim)))
+        return (y, weights) if need_weights else y

@@ -28,6 +28,8 @@ class CausalLMOutput:
     loss: Tensor | None = None       # mean next-token cross-entropy (+ weighted auxiliary losses)
     cache: InferenceCache | None = None
     aux_loss: Tensor | None = None   # sum of the mixers' auxiliary losses (MoE load balancing); training/labels only
+    indexer_kl: Tensor | None = None  # mean over `I` layers of their indexer's KL to the main attention (training
+                                      # only; added to `loss` × dsa_kl_weight)
 
 
 _COMPILED = {}   # torch.compile'd functions, built on first use
@@ -295,7 +297,10 @@ class CausalLM(nn.Module):
                 loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, shifted, ignore_index=-100)
             if aux is not None and aux_loss_weight:
                 loss = loss + aux_loss_weight * aux
-        return CausalLMOutput(logits=logits, loss=loss, cache=cache, aux_loss=aux)
+        kl = self._indexer_kl() if self.training else None
+        if loss is not None and kl is not None:
+            loss = loss + self.config.dsa_kl_weight * kl
+        return CausalLMOutput(logits=logits, loss=loss, cache=cache, aux_loss=aux, indexer_kl=kl)
 
     def _decode_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
         """One generated token per row, ids [B, 1] -> next-token logits [B, V]. No input checks (the ids come
@@ -363,6 +368,12 @@ class CausalLM(nn.Module):
             if isinstance(a, Tensor):
                 total = a if total is None else total + a
         return total
+
+    def _indexer_kl(self) -> Tensor | None:
+        """Mean of the KL losses the lightning indexers left in `.indexer_kl` during this forward."""
+        kls = [m.__dict__["indexer_kl"] for m in self.modules()
+               if isinstance(m.__dict__.get("indexer_kl"), Tensor)]
+        return torch.stack(kls).mean() if kls else None
 
     # ------------------------------------------------------------------------------------------------
     @torch.inference_mode()

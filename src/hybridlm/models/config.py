@@ -124,6 +124,8 @@ class ModelConfig:
     dsa_rope_dim: int | None = None       # RoPE (half-split) on the first dims of index q/k; None = MLA rope dim
     dsa_topk: int = 2048                  # keys kept per query by the indexer
     dsa_attention: str = "L"              # attention under the indexer: L (MLA) or A (plain attention)
+    dsa_kl_weight: float = 1.0            # weight of the indexer's KL to the main attention (its only training
+                                          # signal; layers/indexer.py) in the training loss; 0 = indexer frozen
     hyper_connections: int | None = None  # n residual streams around every block; None = plain residual
     hc_manifold: bool = True              # mHC: sigmoid pre/post, doubly stochastic res (Sinkhorn); False = HC
     hc_dynamic: bool = True               # per-token dynamic mixing weights on top of the static ones

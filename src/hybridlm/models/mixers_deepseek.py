@@ -43,6 +43,7 @@ def _validate_indexed(cfg):
     need(cfg.dsa_attention == "L" or cfg.window is None,
          "the lightning indexer selects among all previous keys: window must be None for I layers")
     need(cfg.dsa_topk >= 1, f"dsa_topk must be >= 1 (keys kept per query), got {cfg.dsa_topk}")
+    need(cfg.dsa_kl_weight >= 0, f"dsa_kl_weight must be >= 0 (0 = an untrained indexer), got {cfg.dsa_kl_weight}")
     s = dsa_sizes(cfg)
     need(s["n_heads"] >= 1 and s["head_dim"] >= 1,
          f"dsa_n_heads and dsa_head_dim must be >= 1, got {s['n_heads']} and {s['head_dim']}")
@@ -71,7 +72,7 @@ def _indexed(cfg, idx):
     attn = _mla(cfg, idx) if cfg.dsa_attention == "L" else LETTERS["A"].build(cfg, idx)
     q_lora = mla_sizes(cfg)["q_lora_rank"] if cfg.dsa_attention == "L" else 0
     indexer = LightningIndexer(cfg.d_model, q_lora or cfg.d_model, **dsa_sizes(cfg), rope_base=cfg.rope_base)
-    return IndexedAttention(attn, indexer, layer_idx=idx)
+    return IndexedAttention(attn, indexer, layer_idx=idx, distill=cfg.dsa_kl_weight > 0)
 
 
 register("L", _mla, token=True, validate=_validate_mla,

@@ -26,8 +26,10 @@ from ..errors import ConfigError
 from .recipes import Recipe, RunConfig
 
 ROW_KEYS = ["name", "layout", "params", "active_params", "d_model", "mixer_layers", "val_loss", "val_loss_std",
-            "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds", "val_losses"]
+            "val_ppl", "val_tokens", "tokens_per_s", "steps", "wall_s", "seeds", "val_losses", "indexer_kl",
+            "captured_mass", "captured_mass_std", "captured_mass_init", "captured_oracle", "captured_random"]
 RESULT = "result.json"
+MEASURED = ("indexer_kl", "captured_mass", "captured_mass_init", "captured_oracle", "captured_random")
 QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_tokens=256, log_every=1)
 QUICK_EVAL_SEQ_LENS = [64]
 
@@ -51,19 +53,23 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, tok, seed: int, run_dir:
     from .checkpoint import load_checkpoint
     b = recipe.budget
     path = os.path.join(run_dir, RESULT)
+    key = {"budget": _run_budget(b), "train": c.train, "layout": cfg.layout, "d_model": cfg.d_model}
     if os.path.exists(path):
         with open(path) as f:
             done = json.load(f)
-        if done.get("budget") == _run_budget(b) and done.get("layout") == cfg.layout and done.get("d_model") == cfg.d_model:
+        if all(done.get(k) == v for k, v in key.items()):
             return done
-    tcfg = TrainConfig(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
-                       min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
-                       weight_decay=b.get("weight_decay", 0.1), eval_every=b["eval_every"],
-                       eval_tokens=b["eval_tokens"] or None, save_every=0, seed=seed, log_every=b["log_every"],
-                       device=device)
+    budget = dict(steps=b["steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], lr=b["lr"],
+                  min_lr=b.get("min_lr"), warmup=b["warmup"], schedule=b.get("schedule", "cosine"),
+                  weight_decay=b.get("weight_decay", 0.1), eval_every=b["eval_every"],
+                  eval_tokens=b["eval_tokens"] or None, save_every=0, log_every=b["log_every"])
+    tcfg = TrainConfig(**{**budget, **c.train}, seed=seed, device=device)
     t0 = time.perf_counter()
     s = train(cfg, tcfg, data, run_dir, progress=progress)
     wall = time.perf_counter() - t0
+    if s.get("stopped"):     # SIGTERM / SIGINT: that run saved a checkpoint and stopped; the recipe stops with it
+        raise KeyboardInterrupt(f"{c.name} (seed {seed}) stopped by {s['stopped']} at step {s['steps']}")
+    extra = _measure(recipe, cfg, data, seed, s["checkpoint"]) if s.get("checkpoint") else {}
     at = {}
     if b.get("eval_seq_lens"):           # the final model at other lengths (positions beyond training: WM table 1)
         model, _ = load_checkpoint(s["checkpoint"])
@@ -72,8 +78,8 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, tok, seed: int, run_dir:
                                   max_tokens=b["eval_tokens"] or None)["loss"]
     if not keep_checkpoints and s.get("checkpoint"):
         shutil.rmtree(s["checkpoint"], ignore_errors=True)
-    res = {k: s[k] for k in ("val_loss", "val_tokens", "tokens_per_s")} | {
-        "wall_s": wall, "val_loss_at": at, "budget": _run_budget(b), "layout": cfg.layout, "d_model": cfg.d_model, "seed": seed}
+    res = {k: s.get(k) for k in ("val_loss", "val_tokens", "tokens_per_s", "indexer_kl")} | extra | key | {
+        "wall_s": wall, "val_loss_at": at, "seed": seed}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(res, f, indent=1)
@@ -90,6 +96,32 @@ def _stats(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
+def _measure(recipe: Recipe, cfg, data, seed: int, ckpt: str) -> dict:
+    """The recipe's `measure` figures of one trained model. captured_mass: the attention mass its `I` layers' top-k
+    keep on the validation split, with the trained indexers and with the indexers put back to their initialisation
+    (`train` seeds torch with the run's seed right before building the model: the same draw is made here)."""
+    if "captured_mass" not in recipe.measure or "I" not in cfg.layout:
+        return {}
+    import torch
+
+    from ..eval.attention_recall import captured_mass
+    from ..models import CausalLM
+    from .checkpoint import load_checkpoint
+    b = recipe.budget
+    model, _ = load_checkpoint(ckpt)
+    kw = dict(seq_len=b["seq_len"], batch_size=b["batch_size"], max_tokens=b["eval_tokens"] or 32_768, seed=seed)
+    after = captured_mass(model, data.tokens("val"), data.tokenizer, **kw)
+    torch.manual_seed(seed)
+    init = {n: p for n, p in CausalLM(cfg).state_dict().items() if ".indexer." in n}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in init:
+                p.copy_(init[n])
+    before = captured_mass(model, data.tokens("val"), data.tokenizer, **kw)
+    return {"captured_mass": after["mass"], "captured_mass_init": before["mass"], "captured_oracle": after["oracle"],
+            "captured_random": after["random"]}
+
+
 def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list[int] | None = None,
                device: str = "auto", progress: bool = True, keep_checkpoints: bool = True, log=print) -> dict:
     """Train every configuration of `recipe` and write the table, CSV and curves under `out_dir`."""
@@ -97,11 +129,12 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
     from ..data.loader import TokenData
     from ..data.tokenizer import load_tokenizer
     from ..models.sizing import count_parameters, token_mixers
-    if quick:
+    if quick:   # a configuration's own train fields may not undo the smoke run's budget
         recipe = Recipe(**{**recipe.__dict__, "budget": dict(recipe.budget, **QUICK, params=None, **(
             {"eval_seq_lens": QUICK_EVAL_SEQ_LENS} if recipe.budget.get("eval_seq_lens") else {})),
                            "model": dict(recipe.model, d_model=32),
                            "configs": [RunConfig(**{**c.__dict__, "params": None,
+                                                    "train": {k: v for k, v in c.train.items() if k not in QUICK},
                                                     "fields": {k: v for k, v in c.fields.items() if k != "d_model"}})
                                        for c in recipe.configs]})
     b = recipe.budget
@@ -135,10 +168,20 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
                    wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds, note=c.note,
                    **({"val_loss_at": {n: m for n, (m, _) in at.items()},
                        "val_loss_at_std": {n: sd for n, (_, sd) in at.items()}} if at else {}))
+        for key in MEASURED:
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            if vals:
+                row[key], sd = _stats(vals)
+                if key == "captured_mass" and sd is not None:
+                    row["captured_mass_std"] = sd
         rows.append(row)
         log(f"        val loss {mean:.4f}" + (f" ± {std:.4f}" if std is not None else "") +
             f" (ppl {row['val_ppl']:.3f}) on {row['val_tokens']:,} tokens, {row['tokens_per_s']:,.0f} tokens/s, "
             f"{row['wall_s']:.0f} s")
+        if "captured_mass" in row:
+            log(f"        captured attention mass {row['captured_mass']:.3f} (indexer at init "
+                f"{row['captured_mass_init']:.3f}, best k keys {row['captured_oracle']:.3f}, random k keys "
+                f"{row['captured_random']:.3f})")
     res = {"meta": dict(machine_meta(), quick=quick, recipe_path=recipe.path, budget=b,
                         minutes_per_model=recipe.minutes_per_model, source=recipe.source, model=recipe.model),
            "recipe": recipe.name, "title": recipe.title, "source": recipe.source, "claims": recipe.claims,
@@ -156,6 +199,15 @@ def format_table(res: dict) -> str:
         std = f"±{r['val_loss_std']:.3f}" if r.get("val_loss_std") is not None else ""
         lines.append(f"{r['name']:22s} {r['params']:9,d} {r['d_model']:4d} {r['val_loss']:9.4f}{std} "
                      f"{r['val_ppl']:8.3f} {r['tokens_per_s']:7.0f} {r['wall_s']:7.0f}  {r['layout']}")
+    mass = [r for r in res["rows"] if r.get("captured_mass") is not None]
+    if mass:
+        lines.append("captured attention mass of the top-k (dense attention's mass on the selected keys):")
+        for r in mass:
+            std = f"±{r['captured_mass_std']:.3f}" if r.get("captured_mass_std") is not None else ""
+            kl = f", final indexer KL {r['indexer_kl']:.4f}" if r.get("indexer_kl") is not None else ""
+            lines.append(f"  {r['name']:22s} {r['captured_mass']:.3f}{std} (indexer at init "
+                         f"{r['captured_mass_init']:.3f}, best k keys {r['captured_oracle']:.3f}, random "
+                         f"{r['captured_random']:.3f}{kl})")
     lines.append(f"validation on {res['rows'][0]['val_tokens']:,} tokens" if res["rows"] else "no rows")
     return "\n".join(lines)
 

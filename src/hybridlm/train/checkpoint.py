@@ -435,6 +435,18 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu"):
     return model.to(device), state
 
 
+def init_weights(model: nn.Module, path: str):
+    """Copy a checkpoint's (or run directory's) weights into `model`, built from a config that may differ from the
+    saved one in anything that leaves the parameters alone (dsa_topk, dropout, ...)."""
+    ckpt = find_checkpoint(path)
+    verify_checkpoint(ckpt)
+    if not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
+        from .dist_checkpoint import load_dcp_weights
+        load_dcp_weights(model, ckpt)
+    else:
+        load_model_weights(model, os.path.join(ckpt, MODEL_FILE))
+
+
 def load_pretrained(path: str, device: str | torch.device = "cpu"):
     """-> (model in eval mode, tokenizer) from a checkpoint directory (or a run directory holding one)."""
     model, state = load_checkpoint(path, device)

@@ -28,7 +28,7 @@ the chunk's first document, which a reset ends (the ops zero the decay and the c
 Layers (`check_layout`): a layer keeping a `RecurrentCache` with a state (S, R, G, K, B) relays it; one keeping
 keys (A, W with or without a window, F, Z's shared attention: `KVCache`/`WindowKVCache`; L: MLA's `LatentCache`;
 I: the indexer's keys and those of the attention under it) gathers them; channel mixers (M, E) need nothing.
-C and O are refused by letter with the reason (`UNSUPPORTED`).
+C and O are refused by letter with the reason (`UNSUPPORTED`), and I while its indexer trains (dsa_kl_weight > 0).
 """
 from dataclasses import dataclass
 
@@ -56,6 +56,11 @@ def check_layout(cfg):
         if letter in UNSUPPORTED:
             raise ConfigError(f"--context-parallel does not support layer {letter!r} in layout {cfg.layout!r}: "
                               f"{UNSUPPORTED[letter]}")
+        if letter == "I" and cfg.dsa_kl_weight:
+            raise ConfigError(f"--context-parallel does not train the lightning indexer of layer 'I' in layout "
+                              f"{cfg.layout!r} (its KL target is each query's attention over the whole sequence): "
+                              f"set dsa_kl_weight=0 to train with a fixed indexer, or train it without context "
+                              f"parallelism")
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 12        # per tensor: ndim (0 = none), dtype code, 4 sizes

@@ -5,9 +5,10 @@ checkpointing per block, `torch.compile` per block, then DDP or FSDP2 `fully_sha
     loss = par.module(ids, labels=ids).loss        # what the training step calls
     opt = make_optimizer(model, ...)               # after sharding: the optimizer must see the sharded params
 
-FSDP2 units: every block, the embedding, the final norm + lm_head together, then the root (which keeps what
-is left: positional embedding, hyper-connection head). A tied lm_head shares the embedding's weight, and a
-parameter lives in one unit, so with tied weights embedding, norm and lm_head all stay in the root unit.
+FSDP2 units: every block (and a module in it flagged `fsdp_unit`), the embedding, the final norm + lm_head
+together, then the root (which keeps what is left: positional embedding, hyper-connection head). A tied lm_head
+shares the embedding's weight, and a parameter lives in one unit, so with tied weights embedding, norm and lm_head
+all stay in the root unit.
 bf16 runs under FSDP2 use `MixedPrecisionPolicy`: parameters are gathered in bf16 for compute, gradients are
 reduced in float32 and the sharded master weights stay float32 (recurrent states are float32 inside the ops).
 """
@@ -62,6 +63,12 @@ def _fully_shard(model: nn.Module, dtype: str) -> bool:
         else MixedPrecisionPolicy()
     last = len(model.blocks) - 1
     for i, blk in enumerate(model.blocks):
+        # a module flagged `fsdp_unit` is a unit of its own: an output of its forward that leaves the block other
+        # than through the block's output (the lightning indexer's scores -> its KL) still gets FSDP2's gather
+        # before backward
+        for m in blk.modules():
+            if getattr(m, "fsdp_unit", False) and m is not blk:
+                fully_shard(m, mp_policy=policy, reshard_after_forward=i < last)
         # the last block's parameters are needed again at once by backward: keep them gathered
         fully_shard(blk, mp_policy=policy, reshard_after_forward=i < last)
     if not model.config.tie_embeddings:
@@ -94,7 +101,9 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
                 p._no_weight_decay = True
         return Parallel(model, "fsdp", mixed_precision=mp)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    routed = bool(set(model.config.layout) & set("OE"))  # routed experts may get no tokens in a step
+    # routed experts may get no tokens in a step; an indexer not trained by its KL gets no gradient at all
+    unused = bool(set(model.config.layout) & set("OE")) or ("I" in model.config.layout and
+                                                            not model.config.dsa_kl_weight)
     ddp = DDP(model, device_ids=[device.index] if device is not None and device.type == "cuda" else None,
-              find_unused_parameters=routed)
+              find_unused_parameters=unused)
     return Parallel(ddp, "ddp")

@@ -11,13 +11,15 @@ A recipe file:
                eval_seq_lens (also validate the final model at these lengths, e.g. 4x the training length)
     [model]    ModelConfig fields shared by every configuration (d_model when not sized, heads, state sizes, ...)
     [[config]] name, preset and/or layout (a "{n}" in the layout is the repeat count sized by depth), n_layers,
-               params (overrides the budget's), any ModelConfig field
+               params (overrides the budget's), any ModelConfig field, train = {TrainConfig fields of this one}
     [[claim]]  text, better, worse (configuration names), paper (the paper's figures, for the results page),
                varies (the ModelConfig fields, or "layout", in which the two differ: a test holds every recipe to it),
                pairing ("isolated": varies is what the claim names; "paper": the paper's own comparison, which
                changes several things at once; the recipe then also holds the isolated pairing),
                paper_delta (the paper's effect in nats, for the scale estimate), at (a length of eval_seq_lens:
                judge the claim on the loss there)
+    measure    extra figures of each trained model: ["captured_mass"] (the attention mass an `I` layer's top-k
+               keeps, with the trained indexer and with the indexer at its initialisation; eval/attention_recall.py)
 
 Sizing by width searches d_model over multiples of `width_step` (default 32); by depth, the `{n}` of the layout
 (or a preset's n_layers) from 1 up. `scale` K multiplies the batch by K, depth by K (the layout is repeated K
@@ -38,11 +40,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-TOP_KEYS = {"title", "source", "minutes_per_model", "note", "budget", "model", "config", "claim"}
+TOP_KEYS = {"title", "source", "minutes_per_model", "note", "budget", "model", "config", "claim", "measure"}
+MEASURES = {"captured_mass"}   # extra figures per configuration (train/ablate.py)
 BUDGET_KEYS = {"steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "schedule", "weight_decay", "seeds",
                "max_bytes", "eval_every", "eval_tokens", "log_every", "params", "size_by", "tolerance", "active",
                "width_step", "eval_seq_lens"}
-CONFIG_KEYS = {"name", "preset", "layout", "n_layers", "params", "note"}
+CONFIG_KEYS = {"name", "preset", "layout", "n_layers", "params", "note", "train"}
 CLAIM_KEYS = {"text", "better", "worse", "paper", "varies", "pairing", "paper_delta", "at"}
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 DEFAULT_BUDGET = dict(steps=300, batch_size=8, seq_len=128, lr=2e-3, warmup=30, seeds=[0], max_bytes=1_000_000,
@@ -60,6 +63,7 @@ class RunConfig:
     params: int | None = None
     fields: dict = field(default_factory=dict)
     note: str = ""
+    train: dict = field(default_factory=dict)    # TrainConfig fields for this configuration only
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Recipe:
     claims: list[dict]
     note: str = ""
     path: str = ""
+    measure: list[str] = field(default_factory=list)
 
     def scaled(self, k: int) -> "Recipe":
         """Batch ×k, depth ×k, width ×k (a parameter budget ×k³); k = 1 returns self."""
@@ -207,9 +212,12 @@ def parse_recipe(raw: dict, name: str, path: str = "") -> Recipe:
         if not c.get("preset") and not c.get("layout"):
             raise ConfigError(f"{where}, configuration {cname!r}: give a preset or a layout")
         fields = {k: v for k, v in c.items() if k not in CONFIG_KEYS}
+        from .trainer import TrainConfig
+        _check_keys(f"{where}, configuration {cname!r}, train", c.get("train", {}),
+                    {f.name for f in dataclasses.fields(TrainConfig)} - {"seed", "device", "init_from"})
         configs.append(RunConfig(name=cname, preset=c.get("preset"), layout=c.get("layout"), n_layers=c.get("n_layers"),
                                  params=parse_count(c["params"]) if c.get("params") else None, fields=fields,
-                                 note=c.get("note", "")))
+                                 note=c.get("note", ""), train=dict(c.get("train", {}))))
     claims = raw.get("claim", [])
     for cl in claims:
         _check_keys(f"{where} [[claim]]", cl, CLAIM_KEYS)
@@ -222,8 +230,13 @@ def parse_recipe(raw: dict, name: str, path: str = "") -> Recipe:
             if cl.get(side) not in seen:
                 raise ConfigError(f"{where}: claim {cl.get('text', '')!r} names unknown configuration "
                                   f"{cl.get(side)!r}")
+    measure = list(raw.get("measure", []))
+    for m in measure:
+        if m not in MEASURES:
+            raise ConfigError(f"{where}: unknown measure {m!r} (known: {', '.join(sorted(MEASURES))})")
     r = Recipe(name=name, title=raw["title"], source=raw["source"], minutes_per_model=float(raw["minutes_per_model"]),
-               budget=budget, model=model, configs=configs, claims=claims, note=raw.get("note", ""), path=path)
+               budget=budget, model=model, configs=configs, claims=claims, note=raw.get("note", ""), path=path,
+               measure=measure)
     from ..models.layout import parse_layout
     from ..models.registry import LETTERS
     for c in configs:                                   # a bad layout is reported now, not after other runs

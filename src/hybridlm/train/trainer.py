@@ -34,14 +34,15 @@ from ..dtypes import resolve_dtype
 from ..errors import CheckpointError, ConfigError
 from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
-from .checkpoint import (ensure_writable, find_checkpoint, load_checkpoint, load_optimizer, mark_latest,
-                         save_checkpoint, set_rng_state, step_name)
+from .checkpoint import (ensure_writable, find_checkpoint, init_weights, load_checkpoint, load_optimizer,
+                         mark_latest, save_checkpoint, set_rng_state, step_name)
 from .context_parallel import all_reduce_grads, context_parallel_forward
 from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
 from .faults import StopSignals, finite
 from .optim import lr_at, make_optimizer
 from .parallel import MODES as PARALLEL_MODES
 from .parallel import parallelize
+from .stages import STAGES, apply_stage, set_dense
 
 
 @dataclass
@@ -76,6 +77,9 @@ class TrainConfig:
     keep: int = 0                        # step checkpoints kept (0 = all)
     on_nan: str = "stop"                 # stop | skip: a NaN/Inf loss ends the run or skips that batch
     data_order: str = "random"           # random | sequential (see data/sampling.py)
+    stage: str = "full"                  # full | indexer-warmup (train/stages.py)
+    init_from: str | None = None         # start from this checkpoint's weights (fresh optimizer, step 0)
+    indexer_dense_steps: int = 0         # stage full: the first N steps run `I` layers densely (train/stages.py)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -94,7 +98,9 @@ class TrainConfig:
                 (self.keep >= 0, "keep must be >= 0"),
                 (self.context_parallel >= 1, "context_parallel must be >= 1"),
                 (self.on_nan in ("stop", "skip"), f"on_nan must be stop or skip, got {self.on_nan!r}"),
-                (self.data_order in ORDERS, f"data_order must be one of {', '.join(ORDERS)}, got {self.data_order!r}")]
+                (self.data_order in ORDERS, f"data_order must be one of {', '.join(ORDERS)}, got {self.data_order!r}"),
+                (self.stage in STAGES, f"stage must be one of {', '.join(STAGES)}, got {self.stage!r}"),
+                (self.indexer_dense_steps >= 0, "indexer_dense_steps must be >= 0")]
         for ok, msg in need:
             if not ok:
                 raise ConfigError(msg)
@@ -196,6 +202,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         start, tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
     else:
         model = CausalLM(model_cfg)
+        if cfg.init_from:
+            init_weights(model, cfg.init_from)
+    apply_stage(model, cfg.stage)          # before parallelism: DDP / FSDP2 see only what trains
     if tok.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                           f"{model_cfg.vocab_size}")
@@ -242,7 +251,7 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
                dynamic_ncols=True, leave=True)
     tokens_per_step = B * T * A * dp_world
-    first_loss = loss_val = val = None
+    first_loss = loss_val = val = kl_val = None
     window_tokens, window_time, train_time = 0, 0.0, 0.0
     ckpt_path = stopped = None
 
@@ -266,7 +275,10 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         lr = cfg.lr_for(step)
         for g in opt.param_groups:
             g["lr"] = lr
+        if cfg.indexer_dense_steps and cfg.stage == "full" and step in (start, cfg.indexer_dense_steps):
+            set_dense(model, step < cfg.indexer_dense_steps)
         loss_sum = torch.zeros((), device=device)
+        kl_sum = None                       # the lightning indexers' KL (`I` layers), logged on its own
         for micro in range(A):
             ids, resets = sampler.batch(step, micro)
             ids, resets = ids.to(device), resets.to(device) if cfg.doc_mask else None
@@ -276,11 +288,14 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
             with sync:
                 with autocast:
                     if cp_group is None:
-                        loss = fwd(ids, labels=ids, resets=resets).loss
+                        res = fwd(ids, labels=ids, resets=resets)
                     else:   # this rank's share of the sequence's loss
-                        loss = context_parallel_forward(model, ids, labels=ids, resets=resets, group=cp_group).loss
+                        res = context_parallel_forward(model, ids, labels=ids, resets=resets, group=cp_group)
+                    loss = res.loss
                 (loss / A).backward()
             loss_sum += loss.detach().float()
+            if getattr(res, "indexer_kl", None) is not None:
+                kl_sum = res.indexer_kl.detach().float() + (kl_sum if kl_sum is not None else 0)
         loss_avg = loss_sum / A
         if cp_group is not None:   # sum the shares within a group, average the groups
             for p in model.parameters():
@@ -289,10 +304,15 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
             all_reduce_grads(model)
             for p in model.parameters():
                 p.grad.div_(dp_world)
+        kl_avg = kl_sum / A if kl_sum is not None else None
         if world > 1:  # every rank sees the same loss, so all take the same branch below
             dist.all_reduce(loss_avg)
             loss_avg /= dp_world
+            if kl_avg is not None:
+                dist.all_reduce(kl_avg)
+                kl_avg /= world
         loss_val = loss_avg.item()
+        kl_val = kl_avg.item() if kl_avg is not None else None
         grad_norm = None
         if cfg.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -331,6 +351,8 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
         if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
             row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
                    "tokens": tokens_seen, "nan_skipped": nan_skipped, "val_loss": None, "val_ppl": None, **row_eval}
+            if kl_val is not None:
+                row["indexer_kl"] = kl_val
             _write_metrics(metrics_path, [row], "a")
             window_tokens, window_time = 0, 0.0
         if signals.requested(world, device):  # SIGTERM / SIGINT: this step is done; save it and leave
@@ -342,8 +364,9 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     bar.close()
     end = done if stopped else cfg.steps
     return {"steps": end, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start,
-            "first_loss": first_loss, "loss": loss_val, "val_loss": val and val["loss"], "val_ppl": val and val["ppl"],
-            "val_tokens": val and val["tokens"], "val_bpb": val and val["bpb"], "val_whole": val and val["whole"],
+            "first_loss": first_loss, "loss": loss_val, "indexer_kl": kl_val, "val_loss": val and val["loss"],
+            "val_ppl": val and val["ppl"], "val_tokens": val and val["tokens"], "val_bpb": val and val["bpb"],
+            "val_whole": val and val["whole"],
             "tokens_seen": tokens_seen, "train_time_s": train_time,
             "tokens_per_s": (end - start) * tokens_per_step / train_time if train_time else None,
             "params": model.num_parameters(), "checkpoint": ckpt_path, "out_dir": out_dir}
