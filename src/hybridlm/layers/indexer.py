@@ -17,6 +17,7 @@ from ..cache import IndexerCache
 from ..context import SeqContext
 from ..ops.attention import attention_mask
 from ..ops.rope import apply_rope
+from .init import normal_, reset_
 
 
 class LightningIndexer(nn.Module):
@@ -31,6 +32,10 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(d_model, head_dim, bias=False)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
         self.w = nn.Linear(d_model, n_heads, bias=False)
+
+    def init_weights(self, std: float, out_std: float):
+        normal_(std, self.wq, self.wk, self.w)
+        reset_(self.k_norm)
 
     def scores(self, x: Tensor, q_in: Tensor, ctx: SeqContext, slot: IndexerCache | None = None) -> Tensor:
         """Index scores [B, T, S] in float32, -inf where the query may not see the key.
@@ -70,6 +75,10 @@ class IndexedAttention(nn.Module):
     def __init__(self, attn: nn.Module, indexer: LightningIndexer, *, layer_idx: int):
         super().__init__()
         self.attn, self.indexer, self.layer_idx = attn, indexer, layer_idx
+
+    def init_weights(self, std: float, out_std: float):
+        self.attn.init_weights(std, out_std)
+        self.indexer.init_weights(std, out_std)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         slot = cache.layer(self.layer_idx, IndexerCache) if cache is not None else None

@@ -13,7 +13,7 @@ from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops.rope import apply_rope
 from ..ops.ssd import ssd_chunked, ssd_step
-from .mamba2 import init_dt_bias
+from .init import init_A_log_, init_dt_bias_, normal_
 
 
 class RopeSSD(nn.Module):
@@ -29,15 +29,20 @@ class RopeSSD(nn.Module):
         self.nheads = self.d_inner // headdim
         self.split = (self.d_inner, ngroups * d_state, ngroups * d_state, self.nheads)   # X, B, C, dt
         self.in_proj = nn.Linear(d_model, sum(self.split), bias=bias)
-        self.dt_bias = nn.Parameter(init_dt_bias(self.nheads, dt_min, dt_max, dt_floor))
+        self.dt_init, self.A_init_range = (dt_min, dt_max, dt_floor), A_init_range
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         # A = -exp(A_log) < 0: the published Cheems code passes A = ones (a decay above 1 that makes the state
         # grow); we implement the paper's intent, a learned decay as in Mamba-2.
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.nheads).uniform_(*A_init_range)))
-        for p in (self.dt_bias, self.A_log):
-            p._no_weight_decay = True
-            p._keep_init = True
+        self.A_log = nn.Parameter(torch.empty(self.nheads))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
-        self.out_proj._is_residual_out = True
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """in_proj N(0, std), out_proj N(0, out_std), dt_bias and A_log as Mamba-2."""
+        normal_(std, self.in_proj)
+        normal_(out_std, self.out_proj)
+        init_dt_bias_(self.dt_bias, *self.dt_init)
+        init_A_log_(self.A_log, *self.A_init_range)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         Bsz, T, _ = x.shape

@@ -78,8 +78,6 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
     swaps its parameters for sharded DTensors): build the optimizer afterwards."""
     if mode not in MODES:
         raise ConfigError(f"parallel must be one of {', '.join(MODES)}, got {mode!r}")
-    # parameters flagged `_no_weight_decay` lose the flag when FSDP2 re-creates them: remember them by name
-    no_decay = {clean_name(n) for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
     _apply_block_wrappers(model, checkpointing, compile)
     if world <= 1:
         return Parallel(model, "none")
@@ -89,9 +87,6 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
         if getattr(model, "_shared", None):   # one tensor in several per-block FSDP units cannot be sharded
             raise ConfigError("parallel fsdp does not support weight-shared layers (X@k in the layout): use ddp")
         mp = _fully_shard(model, dtype)
-        for n, p in model.named_parameters():
-            if clean_name(n) in no_decay:
-                p._no_weight_decay = True
         return Parallel(model, "fsdp", mixed_precision=mp)
     from torch.nn.parallel import DistributedDataParallel as DDP
     routed = bool(set(model.config.layout) & set("OE"))  # routed experts may get no tokens in a step
