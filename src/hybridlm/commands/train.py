@@ -19,6 +19,7 @@ def _train_config(args):
 
 
 def main(args) -> int:
+    import torch
     from ..data.loader import load_data
     from ..models import CausalLM, ModelConfig
     from ..train import TrainConfig, train
@@ -36,7 +37,8 @@ def main(args) -> int:
         data = load_data(args.data, args.tokenizer, args.max_bytes or None)
         model_cfg = model_config(args, data.tokenizer.vocab_size, args.seq_len)
     tok = data.tokenizer
-    model = CausalLM(model_cfg)
+    with torch.device("meta"):   # sizes only: no rank holds a whole model (train builds and shards its own)
+        model = CausalLM(model_cfg)
     out(f"model   {args.preset if not args.resume else 'resumed'}: {layout_summary(model_cfg)}")
     out(f"        {param_split(model)}")
     out(f"        config: {config_diff(model_cfg, ModelConfig(layout=model_cfg.layout))}")

@@ -17,8 +17,6 @@ class ShortConv(nn.Module):
         self.kernel, self.bias_init = kernel, bias
         self.weight = nn.Parameter(torch.empty(channels, kernel))
         self.bias = nn.Parameter(torch.empty(channels)) if bias is not None else None
-        # checkpoints written before this module existed hold `<mixer>.conv_weight` / `<mixer>.conv_bias`
-        self._register_load_state_dict_pre_hook(_old_names)
         self.reset_parameters()     # a leaf module, as nn.Conv1d: initialised when built (a no-op on meta)
 
     @torch.no_grad()
@@ -43,10 +41,10 @@ class ShortConv(nn.Module):
         return y
 
 
-def _old_names(state_dict, prefix, *args):
-    """`mixer.conv_weight` -> `mixer.conv.weight` (and the bias) in place."""
-    parent = prefix[: -len("conv.")]
-    for name in ("weight", "bias"):
-        old = parent + "conv_" + name
-        if prefix.endswith("conv.") and old in state_dict and prefix + name not in state_dict:
-            state_dict[prefix + name] = state_dict.pop(old)
+def old_conv_names(state_dict: dict, prefix: str, *args):
+    """A load_state_dict pre-hook for a model holding ShortConvs: checkpoints written before this module existed name
+    its tensors `<mixer>.conv_weight` / `<mixer>.conv_bias`; renamed in place to `<mixer>.conv.weight` / `.bias`.
+    (It must run at the root: a mixer would count the old names as unexpected before its conv saw them.)"""
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith((".conv_weight", ".conv_bias"))]:
+        state_dict[key[: -len("_weight") if key.endswith("_weight") else -len("_bias")] + "." +
+                   key.rsplit("_", 1)[1]] = state_dict.pop(key)

@@ -16,6 +16,7 @@ from ..context import SeqContext
 from ..errors import ConfigError, InputError
 from ..layers.norm import make_norm
 from ..layers.residual import Fed, ParallelResidual, Residual
+from ..layers.short_conv import old_conv_names
 from ..ops.loss import cross_entropy, linear_cross_entropy
 from .config import ModelConfig
 from .layout import Hop, Parallel, parse_layout, shared_groups
@@ -169,6 +170,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
         self.tie_weights()
+        self._register_load_state_dict_pre_hook(old_conv_names)   # checkpoints from before layers/short_conv.py
 
     def tie_weights(self):
         """Tie the LM head to the embedding (tie_embeddings) and every weight-shared occurrence (`X@k`) to the first.
