@@ -151,7 +151,7 @@ def test_rodimus_state_half_of_mamba2():
     """Paper's claim (section 4.3): at n = 64 the Rodimus state is half of Mamba-2's at d_state 128."""
     x = torch.randn(1, 5, 256)
     caches = []
-    for layer in (initialised(Rodimus(256, layer_idx=0, d_state=64)), initialised(Mamba2(256, layer_idx=0, d_state=128))):
+    for layer in map(initialised, (Rodimus(256, layer_idx=0, d_state=64), Mamba2(256, layer_idx=0, d_state=128))):
         c = InferenceCache(1, 1)
         layer(x, ctx=ctx_for(x), cache=c)
         caches.append(c.layers[0])

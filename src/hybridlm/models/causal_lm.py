@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cache import InferenceCache
 from ..context import SeqContext
 from ..errors import ConfigError, InputError
+from ..layers.init import normal_, reset_
 from ..layers.norm import make_norm
 from ..layers.residual import Fed, ParallelResidual, Residual
 from ..layers.short_conv import old_conv_names
@@ -193,7 +194,6 @@ class CausalLM(nn.Module):
 
         `part(module)`, if given, is a context entered around the init of each top-level part (embeddings, each
         block, final norm, LM head): FSDP2 makes one part's parameters whole in it (train/parallel.py)."""
-        from ..layers.init import normal_, reset_
         part = part or (lambda m: nullcontext())
         self.tie_weights()
         std = self.config.init_std
