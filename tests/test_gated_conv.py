@@ -8,6 +8,7 @@ from conftest import assert_close, decode_logits, packed_logits, padded_logits
 from hybridlm.context import SeqContext
 from hybridlm.errors import ConfigError
 from hybridlm.layers.gated_conv import GatedShortConv
+from hybridlm.layers.init import initialised
 from hybridlm.models import CausalLM, ModelConfig
 from hybridlm.ops.conv import causal_conv1d_ref
 
@@ -17,7 +18,7 @@ def reference(m: GatedShortConv, x):
     d = m.d_model
     p = x @ m.in_proj.weight.t() + (m.in_proj.bias if m.in_proj.bias is not None else 0)
     b, c, h = p[..., :d], p[..., d:2 * d], p[..., 2 * d:]
-    u = causal_conv1d_ref(b * h, m.conv_weight, m.conv_bias)
+    u = causal_conv1d_ref(b * h, m.conv.weight, m.conv.bias)
     return m.out_proj(c * u)
 
 
@@ -29,7 +30,7 @@ def ctx_for(B, T):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 17])
 def test_layer_equals_reference(dtype, tol, T):
-    m = GatedShortConv(24, layer_idx=0, kernel=3, bias=True).to(dtype)
+    m = initialised(GatedShortConv(24, layer_idx=0, kernel=3, bias=True)).to(dtype)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -38,8 +39,8 @@ def test_layer_equals_reference(dtype, tol, T):
     assert_close(y.float(), ref.float(), atol=tol, rtol=tol)
     if dtype != torch.bfloat16:
         g = torch.randn_like(y)
-        got = torch.autograd.grad(y, [x, m.conv_weight, m.in_proj.weight], g)
-        want = torch.autograd.grad(ref, [x, m.conv_weight, m.in_proj.weight], g)
+        got = torch.autograd.grad(y, [x, m.conv.weight, m.in_proj.weight], g)
+        want = torch.autograd.grad(ref, [x, m.conv.weight, m.in_proj.weight], g)
         for a, b in zip(got, want):
             assert_close(a, b, atol=tol, rtol=tol)
 

@@ -10,6 +10,7 @@ from hybridlm import CausalLM, ModelConfig, presets
 from hybridlm.context import SeqContext
 from hybridlm.errors import ConfigError
 from hybridlm.layers.gated_deltanet import GatedDeltaNet
+from hybridlm.layers.init import initialised
 from hybridlm.ops.delta_rule import delta_rule_recurrent
 
 SMALL = dict(d_model=64, vocab_size=61, n_heads=4, head_dim=16, gdn_chunk_size=8)
@@ -28,7 +29,7 @@ def model(case, **kw):
 
 def test_layer_equals_written_out_recurrence():
     torch.manual_seed(0)
-    layer = GatedDeltaNet(32, layer_idx=0, k_heads=2, v_heads=4, k_dim=8, v_dim=4, d_conv=3, chunk_size=4)
+    layer = initialised(GatedDeltaNet(32, layer_idx=0, k_heads=2, v_heads=4, k_dim=8, v_dim=4, d_conv=3, chunk_size=4))
     x = torch.randn(2, 11, 32)
     ctx = SeqContext(positions=torch.arange(11).expand(2, 11))
     with torch.no_grad():
@@ -38,7 +39,7 @@ def test_layer_equals_written_out_recurrence():
         q, k, v, z = qkvz.split((8, 8, 8, 8), -1)
         b, a = layer.in_proj_ba(x).view(2, 11, 2, 4).split((2, 2), -1)
         u = torch.cat((q.flatten(2), k.flatten(2), v.flatten(2)), -1).transpose(1, 2)
-        u = F.silu(F.conv1d(F.pad(u, (2, 0)), layer.conv_weight.unsqueeze(1), groups=u.shape[1])).transpose(1, 2)
+        u = F.silu(F.conv1d(F.pad(u, (2, 0)), layer.conv.weight.unsqueeze(1), groups=u.shape[1])).transpose(1, 2)
         q, k, v = u.split((16, 16, 16), -1)
         q, k = (F.normalize(t.reshape(2, 11, 2, 8), dim=-1).repeat_interleave(2, 2) for t in (q, k))
         g = -layer.A_log.exp() * F.softplus(a.reshape(2, 11, 4) + layer.dt_bias)

@@ -87,7 +87,7 @@ def test_config_mapping():
     assert cfg.pos_embedding == "none" and cfg.kv_heads == 2 and cfg.mamba1_bcdt_norm == "weight"
     assert cfg.wm_moe_experts == 4 and cfg.wm_moe_topk == 2 and not cfg.moe_norm_topk and cfg.moe_router == "softmax"
     assert sd["blocks.1.mixer.w_gate"].shape == (4, 32, 48) and sd["blocks.1.mixer.w_down"].shape == (4, 48, 32)
-    assert sd["blocks.0.mixer.dt_norm"].shape == (3,) and sd["blocks.0.mixer.conv_weight"].shape == (64, 4)
+    assert sd["blocks.0.mixer.dt_norm"].shape == (3,) and sd["blocks.0.mixer.conv.weight"].shape == (64, 4)
     falcon = config_from_transformers(CASES["falcon-mamba"]().config)
     assert falcon.mamba1_bcdt_norm == "plain" and falcon.mamba1_norm_eps == 1e-3
     assert config_from_transformers(jamba(num_hidden_layers=32, attn_layer_period=8, attn_layer_offset=4,

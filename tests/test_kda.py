@@ -7,6 +7,7 @@ import torch
 from conftest import assert_close, decode_logits, packed_logits, padded_logits
 from hybridlm import CausalLM, ModelConfig
 from hybridlm.errors import ConfigError
+from hybridlm.layers.init import initialised
 from hybridlm.layers.kda import KimiDeltaAttention
 
 SMALL = dict(vocab_size=61, d_model=32, n_heads=2, max_seq_len=128, mlp_hidden=48)
@@ -78,11 +79,11 @@ def test_strong_gates_stay_finite_and_forget():
 def test_layer_formula_one_token():
     """One token from an empty state: S = β k vᵀ, o = scale · β (q·k) v (the gate cannot act yet)."""
     torch.manual_seed(0)
-    layer = KimiDeltaAttention(16, layer_idx=0, n_heads=2, head_dim=4, d_conv=2).eval()
+    layer = initialised(KimiDeltaAttention(16, layer_idx=0, n_heads=2, head_dim=4, d_conv=2)).eval()
     from hybridlm.context import SeqContext
     x = torch.randn(1, 1, 16)
     y = layer(x, ctx=SeqContext(positions=torch.zeros(1, 1, dtype=torch.long)))
-    qkv = torch.nn.functional.silu(layer.qkv(x) * layer.conv_weight[:, -1]).view(1, 1, 3, 2, 4)
+    qkv = torch.nn.functional.silu(layer.qkv(x) * layer.conv.weight[:, -1]).view(1, 1, 3, 2, 4)
     q, k, v = qkv.unbind(2)
     q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
     k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()

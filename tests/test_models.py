@@ -17,15 +17,19 @@ def _letters(cfg) -> set[str]:
     return {c for c in cfg.layout if c.isalpha()}
 
 
-def tiny(name: str, **kw) -> CausalLM:
+def tiny_config(name: str, **kw) -> ModelConfig:
+    """The preset at TINY sizes with the fewest layers that still hold every letter of it."""
     n = 2 if presets.PRESETS[name].n_layers < 10 else 10
     if token_mixers(presets.get(name, n_layers=1, **{**TINY, **kw})) >= 4:
         n = 1                                   # one repeat unit already has several mixers (Jamba's 8 layers)
     full = _letters(presets.get(name, **{**TINY, **kw}))
     while _letters(presets.get(name, n_layers=n, **{**TINY, **kw})) != full:
         n += 1                                  # every letter of the preset (Bamba's attention is its 3rd layer)
-    cfg = presets.get(name, n_layers=n, **{**TINY, **kw})
-    return CausalLM(cfg).eval()
+    return presets.get(name, n_layers=n, **{**TINY, **kw})
+
+
+def tiny(name: str, **kw) -> CausalLM:
+    return CausalLM(tiny_config(name, **kw)).eval()
 
 
 ALL = presets.names()

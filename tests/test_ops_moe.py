@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridlm.layers.init import initialised
 from hybridlm.ops.moe import (
     expert_neurons,
     expert_neurons_ref,
@@ -328,7 +329,7 @@ def test_routed_moe_matches_transformers_routers():
     theirs = JambaSparseMoeBlock(cfg)
     for p in theirs.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    ours = RoutedMoE(d, h, num_experts=E, top_k=2, norm_topk=False)
+    ours = initialised(RoutedMoE(d, h, num_experts=E, top_k=2, norm_topk=False))
     gate, up = theirs.experts.gate_up_proj.detach().chunk(2, dim=1)          # [E, 2h, d] -> [E, h, d] each
     ours.load_state_dict({"router.weight": theirs.router.weight.detach(), "w_gate": gate.transpose(1, 2),
                           "w_up": up.transpose(1, 2), "w_down": theirs.experts.down_proj.detach().transpose(1, 2)})
@@ -352,8 +353,8 @@ def test_routed_moe_plain_experts_and_gated_shared_expert():
     from hybridlm.layers.mlp import ACTIVATIONS
     from hybridlm.layers.routed_moe import RoutedMoE
     torch.manual_seed(0)
-    moe = RoutedMoE(8, 6, num_experts=4, top_k=2, shared_expert=True, gated=False, act="relu", shared_gate=True,
-                    shared_hidden=10, init_std=0.3)
+    moe = initialised(RoutedMoE(8, 6, num_experts=4, top_k=2, shared_expert=True, gated=False, act="relu",
+                                shared_gate=True, shared_hidden=10, init_std=0.3))
     assert moe.w_gate is None and moe.shared.w_in.weight.shape == (10, 8)
     x = torch.randn(7, 8)
     weights, ids, _ = route_topk(moe.router(x), 2)

@@ -12,6 +12,7 @@ from hybridlm.cache import WindowKVCache
 from hybridlm.context import SeqContext
 from hybridlm.errors import ConfigError
 from hybridlm.layers.attention import Attention
+from hybridlm.layers.init import initialised
 from hybridlm.layers.mamba2 import Mamba2
 from hybridlm.layers.rodimus import Rodimus
 from hybridlm.ops.conv import causal_conv1d_ref
@@ -85,7 +86,7 @@ def rodimus_loop(layer: Rodimus, x: torch.Tensor) -> torch.Tensor:
     """Eq. 11 token by token, written from the paper/REFERENCES.md flow with the layer's parameters."""
     n = layer.d_state
     xi, z = layer.fc(x).chunk(2, -1)
-    xc = F.silu(causal_conv1d_ref(xi, layer.conv_weight, layer.conv_bias))
+    xc = F.silu(causal_conv1d_ref(xi, layer.conv.weight, layer.conv.bias))
     q, k = layer.qk_proj(xc).split(n, -1)
     gh, th = layer.gate_proj(xc).split(n, -1)
     g, tau = F.softplus(gh + layer.g_bias), torch.sigmoid(th + layer.tau_bias)
@@ -104,7 +105,7 @@ def rodimus_loop(layer: Rodimus, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_rodimus_layer_equals_explicit_recurrence():
-    layer = Rodimus(16, layer_idx=0, d_state=8, chunk_size=8).double()
+    layer = initialised(Rodimus(16, layer_idx=0, d_state=8, chunk_size=8)).double()
     with torch.no_grad():  # wider gates than the init so decays and input gates really vary
         layer.gate_proj.weight.normal_(0, 0.5)
         layer.beta_up.weight.normal_(0, 0.5)
@@ -114,7 +115,7 @@ def test_rodimus_layer_equals_explicit_recurrence():
 
 
 def test_rodimus_init():
-    layer = Rodimus(256, layer_idx=0, d_state=64)
+    layer = initialised(Rodimus(256, layer_idx=0, d_state=64))
     dt = F.softplus(layer.g_bias)
     assert dt.min() >= 1e-4 - 1e-7 and dt.max() <= 0.1 + 1e-6                 # g-bias = softplus⁻¹(dt)
     tau = torch.sigmoid(layer.tau_bias)
@@ -150,7 +151,7 @@ def test_rodimus_state_half_of_mamba2():
     """Paper's claim (section 4.3): at n = 64 the Rodimus state is half of Mamba-2's at d_state 128."""
     x = torch.randn(1, 5, 256)
     caches = []
-    for layer in (Rodimus(256, layer_idx=0, d_state=64), Mamba2(256, layer_idx=0, d_state=128)):
+    for layer in map(initialised, (Rodimus(256, layer_idx=0, d_state=64), Mamba2(256, layer_idx=0, d_state=128))):
         c = InferenceCache(1, 1)
         layer(x, ctx=ctx_for(x), cache=c)
         caches.append(c.layers[0])

@@ -15,6 +15,7 @@ from hybridlm.cli import main as cli_main
 from hybridlm.errors import CheckpointError, ConfigError, HybridLMError
 from hybridlm.hf.rodimus_format import convert_rodimus_dir
 from hybridlm.layers.rodimus import Rodimus
+from hybridlm.layers.init import initialised
 from hybridlm.models import CausalLM, ModelConfig
 from hybridlm.train import load_checkpoint, load_pretrained
 
@@ -220,7 +221,7 @@ def test_full_attention_tied_and_plain_options(tmp_path):
 
 def test_g_pow_tau_near_decay_one():
     """Channels whose softplus pre-activation is far below -14 (decay ~1): the input gate is exactly g ** τ."""
-    layer = Rodimus(16, layer_idx=0, d_state=8)
+    layer = initialised(Rodimus(16, layer_idx=0, d_state=8))
     with torch.no_grad():
         layer.g_bias.copy_(torch.tensor([-40.0, -30.0, -20.0, -15.0, -5.0, 0.0, 2.0, -90.0]))
         layer.gate_proj.weight.mul_(0.01)

@@ -10,6 +10,7 @@ from hybridlm import CausalLM, ModelConfig, presets
 from hybridlm.context import SeqContext
 from hybridlm.errors import ConfigError
 from hybridlm.layers.cdmoe import CDMoE
+from hybridlm.layers.init import initialised
 from hybridlm.layers.rope_ssd import RopeSSD
 from hybridlm.layers.routed_moe import RoutedMoE
 from hybridlm.layers.wm_attention import WMAttention
@@ -93,18 +94,18 @@ def test_rope_cb_score_depends_only_on_position_difference():
 
 
 def test_rope_ssd_is_shift_invariant_and_has_no_conv_or_d():
-    layer = RopeSSD(32, layer_idx=0, d_state=16, expand=1, headdim=8, chunk_size=4)
-    assert not hasattr(layer, "D") and not hasattr(layer, "conv_weight")
+    layer = initialised(RopeSSD(32, layer_idx=0, d_state=16, expand=1, headdim=8, chunk_size=4))
+    assert not hasattr(layer, "D") and not hasattr(layer, "conv")
     assert (layer.A_log.exp() > 0).all()                    # A = -exp(A_log) < 0: a real decay
     x = torch.randn(2, 13, 32)
     pos = torch.arange(13).expand(2, 13)
     y0 = layer(x, ctx=SeqContext(positions=pos))
     y1 = layer(x, ctx=SeqContext(positions=pos + 37))      # every C·B score is relative (appendix A)
     assert_close(y1, y0, atol=1e-5)
-    conv = RopeSSD(32, layer_idx=0, d_state=16, expand=1, headdim=8, chunk_size=4, position="conv")
+    conv = initialised(RopeSSD(32, layer_idx=0, d_state=16, expand=1, headdim=8, chunk_size=4, position="conv"))
     conv.load_state_dict(layer.state_dict(), strict=False)   # same projections: only the position source differs
     assert {n for n, _ in conv.named_parameters()} - {n for n, _ in layer.named_parameters()} == \
-        {"conv_weight", "conv_bias", "D"}
+        {"conv.weight", "conv.bias", "D"}
     assert not torch.allclose(conv(x, ctx=SeqContext(positions=pos)), y0)
 
 
@@ -169,7 +170,7 @@ def test_keep_window_one_attends_to_the_top_bias_key():
     """With keep_window = 1 each query's attention output is the value of its visible key with the
     largest dynamic-mask bias (ties: the latest)."""
     torch.manual_seed(0)
-    att = WMAttention(32, 2, 2, 16, layer_idx=0, max_seq_len=64, dyn_mask="dt", keep_window=1)
+    att = initialised(WMAttention(32, 2, 2, 16, layer_idx=0, max_seq_len=64, dyn_mask="dt", keep_window=1))
     with torch.no_grad():
         att.A.fill_(-1.0)
     x = torch.randn(1, 9, 32)
@@ -222,7 +223,7 @@ def _cdmoe_dense_ref(moe: CDMoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("form", ["doge", "sum", "compose"])
 def test_cdmoe_matches_dense_reference_and_is_per_token(form):
     torch.manual_seed(0)
-    moe = CDMoE(32, 48, num_experts=49, top_k=5, heads=2, d_ret=8, form=form)
+    moe = initialised(CDMoE(32, 48, num_experts=49, top_k=5, heads=2, d_ret=8, form=form))
     for emb in (moe.down_embed, moe.up_embed):
         torch.nn.init.normal_(emb.weight, std=0.3)
     x = torch.randn(2, 6, 32)
@@ -238,7 +239,7 @@ def test_cdmoe_matches_dense_reference_and_is_per_token(form):
 @pytest.mark.parametrize("form", ["doge", "sum", "compose"])
 def test_cdmoe_gradients_match_dense_reference(form):
     torch.manual_seed(1)
-    moe = CDMoE(16, 24, num_experts=36, top_k=4, heads=2, d_ret=8, form=form).double()
+    moe = initialised(CDMoE(16, 24, num_experts=36, top_k=4, heads=2, d_ret=8, form=form)).double()
     for emb in (moe.down_embed, moe.up_embed):
         torch.nn.init.normal_(emb.weight, std=0.3)
     x = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
@@ -252,7 +253,7 @@ def test_cdmoe_gradients_match_dense_reference(form):
 
 def test_cdmoe_gradients_reach_exactly_the_selected_experts():
     torch.manual_seed(0)
-    moe = CDMoE(16, 24, num_experts=64, top_k=3, heads=1, form="doge")
+    moe = initialised(CDMoE(16, 24, num_experts=64, top_k=3, heads=1, form="doge"))
     x = torch.randn(5, 16)
     _, ids = moe.retrieve(x)
     moe(x).pow(2).sum().backward()
@@ -264,7 +265,7 @@ def test_cdmoe_gradients_reach_exactly_the_selected_experts():
 
 def test_routed_moe_reference_independence_gradients_and_aux_loss():
     torch.manual_seed(0)
-    moe = RoutedMoE(16, 24, num_experts=6, top_k=2, shared_expert=True, init_std=0.2)
+    moe = initialised(RoutedMoE(16, 24, num_experts=6, top_k=2, shared_expert=True, init_std=0.2))
     x = torch.randn(3, 5, 16)
     y = moe(x)
     xf = x.view(15, 16)

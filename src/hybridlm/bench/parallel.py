@@ -75,14 +75,15 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg = presets.get(args.preset, n_layers=args.n_layers, d_model=args.d_model, vocab_size=args.vocab_size,
                       max_seq_len=max(args.seq_len, 2048))
-    model = CausalLM(cfg).to(device)
+    with torch.device("meta"):      # allocated and initialised by parallelize (under FSDP2: shards only)
+        model = CausalLM(cfg)
     par = parallelize(model, args.parallel, world=world, device=device, dtype=args.dtype, compile=args.compile,
                       checkpointing=args.grad_checkpointing)
     opt = make_optimizer(model, 1e-4)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=args.dtype == "bfloat16" and not par.mixed_precision)
     g = torch.Generator().manual_seed(rank)
-    # a full model was built on every rank before sharding: the training peak is measured from here on
+    # the training peak is measured from here on
     _reset_peak(device)
     times = []
     for step in range(args.warmup_steps + args.steps):

@@ -52,12 +52,13 @@ def bench_state_vs_mamba2(d_model: int = 256) -> dict:
     from ..cache import InferenceCache
     from ..context import SeqContext
     from ..layers.mamba2 import Mamba2
+    from ..layers.init import initialised
     from ..layers.rodimus import Rodimus
     x = torch.randn(1, 4, d_model)
     ctx = SeqContext(positions=torch.arange(4)[None])
     out = {"d_model": d_model}
-    for key, layer in (("rodimus_n64", Rodimus(d_model, layer_idx=0, d_state=64)),
-                       ("mamba2_dstate128", Mamba2(d_model, layer_idx=0, d_state=128))):
+    for key, layer in (("rodimus_n64", initialised(Rodimus(d_model, layer_idx=0, d_state=64))),
+                       ("mamba2_dstate128", initialised(Mamba2(d_model, layer_idx=0, d_state=128)))):
         c = InferenceCache(1, 1)
         with torch.no_grad():
             layer(x, ctx=ctx, cache=c)

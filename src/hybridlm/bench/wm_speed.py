@@ -14,6 +14,7 @@ import torch
 
 from . import throughput as tp
 from ..layers.cdmoe import CDMoE
+from ..layers.init import initialised
 from ..layers.mlp import MLP
 from ..ops.moe import expert_neurons
 
@@ -32,7 +33,7 @@ def bench_cdmoe_layer(d_model: int = 256, num_experts: int = 16384, top_k: int =
     router = 2 * math.isqrt(num_experts) * d_model
     hidden, hidden_r = round(active / (3 * d_model)), round((active + router) / (3 * d_model))
     torch.manual_seed(0)
-    moe = CDMoE(d_model, shared_hidden, num_experts=num_experts, top_k=top_k, form="doge")
+    moe = initialised(CDMoE(d_model, shared_hidden, num_experts=num_experts, top_k=top_k, form="doge"))
     for emb in (moe.down_embed, moe.up_embed):
         torch.nn.init.normal_(emb.weight, std=0.02)
     mlp, mlp_r = MLP(d_model, hidden), MLP(d_model, hidden_r)

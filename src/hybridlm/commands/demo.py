@@ -40,7 +40,7 @@ def main(args) -> int:
     from ..data.corpus import load_corpus
     from ..data.loader import TokenData
     from ..data.tokenizer import ByteTokenizer
-    from ..models import CausalLM
+    from ..models.sizing import count_parameters
     from ..train import TrainConfig, load_pretrained, train
     t0 = time.perf_counter()
     tok = ByteTokenizer()
@@ -48,7 +48,7 @@ def main(args) -> int:
     data = TokenData.from_corpus(corpus, tok)
     cfg = presets.get("mamba2-attention", n_layers=4, d_model=256, vocab_size=tok.vocab_size,
                       max_seq_len=1024, ssd_d_state=32, ssd_headdim=32, n_heads=4)
-    out(f"hybridlm demo: a {count(CausalLM(cfg).num_parameters())}-parameter Mamba-2 + attention hybrid, "
+    out(f"hybridlm demo: a {count(count_parameters(cfg))}-parameter Mamba-2 + attention hybrid, "
          f"layout {cfg.layout!r} (S = SSD/Mamba-2 block, A = attention), d_model {cfg.d_model}")
     out(f"data: {corpus.nbytes / 1e6:.1f} MB of this Python's standard library sources, byte-level "
          f"({len(data.tokens('train')):,} train / {len(data.tokens('val')):,} validation tokens)")

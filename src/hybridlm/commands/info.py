@@ -39,7 +39,9 @@ def main(args) -> int:
     contexts = sorted(set(args.context))
     if not contexts or contexts[0] < 1:
         raise InputError("--context lengths must be >= 1")
-    model = CausalLM(cfg)
+    import torch
+    with torch.device("meta"):   # sizes only
+        model = CausalLM(cfg)
     out(f"model        {name}")
     out(f"layout       {layout_summary(cfg)}")
     out(f"parameters   {model.num_parameters():,} ({count(model.num_parameters(exclude_embeddings=True))} "

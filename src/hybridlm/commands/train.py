@@ -23,6 +23,7 @@ def _train_config(args, dtype: str):
 
 
 def main(args) -> int:
+    import torch
     from ..data.loader import load_data
     from ..dtypes import resolve_dtype
     from ..models import CausalLM, ModelConfig
@@ -45,7 +46,8 @@ def main(args) -> int:
         data = load_data(args.data, args.tokenizer, args.max_bytes or None)
         model_cfg = model_config(args, data.tokenizer.vocab_size, args.seq_len)
     tok = data.tokenizer
-    model = CausalLM(model_cfg)
+    with torch.device("meta"):   # sizes only: no rank holds a whole model (train builds and shards its own)
+        model = CausalLM(model_cfg)
     origin = "resumed" if args.resume else f"from {args.init_from}" if args.init_from else args.preset
     out(f"model   {origin}: {layout_summary(model_cfg)}")
     out(f"        {param_split(model)}")

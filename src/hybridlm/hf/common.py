@@ -197,8 +197,8 @@ def _mamba2_mixer(out: dict[str, Tensor], prefix: str, s: _Tensors, scale: float
     the mixer's tensors. `scale` multiplies out_proj (a folded residual multiplier)."""
     _copy(out, prefix, s, {"in_proj.weight": "in_proj.weight", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
                            "norm_weight": "norm.weight"})
-    _copy(out, prefix, s, {"in_proj.bias": "in_proj.bias", "conv_bias": "conv1d.bias"}, optional=True)
-    out[prefix + "conv_weight"] = s["conv1d.weight"].squeeze(1)               # [C, 1, K] -> [C, K]
+    _copy(out, prefix, s, {"in_proj.bias": "in_proj.bias", "conv.bias": "conv1d.bias"}, optional=True)
+    out[prefix + "conv.weight"] = s["conv1d.weight"].squeeze(1)               # [C, 1, K] -> [C, K]
     for p in ("weight", "bias"):
         if f"out_proj.{p}" in s:
             out[prefix + f"out_proj.{p}"] = _scaled(s[f"out_proj.{p}"], scale)

@@ -11,6 +11,7 @@ One `Converter` per architecture, found by the transformers config's `model_type
 New architectures (Doge, DeepSeek-V3, ...) add one pair of functions and one `register(...)` line.
 transformers is an optional dependency: nothing here imports it.
 """
+import torch
 from torch import Tensor
 
 from ..errors import ConfigError
@@ -136,11 +137,15 @@ def from_transformers(hf_model, **overrides) -> CausalLM:
     unknown classes)."""
     cfg, sd = to_state_dict(hf_model, **overrides)
     p = next(hf_model.parameters())
-    model = CausalLM(cfg).to(device=p.device, dtype=p.dtype)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    with torch.device("meta"):       # no init: every weight comes from hf_model
+        model = CausalLM(cfg)
+    copies = {k: v.to(device=p.device, dtype=p.dtype, memory_format=torch.contiguous_format, copy=True)
+              for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(copies, strict=False, assign=True)
     if cfg.tie_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise ConfigError(f"cannot convert {type(hf_model).__name__}: missing weights {missing}, "
                           f"unexpected weights {unexpected}")
+    model.tie_weights()              # assign made one tensor per name
     return model.eval()

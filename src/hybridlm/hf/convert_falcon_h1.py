@@ -100,8 +100,8 @@ def falcon_h1_weights(sd: _Tensors, cfg: ModelConfig, hf) -> dict[str, Tensor]:
         _linear(out, p + "mixer.1.in_proj", s, "mamba.in_proj", mup * si, mup,
                 zero_bias=len(mup) if bias else None)
         _linear(out, p + "mixer.1.out_proj", s, "mamba.out_proj", so, zero_bias=cfg.d_model if bias else None)
-        out[p + "mixer.1.conv_weight"] = s["mamba.conv1d.weight"].squeeze(1)     # [C, 1, K] -> [C, K]
-        _copy(out, p + "mixer.1.", s, {"conv_bias": "mamba.conv1d.bias"}, optional=True)
+        out[p + "mixer.1.conv.weight"] = s["mamba.conv1d.weight"].squeeze(1)     # [C, 1, K] -> [C, K]
+        _copy(out, p + "mixer.1.", s, {"conv.bias": "mamba.conv1d.bias"}, optional=True)
         _copy(out, p + "mixer.1.", s, {"dt_bias": "mamba.dt_bias", "A_log": "mamba.A_log", "D": "mamba.D"})
         if cfg.ssd_norm != "gate":
             _copy(out, p + "mixer.1.", s, {"norm_weight": "mamba.norm.weight"})

@@ -82,7 +82,7 @@ def _kda_weights(out: dict, prefix: str, at: _Tensors):
         return at[f"forget_gate.{name}"] if name in _FORGET and f"forget_gate.{name}" in at else at[name]
     out[prefix + "qkv.weight"] = torch.cat([at[f"{p}_proj.weight"] for p in "qkv"], 0)
     conv = at["conv1d.weight"] if "conv1d.weight" in at else torch.cat([at[f"{p}_conv1d.weight"] for p in "qkv"], 0)
-    out[prefix + "conv_weight"] = conv.squeeze(1)                       # [3HD, 1, K] -> [3HD, K]
+    out[prefix + "conv.weight"] = conv.squeeze(1)                       # [3HD, 1, K] -> [3HD, K]
     out[prefix + "A_log"] = get("A_log").reshape(-1)                     # [1, 1, H, 1] -> [H]
     for theirs, ours in _KDA.items():
         out[prefix + ours] = get(theirs)

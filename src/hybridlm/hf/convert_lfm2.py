@@ -49,7 +49,7 @@ _ATTN = {"out.weight": "self_attn.out_proj.weight", "q_norm.weight": "self_attn.
          "k_norm.weight": "self_attn.k_layernorm.weight"}
 _CONV = {"in_proj.weight": "conv.in_proj.weight", "out_proj.weight": "conv.out_proj.weight"}
 _CONV_BIASES = {"in_proj.bias": "conv.in_proj.bias", "out_proj.bias": "conv.out_proj.bias",
-                "conv_bias": "conv.conv.bias"}
+                "conv.bias": "conv.conv.bias"}
 
 
 def lfm2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
@@ -58,7 +58,7 @@ def lfm2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
         if "conv.in_proj.weight" in s:
             _copy(out, a + "mixer.", s, _CONV)
             _copy(out, a + "mixer.", s, _CONV_BIASES, optional=True)
-            out[a + "mixer.conv_weight"] = s["conv.conv.weight"].squeeze(1)     # [d, 1, K] -> [d, K]
+            out[a + "mixer.conv.weight"] = s["conv.conv.weight"].squeeze(1)     # [d, 1, K] -> [d, K]
         else:
             out[a + "mixer.qkv.weight"] = torch.cat([s[f"self_attn.{p}_proj.weight"] for p in "qkv"])
             _copy(out, a + "mixer.", s, _ATTN)

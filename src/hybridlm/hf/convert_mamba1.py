@@ -20,7 +20,7 @@ from .common import (TWINS, _copy, _decoder_layers, _fused_attention, _get, _hea
 # ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
 _MIXER = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
           "dt_proj.bias": "dt_proj.bias", "A_log": "A_log", "D": "D", "out_proj.weight": "out_proj.weight"}
-_MIXER_OPTIONAL = {"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias", "conv_bias": "conv1d.bias",
+_MIXER_OPTIONAL = {"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias", "conv.bias": "conv1d.bias",
                    "dt_norm": "dt_layernorm.weight", "b_norm": "b_layernorm.weight", "c_norm": "c_layernorm.weight"}
 
 
@@ -28,7 +28,7 @@ def _mixer(out: dict, prefix: str, s: _Tensors, has_norm_weights: bool):
     _copy(out, prefix, s, _MIXER)
     opt = _MIXER_OPTIONAL if has_norm_weights else {k: v for k, v in _MIXER_OPTIONAL.items() if "norm" not in k}
     _copy(out, prefix, s, opt, optional=True)
-    out[prefix + "conv_weight"] = s["conv1d.weight"].squeeze(1)           # [C, 1, K] -> [C, K]
+    out[prefix + "conv.weight"] = s["conv1d.weight"].squeeze(1)           # [C, 1, K] -> [C, K]
 
 
 def _expand(arch: str, hidden: int, inner: int) -> int:

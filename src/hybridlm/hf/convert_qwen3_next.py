@@ -88,7 +88,7 @@ def qwen3_next_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
             out[b + "norm.weight"] = _plus_one(out[b + "norm.weight"])
         if "linear_attn.A_log" in s:
             _copy(out, a + "mixer.", s, _GDN)
-            out[a + "mixer.conv_weight"] = s["linear_attn.conv1d.weight"].squeeze(1)      # [C, 1, K] -> [C, K]
+            out[a + "mixer.conv.weight"] = s["linear_attn.conv1d.weight"].squeeze(1)      # [C, 1, K] -> [C, K]
         else:                                 # q_proj rows per head: [query | gate], as our output-gated qkv
             _fused_attention(out, a + "mixer.", s)
             for n in ("q_norm", "k_norm"):

@@ -22,7 +22,7 @@ ARCH = "Zamba2ForCausalLM"
 _ACTS = {"gelu": "gelu", "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # ours (under a Mamba block) -> theirs (under the Mamba decoder layer); in_proj rows are [gate, xBC, dt] in both
 _MAMBA = {"norm.weight": "input_layernorm.weight", "mixer.in_proj.weight": "mamba.in_proj.weight",
-          "mixer.conv_bias": "mamba.conv1d.bias", "mixer.dt_bias": "mamba.dt_bias", "mixer.A_log": "mamba.A_log",
+          "mixer.conv.bias": "mamba.conv1d.bias", "mixer.dt_bias": "mamba.dt_bias", "mixer.A_log": "mamba.A_log",
           "mixer.D": "mamba.D", "mixer.norm_weight": "mamba.norm.weight", "mixer.out_proj.weight": "mamba.out_proj.weight"}
 _MAMBA_BIASES = {"mixer.in_proj.bias": "mamba.in_proj.bias", "mixer.out_proj.bias": "mamba.out_proj.bias"}
 # ours (under Z) -> theirs (under shared_transformer.)
@@ -81,7 +81,7 @@ def zamba2_config(hf) -> dict:
 def _mamba(out: dict, prefix: str, s: _Tensors):
     _copy(out, prefix, s, _MAMBA)
     _copy(out, prefix, s, _MAMBA_BIASES, optional=True)
-    out[prefix + "mixer.conv_weight"] = s["mamba.conv1d.weight"].squeeze(1)     # [C, 1, K] -> [C, K]
+    out[prefix + "mixer.conv.weight"] = s["mamba.conv1d.weight"].squeeze(1)     # [C, 1, K] -> [C, K]
 
 
 def zamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:

@@ -233,8 +233,8 @@ def _plan(cfg: ModelConfig, hf: dict, src: _Shards) -> dict:
         plan.update({
             b + ("norm1.weight" if plus else "norm.weight"): get(t + "mixer_norm.weight"),
             x + "fc.weight": get(t + "mixer.fc.weight"),
-            x + "conv_weight": lambda f=get(mi + "short_conv.conv1d.weight"): f()[:, 0],
-            x + "conv_bias": get(mi + "short_conv.conv1d.bias"),
+            x + "conv.weight": lambda f=get(mi + "short_conv.conv1d.weight"): f()[:, 0],
+            x + "conv.bias": get(mi + "short_conv.conv1d.bias"),
             x + "qk_proj.weight": get(mi + "in_proj.weight"),
             x + "gate_proj.weight": get(mi + "mem_gate_proj.weight"),
             x + "g_bias": lambda f=gate_b: f()[:n],

@@ -9,6 +9,7 @@ from ..context import SeqContext
 from ..ops.attention import attention
 from ..ops.indexer_loss import attention_target
 from ..ops.rope import apply_rope
+from .init import normal_, reset_
 from .norm import RMSNorm
 
 
@@ -74,10 +75,15 @@ class Attention(nn.Module):
         self.rope_base, self.rope_interleaved, self.window = rope_base, rope_interleaved, window
         self.qkv = nn.Linear(d_model, ((1 + output_gate) * n_heads + self.n_k_heads + n_kv_heads) * head_dim, bias=bias)
         self.out = nn.Linear(n_heads * head_dim, d_model, bias=bias)
-        self.out._is_residual_out = True
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def init_weights(self, std: float, out_std: float):
+        """qkv N(0, std), out N(0, out_std) (it writes to the residual stream), zero biases, norms 1."""
+        normal_(std, self.qkv)
+        normal_(out_std, self.out)
+        reset_(self.q_norm, self.k_norm)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None, bias: Tensor | None = None,
                 need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.moe import expert_neurons, product_key_topk
+from .init import normal_
 from .mlp import ACTIVATIONS, MLP
 
 
@@ -36,9 +37,17 @@ class CDMoE(nn.Module):
             self.router = nn.Linear(d_model, heads * 2 * self.n_keys, bias=False)
         else:
             self.queries = nn.Linear(d_model, heads * d_ret, bias=False)
-            self.keys = nn.Parameter(torch.randn(heads, self.n_keys, 2, d_ret // 2) * (d_ret // 2) ** -0.5)
+            self.keys = nn.Parameter(torch.empty(heads, self.n_keys, 2, d_ret // 2))
         self.down_embed = nn.Embedding(num_experts, d_model)    # private experts: one neuron each
         self.up_embed = nn.Embedding(num_experts, d_model)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """The shared MLP by its rules, router / queries and the expert rows N(0, std), product keys N(0, 2/d_ret)."""
+        self.shared.init_weights(std, out_std)
+        normal_(std, getattr(self, "router", None), getattr(self, "queries", None), self.down_embed, self.up_embed)
+        if hasattr(self, "keys"):
+            nn.init.normal_(self.keys, 0.0, self.keys.shape[-1] ** -0.5)
 
     def retrieve(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """Product-key top-k per head. z [N, d] -> (scores [N, heads, k], expert ids [N, heads, k])."""

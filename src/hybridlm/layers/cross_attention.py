@@ -6,6 +6,7 @@ decoder blocks, e.g. x = x + self_attn(ln1(x)); x = x + cross(ln2(x), memory); x
 from torch import Tensor, nn
 
 from ..ops.attention import attention
+from .init import normal_
 
 
 class CrossAttention(nn.Module):
@@ -19,8 +20,12 @@ class CrossAttention(nn.Module):
         self.q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.kv = nn.Linear(d_memory or d_model, 2 * self.n_kv_heads * self.head_dim, bias=bias)
         self.out = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
-        self.out._is_residual_out = True
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def init_weights(self, std: float, out_std: float):
+        """q and kv N(0, std), out N(0, out_std), zero biases."""
+        normal_(std, self.q, self.kv)
+        normal_(out_std, self.out)
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values [B, S, Hk, D] of a memory: compute once, reuse at every decoding step."""

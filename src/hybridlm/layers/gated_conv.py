@@ -4,14 +4,13 @@
     y = out_proj(c ⊙ conv(b ⊙ h))              conv: depthwise, causal, `kernel` taps
 Its cache slot is the conv tail (the last kernel-1 values of b ⊙ h), so decoding costs O(1) per token.
 """
-import math
-
 import torch
 from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from .short_conv import cached_short_conv
+from .init import normal_
+from .short_conv import ShortConv
 
 
 class GatedShortConv(nn.Module):
@@ -21,18 +20,17 @@ class GatedShortConv(nn.Module):
         super().__init__()
         self.layer_idx, self.d_model = layer_idx, d_model
         self.in_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.conv_weight = nn.Parameter(torch.empty(d_model, kernel))
-        self.conv_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
-        bound = 1 / math.sqrt(kernel)  # PyTorch's default Conv1d init for a depthwise kernel
-        nn.init.uniform_(self.conv_weight, -bound, bound)
+        self.conv = ShortConv(d_model, kernel, "zeros" if bias else None)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.out_proj._is_residual_out = True
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """in_proj N(0, std), out_proj N(0, out_std), zero biases; the conv weight as PyTorch's Conv1d, its bias 0."""
+        normal_(std, self.in_proj)
+        normal_(out_std, self.out_proj)
+        self.conv.reset_parameters()
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
-        u = b * h
-        if ctx.pad_mask is not None:  # padded positions must not reach the conv taps of real ones
-            u = u * ctx.pad_mask.unsqueeze(-1).to(u.dtype)
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
-        u = cached_short_conv(u, self.conv_weight, self.conv_bias, slot, ctx.resets)
-        return self.out_proj(c * u)
+        return self.out_proj(c * self.conv(b * h, ctx, slot))

@@ -20,8 +20,8 @@ from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.norm import gated_rms_norm, l2_norm
-from .mamba2 import init_dt_bias
-from .short_conv import cached_short_conv
+from .init import init_A_log_, init_dt_bias_, normal_
+from .short_conv import ShortConv
 
 
 class GatedDeltaNet(nn.Module):
@@ -37,15 +37,23 @@ class GatedDeltaNet(nn.Module):
         self.r = v_heads // k_heads
         self.in_proj_qkvz = nn.Linear(d_model, k_heads * (2 * k_dim + 2 * self.r * v_dim), bias=False)
         self.in_proj_ba = nn.Linear(d_model, 2 * v_heads, bias=False)
-        conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-        self.conv_weight = nn.Parameter(torch.empty(conv_dim, d_conv).uniform_(-d_conv ** -0.5, d_conv ** -0.5))
-        self.dt_bias = nn.Parameter(init_dt_bias(v_heads, dt_min, dt_max, dt_floor))
-        self.A_log = nn.Parameter(torch.log(torch.empty(v_heads).uniform_(1, 16)))
-        self.norm_weight = nn.Parameter(torch.ones(v_dim))
+        self.dt_init = (dt_min, dt_max, dt_floor)
+        self.conv = ShortConv(2 * k_heads * k_dim + v_heads * v_dim, d_conv, bias=None)
+        self.dt_bias = nn.Parameter(torch.empty(v_heads))
+        self.A_log = nn.Parameter(torch.empty(v_heads))
+        self.norm_weight = nn.Parameter(torch.empty(v_dim))
         self.out_proj = nn.Linear(v_heads * v_dim, d_model, bias=False)
-        self.out_proj._is_residual_out = True
-        for p in (self.dt_bias, self.A_log):
-            p._no_weight_decay = True
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """Projections N(0, std) (out_proj: out_std), conv as PyTorch's Conv1d, dt_bias as Mamba-2,
+        A_log = log U(1, 16), norm 1."""
+        normal_(std, self.in_proj_qkvz, self.in_proj_ba)
+        normal_(out_std, self.out_proj)
+        self.conv.reset_parameters()
+        init_dt_bias_(self.dt_bias, *self.dt_init)
+        init_A_log_(self.A_log, 1.0, 16.0)
+        self.norm_weight.fill_(1.0)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
@@ -54,11 +62,9 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).view(B, T, hk, 2 * r).split((r, r), -1)
         qkv = torch.cat((q.reshape(B, T, hk * dk), k.reshape(B, T, hk * dk), v.reshape(B, T, hv * dv)), -1)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
-        if mask is not None:          # padded positions must not reach the conv taps
-            qkv = qkv * mask.to(qkv.dtype)
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
-        qkv = F.silu(cached_short_conv(qkv, self.conv_weight, None, slot, ctx.resets))
+        qkv = F.silu(self.conv(qkv, ctx, slot))
         q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), -1)
         q, k = l2_norm(q.view(B, T, hk, dk)), l2_norm(k.view(B, T, hk, dk))
         if r > 1:                     # each key head serves r consecutive value heads

@@ -27,17 +27,21 @@ class _Mixing(nn.Module):
     """k weights per token from the streams: static + scale ⊙ dynamic, the dynamic part being
     RMSNorm(flatten(X)) @ Wᵀ. X [B, T, n, d] -> [B, T, k] float32 (before the activation)."""
 
-    def __init__(self, n: int, d: int, static: Tensor, groups: list[int], *, dynamic: bool, proj_std: float,
+    def __init__(self, n: int, d: int, k: int, groups: list[int], *, dynamic: bool, proj_std: float,
                  scale_init: float):
         super().__init__()
-        self.groups = groups
-        self.static = nn.Parameter(static.float())
-        self.proj = nn.Parameter(torch.randn(len(static), n * d) * proj_std) if dynamic else None
-        self.scale = nn.Parameter(torch.full((len(groups),), scale_init)) if dynamic else None
-        for p in (self.static, self.scale):
-            if p is not None:
-                p._no_weight_decay = True
-                p._keep_init = True
+        self.groups, self.proj_std, self.scale_init = groups, proj_std, scale_init
+        self.static = nn.Parameter(torch.empty(k))
+        self.proj = nn.Parameter(torch.empty(k, n * d)) if dynamic else None
+        self.scale = nn.Parameter(torch.empty(len(groups))) if dynamic else None
+
+    @torch.no_grad()
+    def reset_parameters(self, static: Tensor):
+        """static [k]: the static part's initial value (the owner's rule)."""
+        self.static.copy_(static)
+        if self.proj is not None:
+            nn.init.normal_(self.proj, 0.0, self.proj_std)
+            self.scale.fill_(self.scale_init)
 
     def forward(self, X: Tensor, squash=None) -> Tensor:
         if self.proj is None:
@@ -56,13 +60,22 @@ class HyperConnection(nn.Module):
                  dynamic: bool = True, sinkhorn_iters: int = 20, eps: float = 1e-6, init_std: float = 0.02):
         super().__init__()
         self.block, self.n, self.manifold, self.iters, self.eps = block, n, manifold, sinkhorn_iters, eps
-        if manifold:  # static logits 0: pre = 1/2, post = 1, res = uniform; dynamic part gated by 1e-2 at init
-            static, std, scale = torch.zeros(2 * n + n * n), init_std, 0.01
-        else:         # Zhu et al.: one-hot pre, unit post, identity res; dynamic projection starts at 0
-            pre = torch.nn.functional.one_hot(torch.tensor(layer_idx % n), n).float()
-            static, std, scale = torch.cat((pre, torch.ones(n), torch.eye(n).flatten())), 0.0, 0.01
-        self.mix = _Mixing(n, d_model, static, [n, n, n * n], dynamic=dynamic, proj_std=std, scale_init=scale)
+        self.layer_idx = layer_idx
+        # manifold: static logits 0 (pre = 1/2, post = 1, res = uniform), dynamic part gated by 1e-2 at init;
+        # else (Zhu et al.): one-hot pre, unit post, identity res, dynamic projection starting at 0
+        self.mix = _Mixing(n, d_model, 2 * n + n * n, [n, n, n * n], dynamic=dynamic,
+                           proj_std=init_std if manifold else 0.0, scale_init=0.01)
         self.last_res: Tensor | None = None   # res of the latest call, kept for inspection (doubly stochastic)
+
+    def init_weights(self, std: float, out_std: float):
+        n, dev = self.n, self.mix.static.device
+        if self.manifold:
+            static = torch.zeros(2 * n + n * n, device=dev)
+        else:
+            pre = torch.nn.functional.one_hot(torch.tensor(self.layer_idx % n, device=dev), n).float()
+            static = torch.cat((pre, torch.ones(n, device=dev), torch.eye(n, device=dev).flatten()))
+        self.mix.reset_parameters(static)
+        self.block.init_weights(std, out_std)
 
     def weights(self, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """pre [B, T, n], post [B, T, n], res [B, T, n, n] in float32."""
@@ -89,8 +102,10 @@ class HyperHead(nn.Module):
     def __init__(self, n: int, d_model: int, *, manifold: bool = True, eps: float = 1e-6, init_std: float = 0.02):
         super().__init__()
         self.n, self.manifold, self.eps = n, manifold, eps
-        self.mix = _Mixing(n, d_model, torch.zeros(n) if manifold else torch.ones(n), [n], dynamic=manifold,
-                           proj_std=init_std, scale_init=1.0)
+        self.mix = _Mixing(n, d_model, n, [n], dynamic=manifold, proj_std=init_std, scale_init=1.0)
+
+    def init_weights(self, std: float, out_std: float):
+        self.mix.reset_parameters(torch.full((self.n,), 0.0 if self.manifold else 1.0, device=self.mix.static.device))
 
     def expand(self, x: Tensor) -> Tensor:
         return x.unsqueeze(2).expand(-1, -1, self.n, -1)

@@ -22,6 +22,7 @@ from ..context import SeqContext
 from ..ops.attention import attention_mask
 from ..ops.indexer_loss import indexer_kl
 from ..ops.rope import apply_rope
+from .init import normal_, reset_
 
 
 class LightningIndexer(nn.Module):
@@ -39,6 +40,10 @@ class LightningIndexer(nn.Module):
 
     fsdp_unit = True   # sharded on its own (train/parallel.py): FSDP2 gathers it for the backward of its output,
                        # the only path of its KL's gradient (the warm-up's frozen block output carries none)
+
+    def init_weights(self, std: float, out_std: float):
+        normal_(std, self.wq, self.wk, self.w)
+        reset_(self.k_norm)
 
     def forward(self, x: Tensor, q_in: Tensor, ctx: SeqContext, slot: IndexerCache | None = None) -> Tensor:
         """Index scores [B, T, S] in float32, -inf where the query may not see the key.
@@ -94,6 +99,10 @@ class IndexedAttention(nn.Module):
         self.attn, self.indexer, self.layer_idx = attn, indexer, layer_idx
         self.distill, self.dense = distill, False
         self.indexer_kl: Tensor | None = None
+
+    def init_weights(self, std: float, out_std: float):
+        self.attn.init_weights(std, out_std)
+        self.indexer.init_weights(std, out_std)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         slot = cache.layer(self.layer_idx, IndexerCache) if cache is not None else None

@@ -19,8 +19,8 @@ from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.norm import l2_norm
-from .mamba2 import init_dt_bias
-from .short_conv import cached_short_conv
+from .init import init_A_log_, init_dt_bias_, normal_
+from .short_conv import ShortConv
 
 
 class KimiDeltaAttention(nn.Module):
@@ -33,32 +33,39 @@ class KimiDeltaAttention(nn.Module):
         H, D = n_heads, head_dim
         r = rank or D
         self.layer_idx, self.n_heads, self.head_dim, self.norm_eps = layer_idx, H, D, norm_eps
+        self.dt_init = (dt_min, dt_max, dt_floor)
         self.qkv = nn.Linear(d_model, 3 * H * D, bias=False)            # rows [q; k; v]
         # depthwise conv over the 3·H·D channels = separate short convs of q, k and v (no bias, as released)
-        self.conv_weight = nn.Parameter(torch.empty(3 * H * D, d_conv).uniform_(-d_conv ** -0.5, d_conv ** -0.5))
+        self.conv = ShortConv(3 * H * D, d_conv, bias=None)
         self.f_a = nn.Linear(d_model, r, bias=False)
         self.f_b = nn.Linear(r, H * D, bias=False)
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
-        self.dt_bias = nn.Parameter(init_dt_bias(H * D, dt_min, dt_max, dt_floor))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * D))
         self.b_proj = nn.Linear(d_model, H, bias=False)
         self.g_a = nn.Linear(d_model, r, bias=False)
         self.g_b = nn.Linear(r, H * D, bias=False)
-        self.norm_weight = nn.Parameter(torch.ones(D))
+        self.norm_weight = nn.Parameter(torch.empty(D))
         self.o_proj = nn.Linear(H * D, d_model, bias=False)
-        self.o_proj._is_residual_out = True
-        for p in (self.A_log, self.dt_bias):
-            p._no_weight_decay = True
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """Projections N(0, std) (o_proj: out_std), conv as PyTorch's Conv1d, A_log = log U(1, 16), dt_bias as
+        Mamba-2 (one per key channel), norm 1."""
+        normal_(std, self.qkv, self.f_a, self.f_b, self.b_proj, self.g_a, self.g_b)
+        normal_(out_std, self.o_proj)
+        self.conv.reset_parameters()
+        init_A_log_(self.A_log, 1.0, 16.0)
+        init_dt_bias_(self.dt_bias, *self.dt_init)
+        self.norm_weight.fill_(1.0)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
         qkv = self.qkv(x)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
-        if mask is not None:   # padded tokens must not reach the conv taps
-            qkv = qkv * mask.to(qkv.dtype)
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
-        qkv = F.silu(cached_short_conv(qkv, self.conv_weight, None, slot, ctx.resets))
+        qkv = F.silu(self.conv(qkv, ctx, slot))
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q, k = l2_norm(q), l2_norm(k)                                  # float32 (at least), as FLA
 

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops.selective_scan import selective_scan_chunked, selective_scan_step
-from .mamba2 import init_dt_bias
-from .short_conv import cached_short_conv
+from .init import init_dt_bias_, normal_
+from .short_conv import ShortConv
 
 
 def _rms(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -35,41 +35,42 @@ class Mamba1(nn.Module):
         self.layer_idx, self.d_state, self.chunk_size, self.norm_eps = layer_idx, d_state, chunk_size, norm_eps
         self.d_inner = expand * d_model
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
+        self.dt_init = (dt_min, dt_max, dt_floor)
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias)
-        self.conv_weight = nn.Parameter(torch.empty(self.d_inner, d_conv))
-        self.conv_bias = nn.Parameter(torch.zeros(self.d_inner)) if conv_bias else None
-        bound = 1 / math.sqrt(d_conv)  # PyTorch's default Conv1d init for a depthwise kernel
-        nn.init.uniform_(self.conv_weight, -bound, bound)
-        if self.conv_bias is not None:
-            nn.init.uniform_(self.conv_bias, -bound, bound)
+        self.conv = ShortConv(self.d_inner, d_conv, "uniform" if conv_bias else None)
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
-        nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
-        with torch.no_grad():
-            self.dt_proj.bias.copy_(init_dt_bias(self.d_inner, dt_min, dt_max, dt_floor))
-        self.dt_proj._keep_init = True
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
-        self.D = nn.Parameter(torch.ones(self.d_inner))
-        for p in (self.A_log, self.D, self.dt_proj.bias):
-            p._no_weight_decay = True
-            p._keep_init = True
+        self.A_log = nn.Parameter(torch.empty(self.d_inner, d_state))
+        self.D = nn.Parameter(torch.empty(self.d_inner))
         self.bcdt_norm = bcdt_norm
         if bcdt_norm == "weight":
-            self.dt_norm = nn.Parameter(torch.ones(self.dt_rank))
-            self.b_norm = nn.Parameter(torch.ones(d_state))
-            self.c_norm = nn.Parameter(torch.ones(d_state))
+            self.dt_norm = nn.Parameter(torch.empty(self.dt_rank))
+            self.b_norm = nn.Parameter(torch.empty(d_state))
+            self.c_norm = nn.Parameter(torch.empty(d_state))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
-        self.out_proj._is_residual_out = True
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """Mamba-1's rules: dt_proj U(±dt_rank^-0.5) with the dt bias of Mamba-2, S4D-real A[c, i] = -(i+1), D = 1;
+        the other projections N(0, std) (out_proj: out_std), the conv as PyTorch's Conv1d, the norms 1."""
+        normal_(std, self.in_proj, self.x_proj)
+        normal_(out_std, self.out_proj)
+        self.conv.reset_parameters()
+        nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
+        init_dt_bias_(self.dt_proj.bias, *self.dt_init)
+        self.A_log.copy_(torch.arange(1, self.d_state + 1, dtype=self.A_log.dtype, device=self.A_log.device).log())
+        self.D.fill_(1.0)
+        if self.bcdt_norm == "weight":
+            for w in (self.dt_norm, self.b_norm, self.c_norm):
+                w.fill_(1.0)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1).to(x.dtype) if ctx.pad_mask is not None else None
-        if mask is not None:  # padded positions must not reach the conv taps or the state
-            xs = xs * mask
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
-        xs = F.silu(cached_short_conv(xs, self.conv_weight, self.conv_bias, slot, ctx.resets))
-        if mask is not None:
+        xs = F.silu(self.conv(xs, ctx, slot))
+        if mask is not None:  # padded positions must not reach the state
             xs = xs * mask
         dt, Bm, Cm = self.x_proj(xs).split((self.dt_rank, self.d_state, self.d_state), dim=-1)
         if self.bcdt_norm != "none":

@@ -5,8 +5,6 @@ y = out_proj(gated_rms_norm(y, z)) with the norm grouped per SSD group. `norm` p
 mamba_rms_norm / mamba_norm_before_gate): "gated" RMSNorm(y·silu(z)), "norm_gate" RMSNorm(y)·silu(z), "gate"
 y·silu(z) with no norm.
 """
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,13 +13,8 @@ from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops.norm import gated_rms_norm
 from ..ops.ssd import ssd_chunked, ssd_step
-from .short_conv import cached_short_conv
-
-
-def init_dt_bias(n: int, dt_min: float, dt_max: float, floor: float) -> Tensor:
-    """softplus⁻¹ of dt drawn log-uniformly in [dt_min, dt_max] (floored), so softplus(dt_bias) = dt."""
-    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
-    return dt + torch.log(-torch.expm1(-dt))
+from .init import init_A_log_, init_dt_bias_, normal_
+from .short_conv import ShortConv
 
 
 class Mamba2(nn.Module):
@@ -42,35 +35,37 @@ class Mamba2(nn.Module):
         self.norm = norm                             # gated | norm_gate | gate (see ModelConfig.ssd_norm)
         self.nheads = self.d_inner // headdim
         self.norm_eps = norm_eps
+        self.dt_init, self.A_init_range = (dt_min, dt_max, dt_floor), A_init_range
         conv_dim = self.d_inner + 2 * ngroups * d_state
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=bias)
-        self.conv_weight = nn.Parameter(torch.empty(conv_dim, d_conv))
-        self.conv_bias = nn.Parameter(torch.zeros(conv_dim)) if conv_bias else None
-        bound = 1 / math.sqrt(d_conv)  # PyTorch's default Conv1d init for a depthwise kernel
-        nn.init.uniform_(self.conv_weight, -bound, bound)
-        if self.conv_bias is not None:
-            nn.init.uniform_(self.conv_bias, -bound, bound)
-        self.dt_bias = nn.Parameter(init_dt_bias(self.nheads, dt_min, dt_max, dt_floor))
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.nheads).uniform_(*A_init_range)))
-        self.D = nn.Parameter(torch.ones(self.nheads))
-        for p in (self.dt_bias, self.A_log, self.D):
-            p._no_weight_decay = True
-            p._keep_init = True
-        self.norm_weight = nn.Parameter(torch.ones(self.d_inner)) if norm != "gate" else None
+        self.conv = ShortConv(conv_dim, d_conv, "uniform" if conv_bias else None)
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads))
+        self.A_log = nn.Parameter(torch.empty(self.nheads))
+        self.D = nn.Parameter(torch.empty(self.nheads))
+        self.norm_weight = nn.Parameter(torch.empty(self.d_inner)) if norm != "gate" else None
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
-        self.out_proj._is_residual_out = True
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """Projections N(0, std) (out_proj: out_std, it writes to the residual stream), the conv as PyTorch's Conv1d,
+        dt_bias / A_log as Mamba-2, D and the norm 1."""
+        normal_(std, self.in_proj)
+        normal_(out_std, self.out_proj)
+        self.conv.reset_parameters()
+        init_dt_bias_(self.dt_bias, *self.dt_init)
+        init_A_log_(self.A_log, *self.A_init_range)
+        self.D.fill_(1.0)
+        if self.norm_weight is not None:
+            self.norm_weight.fill_(1.0)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.d_inner + 2 * g * n, h), dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1).to(x.dtype) if ctx.pad_mask is not None else None
-        if mask is not None:  # padded positions must not reach the conv taps or the state
-            xBC = xBC * mask
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
-        xBC = cached_short_conv(xBC, self.conv_weight, self.conv_bias, slot, ctx.resets)
-        xBC = F.silu(xBC)
-        if mask is not None:
+        xBC = F.silu(self.conv(xBC, ctx, slot))
+        if mask is not None:  # padded positions must not reach the state
             xBC = xBC * mask
         xs, Bm, Cm = xBC.split((self.d_inner, g * n, g * n), dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())

@@ -21,6 +21,7 @@ from ..context import SeqContext
 from ..ops.attention import attention
 from ..ops.indexer_loss import attention_target
 from ..ops.rope import apply_rope
+from .init import normal_, reset_
 from .norm import RMSNorm
 
 
@@ -57,8 +58,14 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(kv_lora_rank, latent_eps)
         self.kv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_dim + v_dim), bias=False)  # per head [k_nope, v]
         self.out = nn.Linear(n_heads * v_dim, d_model, bias=bias)
-        self.out._is_residual_out = True
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def init_weights(self, std: float, out_std: float):
+        """Projections N(0, std), out N(0, out_std), zero biases, latent norms 1."""
+        normal_(std, getattr(self, "q_a", None), getattr(self, "q_b", None), getattr(self, "q_proj", None),
+                self.kv_a, self.kv_b)
+        normal_(out_std, self.out)
+        reset_(getattr(self, "q_norm", None), self.kv_norm)
 
     def query_latent(self, x: Tensor) -> Tensor | None:
         """The normalised query latent [B, T, q_lora_rank] (also the lightning indexer's input), or None."""

@@ -2,6 +2,8 @@
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .init import normal_
+
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "relu": F.relu, "relu2": lambda x: F.relu(x).square()}   # relu2: Primer / Nemotron-H
 
@@ -16,8 +18,12 @@ class MLP(nn.Module):
         self.gated, self.act = gated, ACTIVATIONS[act]
         self.w_in = nn.Linear(d_model, (2 if gated else 1) * hidden, bias=bias)
         self.w_out = nn.Linear(hidden, d_model, bias=bias)
-        self.w_out._is_residual_out = True
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def init_weights(self, std: float, out_std: float):
+        """w_in N(0, std), w_out N(0, out_std) (it writes to the residual stream), zero biases."""
+        normal_(std, self.w_in)
+        normal_(out_std, self.w_out)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.w_in(x)

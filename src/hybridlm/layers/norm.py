@@ -10,7 +10,12 @@ class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
+        self.weight = nn.Parameter(torch.empty(d))
+        self.reset_parameters()     # a leaf module, as nn.LayerNorm: initialised when built (a no-op on meta)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        self.weight.fill_(1.0)
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)

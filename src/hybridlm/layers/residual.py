@@ -3,6 +3,8 @@
 import torch
 from torch import Tensor, nn
 
+from .init import reset_
+
 
 class Residual(nn.Module):
     """Pre-norm residual x + mixer(norm(x)); with `learnable_scale`, Doge's per-channel residual weight
@@ -11,9 +13,16 @@ class Residual(nn.Module):
     def __init__(self, norm: nn.Module, mixer: nn.Module, token: bool, d_model: int, learnable_scale: bool = False):
         super().__init__()
         self.norm, self.mixer, self.token = norm, mixer, token
-        self.res_weight = nn.Parameter(torch.ones(d_model)) if learnable_scale else None
+        self.res_weight = nn.Parameter(torch.empty(d_model)) if learnable_scale else None
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """The norm 1, the mixer by its own rules, the residual weight 1."""
+        reset_(self.norm)
+        for m in (self.mixer if isinstance(self.mixer, nn.ModuleList) else [self.mixer]):
+            m.init_weights(std, out_std)
         if self.res_weight is not None:
-            self.res_weight._no_weight_decay = True
+            self.res_weight.fill_(1.0)
 
     def branch(self, x: Tensor, ctx, cache) -> Tensor:
         h = self.norm(x)
@@ -52,6 +61,11 @@ class TwoHopResidual(nn.Module):
         self.norm1, self.norm2, self.norm3 = norms
         self.mixer, self.attn, self.ffn = mixer, attn, ffn
 
+    def init_weights(self, std: float, out_std: float):
+        reset_(self.norm1, self.norm2, self.norm3)
+        for m in (self.mixer, self.attn, self.ffn):
+            m.init_weights(std, out_std)
+
     def _hops(self, x: Tensor, ctx, cache) -> tuple[Tensor, Tensor, Tensor]:
         h = self.mixer(self.norm1(x), ctx=ctx, cache=cache)
         r = x + h
@@ -76,6 +90,10 @@ class Fed(nn.Module):
     def __init__(self, feed: nn.Module, block: nn.Module):
         super().__init__()
         self.feed, self.block = feed, block
+
+    def init_weights(self, std: float, out_std: float):
+        self.feed.init_weights(std, out_std)
+        self.block.init_weights(std, out_std)
 
     def branch(self, x: Tensor, ctx, cache) -> Tensor:
         return self.block.branch(x + self.feed(x, ctx, cache), ctx, cache)

@@ -25,19 +25,17 @@ from ..context import SeqContext
 from ..ops.gla import gla_chunked, gla_step
 from ..ops.gla_product import gla_product_chunked, gla_product_step
 from ..ops.norm import gated_rms_norm
-from .mamba2 import init_dt_bias
-from .short_conv import cached_short_conv
+from .init import init_dt_bias_, normal_
+from .short_conv import ShortConv
 
 
-def _gate_linear(d_in: int, d_out: int, bias: bool = False) -> nn.Linear:
-    """Released-code init for the q/k, gate and β̂ projections: xavier-uniform with gain 2^-2.5, kept by the
-    model-wide re-init (`_keep_init`)."""
-    lin = nn.Linear(d_in, d_out, bias=bias)
-    nn.init.xavier_uniform_(lin.weight, gain=2 ** -2.5)
-    if bias:
-        nn.init.zeros_(lin.bias)
-    lin._keep_init = True
-    return lin
+@torch.no_grad()
+def _gate_init_(lin: nn.Linear | None):
+    """Released-code init for the q/k, gate and β̂ projections: xavier-uniform with gain 2^-2.5, zero bias."""
+    if lin is not None:
+        nn.init.xavier_uniform_(lin.weight, gain=2 ** -2.5)
+        if lin.bias is not None:
+            nn.init.zeros_(lin.bias)
 
 
 class Rodimus(nn.Module):
@@ -52,26 +50,35 @@ class Rodimus(nn.Module):
         m, n = d_inner or expand * d_model, d_state
         self.layer_idx, self.d_inner, self.d_state, self.chunk_size = layer_idx, m, n, chunk_size
         self.use_g, self.use_tau, self.use_beta_hat, self.product_decay = use_g, use_tau, use_beta_hat, product_decay
-        self.norm_eps = norm_eps
+        self.norm_eps, self.dt_init = norm_eps, (dt_min, dt_max, dt_floor)
         self.fc = nn.Linear(d_model, 2 * m, bias=False)
-        self.conv_weight = nn.Parameter(torch.empty(m, d_conv).uniform_(-d_conv ** -0.5, d_conv ** -0.5))
-        self.conv_bias = nn.Parameter(torch.empty(m).uniform_(-d_conv ** -0.5, d_conv ** -0.5))
-        self.qk_proj = _gate_linear(m, 2 * n)
-        self.gate_proj = _gate_linear(m, n * (use_g + use_tau)) if use_g or use_tau else None
-        # g's bias: softplus⁻¹ of dt log-uniform in [dt_min, dt_max]; τ's bias: logit of U(1/16, 0.9)
-        self.g_bias = nn.Parameter(init_dt_bias(n, dt_min, dt_max, dt_floor))
-        self.tau_bias = nn.Parameter(torch.logit(torch.empty(n).uniform_(1 / 16, 0.9))) if use_tau else None
+        self.conv = ShortConv(m, d_conv, "uniform")
+        self.qk_proj = nn.Linear(m, 2 * n, bias=False)
+        self.gate_proj = nn.Linear(m, n * (use_g + use_tau), bias=False) if use_g or use_tau else None
+        self.g_bias = nn.Parameter(torch.empty(n))
+        self.tau_bias = nn.Parameter(torch.empty(n)) if use_tau else None
         if use_beta_hat:
             self.rank = rank or min(max(d_model // 64, 16), m)
-            self.beta_down = _gate_linear(m, self.rank)
-            self.beta_up = _gate_linear(self.rank, m, bias=True)
-        self.residual_weight = nn.Parameter(torch.ones(m))             # feed-through d
-        self.norm_weight = nn.Parameter(torch.ones(m))
+            self.beta_down = nn.Linear(m, self.rank, bias=False)
+            self.beta_up = nn.Linear(self.rank, m, bias=True)
+        self.residual_weight = nn.Parameter(torch.empty(m))             # feed-through d
+        self.norm_weight = nn.Parameter(torch.empty(m))
         self.out_proj = nn.Linear(m, d_model, bias=False)
-        self.out_proj._is_residual_out = True
-        for p in (self.g_bias, self.tau_bias, self.residual_weight):
-            if p is not None:
-                p._no_weight_decay = True
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """fc N(0, std), out_proj N(0, out_std); the gate projections as released (`_gate_init_`); g's bias:
+        softplus⁻¹ of dt log-uniform in [dt_min, dt_max]; τ's bias: logit of U(1/16, 0.9); d and the norm 1."""
+        normal_(std, self.fc)
+        normal_(out_std, self.out_proj)
+        self.conv.reset_parameters()
+        for lin in (self.qk_proj, self.gate_proj, getattr(self, "beta_down", None), getattr(self, "beta_up", None)):
+            _gate_init_(lin)
+        init_dt_bias_(self.g_bias, *self.dt_init)
+        if self.tau_bias is not None:
+            self.tau_bias.uniform_(1 / 16, 0.9).logit_()
+        self.residual_weight.fill_(1.0)
+        self.norm_weight.fill_(1.0)
 
     def _gates(self, xc: Tensor) -> tuple[Tensor, Tensor]:
         """log α (≤ 0) and α̂ = g^τ, both [B, T, n] float32, from the post-conv x' [B, T, m]."""
@@ -93,12 +100,11 @@ class Rodimus(nn.Module):
         n = self.d_state
         xi, z = self.fc(x).chunk(2, dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
-        if mask is not None:  # padded positions must not reach the conv taps or the state
+        if mask is not None:  # padded positions must not reach the state through u = β̂ ⊙ x (nor the conv taps)
             xi = xi * mask.to(xi.dtype)
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
-        xc = cached_short_conv(xi, self.conv_weight, self.conv_bias, slot, ctx.resets)
-        xc = F.silu(xc)
+        xc = F.silu(self.conv(xi, ctx, slot))
 
         q, k = self.qk_proj(xc).split(n, dim=-1)
         log_a, in_gate = self._gates(xc)

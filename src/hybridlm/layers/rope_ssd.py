@@ -9,7 +9,6 @@ no conv, no gate, no norm and no D. x [B, T, d_model] -> [B, T, d_model].
 skip) and changes nothing else: the isolated pairing of the paper's table 1 claim, whose own comparison (Cheems' SSD
 against the Mamba-2 block) also drops the gate and the norm.
 """
-import math
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +18,8 @@ from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops.rope import apply_rope
 from ..ops.ssd import ssd_chunked, ssd_step
-from .mamba2 import init_dt_bias
-from .short_conv import cached_short_conv
+from .init import init_A_log_, init_dt_bias_, normal_
+from .short_conv import ShortConv
 
 
 class RopeSSD(nn.Module):
@@ -40,21 +39,26 @@ class RopeSSD(nn.Module):
         self.nheads = self.d_inner // headdim
         self.split = (self.d_inner, ngroups * d_state, ngroups * d_state, self.nheads)   # X, B, C, dt
         self.in_proj = nn.Linear(d_model, sum(self.split), bias=bias)
-        self.dt_bias = nn.Parameter(init_dt_bias(self.nheads, dt_min, dt_max, dt_floor))
+        self.dt_init, self.A_init_range = (dt_min, dt_max, dt_floor), A_init_range
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         # A = -exp(A_log) < 0: the published Cheems code passes A = ones (a decay above 1 that makes the state
         # grow); we implement the paper's intent, a learned decay as in Mamba-2.
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.nheads).uniform_(*A_init_range)))
-        for p in (self.dt_bias, self.A_log):
-            p._no_weight_decay = True
-            p._keep_init = True
+        self.A_log = nn.Parameter(torch.empty(self.nheads))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
-        self.out_proj._is_residual_out = True
-        if position == "conv":   # Mamba-2's position source: conv over X, B, C (PyTorch's Conv1d init) + D skip
-            bound = 1 / math.sqrt(d_conv)
-            self.conv_weight = nn.Parameter(torch.empty(sum(self.split[:3]), d_conv).uniform_(-bound, bound))
-            self.conv_bias = nn.Parameter(torch.empty(sum(self.split[:3])).uniform_(-bound, bound))
-            self.D = nn.Parameter(torch.ones(self.nheads))
-            self.D._no_weight_decay = self.D._keep_init = True
+        if position == "conv":   # Mamba-2's position source: conv over X, B, C + D skip
+            self.conv = ShortConv(sum(self.split[:3]), d_conv)
+            self.D = nn.Parameter(torch.empty(self.nheads))
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """in_proj N(0, std), out_proj N(0, out_std), dt_bias and A_log as Mamba-2 (conv and D too, as Mamba-2)."""
+        normal_(std, self.in_proj)
+        normal_(out_std, self.out_proj)
+        init_dt_bias_(self.dt_bias, *self.dt_init)
+        init_A_log_(self.A_log, *self.A_init_range)
+        if self.position == "conv":
+            self.conv.reset_parameters()
+            self.D.fill_(1.0)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         Bsz, T, _ = x.shape
@@ -62,9 +66,7 @@ class RopeSSD(nn.Module):
         xBC, dt = self.in_proj(x).split((sum(self.split[:3]), h), dim=-1)
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         if self.position == "conv":
-            if ctx.pad_mask is not None:                              # padding must not reach the conv taps
-                xBC = xBC * ctx.pad_mask.unsqueeze(-1).to(xBC.dtype)
-            xBC = F.silu(cached_short_conv(xBC, self.conv_weight, self.conv_bias, slot, ctx.resets))
+            xBC = F.silu(self.conv(xBC, ctx, slot))
         xs, Bm, Cm = xBC.split(self.split[:3], dim=-1)
         Bm, Cm = Bm.view(Bsz, T, g, n), Cm.view(Bsz, T, g, n)
         if self.position == "rope":

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.moe import load_balancing_loss, route_topk, routed_experts
+from .init import normal_
 from .mlp import ACTIVATIONS, MLP
 
 
@@ -20,17 +21,29 @@ class RoutedMoE(nn.Module):
                  norm_topk: bool = True, router_bias: bool = False, n_group: int = 1, topk_group: int = 1,
                  scale: float = 1.0, shared_hidden: int | None = None, shared_gate: bool = False):
         super().__init__()
-        self.num_experts, self.top_k, self.act = num_experts, top_k, ACTIVATIONS[act]
+        self.num_experts, self.top_k, self.act, self.init_std = num_experts, top_k, ACTIVATIONS[act], init_std
         self.route = dict(norm_topk=norm_topk, score=router, n_group=n_group, topk_group=topk_group, scale=scale)
         self.router = nn.Linear(d_model, num_experts, bias=False)
         # DeepSeek's e_score_correction_bias: steered by load statistics, not by gradients
-        self.register_buffer("router_bias", torch.zeros(num_experts) if router_bias else None)
-        self.w_gate = nn.Parameter(torch.randn(num_experts, d_model, hidden) * init_std) if gated else None
-        self.w_up = nn.Parameter(torch.randn(num_experts, d_model, hidden) * init_std)
-        self.w_down = nn.Parameter(torch.randn(num_experts, hidden, d_model) * init_std)
+        self.register_buffer("router_bias", torch.empty(num_experts) if router_bias else None)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, hidden)) if gated else None
+        self.w_up = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, d_model))
         self.shared = MLP(d_model, shared_hidden or hidden, act=act, gated=gated) if shared_expert else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_expert and shared_gate else None
         self.aux_loss: Tensor | None = None
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """Router and shared gate N(0, std), experts N(0, init_std), the shared expert by its rules, bias 0."""
+        normal_(std, self.router, self.shared_gate)
+        for w in (self.w_gate, self.w_up, self.w_down):
+            if w is not None:
+                nn.init.normal_(w, 0.0, self.init_std)
+        if self.shared is not None:
+            self.shared.init_weights(std, out_std)
+        if self.router_bias is not None:
+            self.router_bias.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

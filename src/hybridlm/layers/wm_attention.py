@@ -20,6 +20,7 @@ from ..ops import flex
 from ..ops.attention import attention, attention_mask
 from ..ops.wm import inner_function_values, topk_key_mask
 from .attention import cache_keys_values, norm_and_rope
+from .init import normal_, reset_
 from .norm import RMSNorm
 
 
@@ -47,20 +48,33 @@ class WMAttention(nn.Module):
         self.split = (n_heads * head_dim,) + (n_kv_heads * head_dim,) * (2 if linear_v else 1)
         self.qkv = nn.Linear(d_model, sum(self.split), bias=bias)
         self.out = nn.Linear(n_heads * head_dim, d_model, bias=bias)
-        self.out._is_residual_out = True
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         if not linear_v:                                 # inner function f(x), eq. 3
             self.v_query = nn.Linear(d_model, n_kv_heads * inner_dret, bias=False)
-            self.v_keys = nn.Parameter(torch.randn(n_kv_heads, inner_values, inner_dret) * inner_dret ** -0.5)
-            self.v_table = nn.Parameter(torch.ones(n_kv_heads, inner_values, head_dim))
+            self.v_keys = nn.Parameter(torch.empty(n_kv_heads, inner_values, inner_dret))
+            self.v_table = nn.Parameter(torch.empty(n_kv_heads, inner_values, head_dim))
         if dyn_mask == "position":                       # eq. 4: l = ones([heads, max_position_len])
-            self.pos_mask = nn.Parameter(torch.ones(n_kv_heads, max_seq_len))
-            self.pos_mask._no_weight_decay = True        # decay would pull the mask towards "masked"
+            self.pos_mask = nn.Parameter(torch.empty(n_kv_heads, max_seq_len))   # never decayed (train/optim.py)
         elif dyn_mask == "dt":
             self.dt_proj = nn.Linear(n_kv_heads * head_dim, n_kv_heads, bias=bias)
-            self.A = nn.Parameter(torch.zeros(n_kv_heads))
+            self.A = nn.Parameter(torch.empty(n_kv_heads))
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float):
+        """qkv, v_query, dt_proj N(0, std), out N(0, out_std), zero biases, norms 1; the inner function's keys
+        N(0, 1/d_ret) and table 1 (f(x) starts as x); the position mask 1 and the dt mask's A 0 (no masking)."""
+        normal_(std, self.qkv, getattr(self, "v_query", None), getattr(self, "dt_proj", None))
+        normal_(out_std, self.out)
+        reset_(self.q_norm, self.k_norm)
+        if hasattr(self, "v_keys"):
+            nn.init.normal_(self.v_keys, 0.0, self.v_keys.shape[-1] ** -0.5)
+            self.v_table.fill_(1.0)
+        if hasattr(self, "pos_mask"):
+            self.pos_mask.fill_(1.0)
+        if hasattr(self, "A"):
+            self.A.zero_()
 
     def _values(self, x: Tensor, v: Tensor | None) -> Tensor:
         B, T, _ = x.shape

@@ -15,6 +15,7 @@ from ..errors import InputError
 from ..ops.attention import attention
 from .attention import cache_keys_values, norm_and_rope
 from .mlp import ACTIVATIONS
+from .init import normal_, reset_
 from .norm import RMSNorm
 
 
@@ -57,10 +58,18 @@ class ZambaBlock(nn.Module):
                                           for n in (n_heads, n_kv_heads, n_kv_heads)) if attn_adapter else None
         self.mlp_adapter = LoRA(d_model, adapter_rank, 2 * mlp_hidden) if adapter_rank else None
         self.proj = nn.Linear(d_model, d_model, bias=False)
-        self.proj._is_residual_out = True
         for m in (self.qkv_adapters, self.mlp_adapter, self.proj):
             if m is not None:
                 m._unshared = True
+
+    def init_weights(self, std: float, out_std: float):
+        """Every projection N(0, std) but `proj` (it writes to the stream through the next block): N(0, out_std);
+        zero biases, norms 1."""
+        adapters = [*(self.qkv_adapters or []), self.mlp_adapter]
+        normal_(std, self.qkv, self.out, self.w_in, self.w_out,
+                *(lin for a in adapters if a is not None for lin in (a.down, a.up)))
+        normal_(out_std, self.proj)
+        reset_(self.norm_in, self.norm_ff)
 
     def forward(self, x: Tensor, ctx: SeqContext, cache=None) -> Tensor:
         """Called as a block (`blk(x, ctx, cache)`, by residual.Fed), on the raw stream: it norms its own input."""

@@ -2,6 +2,7 @@
 import math
 import os
 import shutil
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -13,8 +14,10 @@ from torch.utils.checkpoint import checkpoint
 from ..cache import InferenceCache
 from ..context import SeqContext
 from ..errors import ConfigError, InputError
+from ..layers.init import normal_, reset_
 from ..layers.norm import make_norm
 from ..layers.residual import Fed, ParallelResidual, Residual
+from ..layers.short_conv import old_conv_names
 from ..ops.loss import cross_entropy, linear_cross_entropy
 from .config import ModelConfig
 from .layout import Hop, Parallel, parse_layout, shared_groups
@@ -63,9 +66,10 @@ BLOCKS["letter"] = _build_plain
 BLOCKS["parallel"] = _build_parallel
 
 
-def tie_parameters(src: nn.Module, dst: nn.Module):
-    """Make `dst`'s parameters `src`'s (same structure), except those of submodules or parameters marked
-    `_unshared` (per-occurrence parts, e.g. Zamba2's LoRA adapters and output projection)."""
+def _shared_slots(src: nn.Module, dst: nn.Module):
+    """(dst submodule, name, src parameter) for every parameter `dst` shares with `src` (same structure), except
+    those of submodules or parameters marked `_unshared` (per-occurrence parts, e.g. Zamba2's LoRA adapters and
+    output projection)."""
     if getattr(dst, "_unshared", False):
         return
     for name, p in src._parameters.items():
@@ -75,10 +79,30 @@ def tie_parameters(src: nn.Module, dst: nn.Module):
         if p.shape != q.shape:
             raise ConfigError(f"weight-shared layers differ in the shape of {name!r}: {tuple(p.shape)} vs "
                               f"{tuple(q.shape)}")
-        dst._parameters[name] = p
+        yield dst, name, p
     for name, m in src._modules.items():
         if m is not None and dst._modules.get(name) is not None:
-            tie_parameters(m, dst._modules[name])
+            yield from _shared_slots(m, dst._modules[name])
+
+
+def tie_parameters(src: nn.Module, dst: nn.Module):
+    """Make `dst`'s parameters `src`'s (see _shared_slots for what is not shared)."""
+    for mod, name, p in list(_shared_slots(src, dst)):
+        mod._parameters[name] = p
+
+
+@contextmanager
+def _untied(src: nn.Module, dst: nn.Module):
+    """`dst` with scratch tensors in place of those it shares with `src` (so that initialising `dst` draws its own
+    parts only), tied again on exit."""
+    slots = list(_shared_slots(src, dst))
+    for mod, name, p in slots:
+        mod._parameters[name] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        for mod, name, p in slots:
+            mod._parameters[name] = p
 
 
 def fold_feeds(blocks: list) -> list:
@@ -109,6 +133,14 @@ class CausalLM(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
+        device = torch.empty(0).device     # where the caller builds: `with torch.device("meta")` skips the init
+        with torch.device("meta"):         # no allocation and no init work (nn.Linear's own) until the end
+            self._build(config)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def _build(self, config: ModelConfig):
         items = parse_layout(config.layout, LETTERS.keys())
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.embed_norm = make_norm(config.norm, config.d_model, config.norm_eps) if config.embed_norm else None
@@ -140,12 +172,13 @@ class CausalLM(nn.Module):
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
-        self.reset_parameters()
-        self.tie_weights()                    # after init: each shared tensor initialised once, by its first owner
+        self.tie_weights()
+        self._register_load_state_dict_pre_hook(old_conv_names)   # checkpoints from before layers/short_conv.py
 
     def tie_weights(self):
         """Tie the LM head to the embedding (tie_embeddings) and every weight-shared occurrence (`X@k`) to the first.
-        Called after building and again after `load_state_dict(assign=True)`, which makes one Parameter per name."""
+        Called after building and again after `load_state_dict(assign=True)` or `to_empty`, which make one Parameter
+        per name."""
         if self.config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         for first, *others in self._shared:
@@ -153,22 +186,50 @@ class CausalLM(nn.Module):
                 tie_parameters(first, other)
 
     # ------------------------------------------------------------------------------------------------
-    def reset_parameters(self):
-        """GPT-2/Mamba-style init: N(0, init_std) for linears and embeddings, zero biases, residual
-        output projections scaled by 1/sqrt(number of residual branches). Mixer-specific parameters
-        (A_log, dt_bias, D, conv, norms) and linears flagged `_keep_init` (Rodimus' gate projections) keep the
-        init their module gave them."""
+    @torch.no_grad()
+    def init_weights(self, part=None):
+        """GPT-2/Mamba-style init, in place, of a model built on the meta device and moved with `to_empty` (the
+        constructor does this for a model built anywhere else): N(0, init_std) embeddings and projections, zero
+        biases, norms 1, projections that write to the residual stream N(0, init_std / sqrt(number of residual
+        branches)), and every mixer's own rules (A_log, dt_bias, D, conv, gates: each module's `init_weights`).
+        A tied LM head and the tensors `X@k` occurrences share are drawn once, by their first owner.
+
+        `part(module)`, if given, is a context entered around the init of each top-level part (embeddings, each
+        block, final norm, LM head): FSDP2 makes one part's parameters whole in it (train/parallel.py)."""
+        part = part or (lambda m: nullcontext())
+        self.tie_weights()
         std = self.config.init_std
         out_std = std / math.sqrt(max(1, self.num_layers))
-        for m in self.modules():
-            if isinstance(m, nn.Linear) and getattr(m, "_keep_init", False):
-                continue
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, out_std if getattr(m, "_is_residual_out", False) else std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, std)
+        later = {id(other): first for first, *others in self._shared for other in others}
+        for m in (self.embed, self.pos_embed, self.embed_norm):
+            if m is not None:
+                with part(m):
+                    normal_(std, m) if isinstance(m, nn.Embedding) else reset_(m)
+        for blk in self.blocks:
+            with part(blk):
+                with self._later_occurrences(blk, later):
+                    blk.init_weights(std, out_std)
+        with part(self.norm):
+            reset_(self.norm)
+        if not self.config.tie_embeddings:
+            with part(self.lm_head):
+                normal_(std, self.lm_head)
+        if self.hc_head is not None:
+            with part(self.hc_head):
+                self.hc_head.init_weights(std, out_std)
+
+    @contextmanager
+    def _later_occurrences(self, blk: nn.Module, later: dict):
+        """Every later `X@k` occurrence inside `blk` untied from its first (see _untied) while `blk` is initialised."""
+        with ExitStack() as stack:
+            for m in blk.modules():
+                if id(m) in later:
+                    stack.enter_context(_untied(later[id(m)], m))
+            yield
+
+    def reset_parameters(self):
+        """nn.Module's name for `init_weights`."""
+        self.init_weights()
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -415,24 +415,29 @@ def load_config(path: str):
         raise CheckpointError(f"{cfg_path}: invalid model config ({str(e).splitlines()[0]})") from None
 
 
-def load_checkpoint(path: str, device: str | torch.device = "cpu"):
-    """-> (CausalLM with the saved weights in their saved dtype, trainer state dict ({} if none was saved))."""
+def load_checkpoint(path: str, device: str | torch.device = "cpu", weights: bool = True):
+    """-> (CausalLM with the saved weights in their saved dtype, trainer state dict ({} if none was saved)).
+    weights=False: the model stays on the meta device, for a caller that loads the weights into its own shards
+    (the trainer's resume from DCP shards)."""
     from ..models import CausalLM
     ckpt = find_checkpoint(path)
     verify_checkpoint(ckpt)  # every file, before anything is loaded
     cfg = load_config(ckpt)
-    if not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
-        from .dist_checkpoint import load_dcp_weights   # saved under FSDP and not consolidated yet
+    with torch.device("meta"):  # no memory and no random init: the saved weights replace it
         model = CausalLM(cfg)
+    if not weights:
+        pass
+    elif not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
+        from .dist_checkpoint import load_dcp_weights   # saved under FSDP and not consolidated yet
+        model.to_empty(device="cpu")
+        model.tie_weights()                             # to_empty made one tensor per name
         load_dcp_weights(model, ckpt)
     else:
-        with torch.device("meta"):  # no random init: the weights (in the dtype they were saved in) replace it
-            model = CausalLM(cfg)
         load_model_weights(model, os.path.join(ckpt, MODEL_FILE), assign=True)
     state_path = os.path.join(ckpt, STATE_FILE)
     state = _read_json(state_path) if os.path.exists(state_path) else {}
     state["checkpoint_dir"] = ckpt
-    return model.to(device), state
+    return (model.to(device) if weights else model), state
 
 
 def init_weights(model: nn.Module, path: str):

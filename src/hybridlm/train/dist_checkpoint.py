@@ -102,7 +102,10 @@ def consolidate(checkpoint_dir: str) -> str:
     verify_checkpoint(ckpt)  # the manifest is rewritten below: it must not bless damaged shards
     if not has_dcp(ckpt):
         raise CheckpointError(f"{ckpt} holds no distributed checkpoint ({DCP_DIR}/.metadata is missing)")
-    model = CausalLM(load_config(ckpt))
+    with torch.device("meta"):
+        model = CausalLM(load_config(ckpt))
+    model.to_empty(device="cpu")     # no init: the shards fill every weight
+    model.tie_weights()
     load_dcp_weights(model, ckpt)
     path = os.path.join(ckpt, MODEL_FILE)
     tmp = path + ".tmp"

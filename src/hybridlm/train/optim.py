@@ -1,7 +1,7 @@
 """AdamW with nanoGPT-style weight-decay groups, and learning-rate schedules.
 
-Decay applies to matrices only (dim >= 2: linears and embeddings); norms, biases and parameters flagged
-`_no_weight_decay` (SSD `A_log`, `D`, `dt_bias`) are not decayed.
+Decay applies to matrices only (dim >= 2: linears, embeddings, experts); vectors (norms, biases, SSD `D` and
+`dt_bias`, gate biases, residual weights) and the matrices named in NO_DECAY are not decayed.
 """
 import math
 
@@ -11,12 +11,21 @@ from torch import nn
 from ..errors import ConfigError
 
 
+# matrices that are not weights: Mamba-1's A_log [d_inner, d_state] (a decay towards 0 would make A -> -1) and the
+# WM position mask [heads, positions] (decay would pull it towards "masked")
+NO_DECAY = ("A_log", "pos_mask")
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Whether the parameter called `name` (any prefix, wrappers' included) is weight-decayed."""
+    return p.dim() >= 2 and name.rsplit(".", 1)[-1] not in NO_DECAY
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
-    for p in model.parameters():  # parameters() yields a tied weight once
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False) else no_decay).append(p)
+    for name, p in model.named_parameters():  # a tied weight once
+        if p.requires_grad:
+            (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -1,9 +1,15 @@
 """Data parallelism applied to a built `CausalLM` from outside (the model never knows): activation
 checkpointing per block, `torch.compile` per block, then DDP or FSDP2 `fully_shard`, in torchtitan's order.
 
+    with torch.device("meta"):
+        model = CausalLM(cfg)                      # no memory, no init: each rank initialises what it holds
     par = parallelize(model, "fsdp", world=2, device=dev, dtype="bfloat16", compile=True, checkpointing=True)
     loss = par.module(ids, labels=ids).loss        # what the training step calls
     opt = make_optimizer(model, ...)               # after sharding: the optimizer must see the sharded params
+
+A model built on the meta device is materialised on `device` and initialised here (torchtitan's order): under FSDP2
+after `fully_shard`, so a rank only ever allocates its shards, plus one part (embedding, block, head) whole at a time
+while it is initialised (`_whole`); otherwise before DDP, which broadcasts rank 0's weights.
 
 FSDP2 units: every block (and a module in it flagged `fsdp_unit`), the embedding, the final norm + lm_head
 together, then the root (which keeps what is left: positional embedding, hyper-connection head). A tied lm_head
@@ -12,6 +18,7 @@ all stay in the root unit.
 bf16 runs under FSDP2 use `MixedPrecisionPolicy`: parameters are gathered in bf16 for compute, gradients are
 reduced in float32 and the sharded master weights stay float32 (recurrent states are float32 inside the ops).
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -78,16 +85,48 @@ def _fully_shard(model: nn.Module, dtype: str) -> bool:
     return mp
 
 
+@contextmanager
+def _whole(module: nn.Module):
+    """`module`'s sharded parameters replaced by whole local tensors while it is initialised; on exit each rank keeps
+    its shard of them. Every rank draws the same whole tensors (same seed, same order), so the sharded model is the
+    one a single process initialises, without communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if isinstance(p, DTensor)]
+    whole = {}
+    for m, n, p in slots:
+        if id(p) not in whole:   # a tied tensor: one whole tensor too
+            whole[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device))
+        m._parameters[n] = whole[id(p)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, n, p in slots:
+                if id(p) in whole:
+                    shard = distribute_tensor(whole.pop(id(p)).data, p.device_mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(shard.to_local())
+                m._parameters[n] = p
+
+
+def _materialise(model: nn.Module, device: torch.device | None, sharded: bool):
+    """A model built on the meta device: allocate it (its shards) on `device` and initialise it."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    model.to_empty(device=device or torch.device("cpu"))
+    model.init_weights(part=_whole if sharded else None)
+
+
 def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device: torch.device | None = None,
                 dtype: str = "float32", compile: bool = False, checkpointing: bool = False) -> Parallel:
-    """Wrap `model` (already on `device`) for training on `world` ranks. mode auto = ddp; with world 1 there is
-    nothing to shard or synchronise, so only the per-block wrappers apply. Modifies `model` in place (FSDP2
-    swaps its parameters for sharded DTensors): build the optimizer afterwards."""
+    """Wrap `model` (on `device`, or on the meta device: then materialised and initialised here, see above) for
+    training on `world` ranks. mode auto = ddp; with world 1 there is nothing to shard or synchronise, so only the
+    per-block wrappers apply. Modifies `model` in place (FSDP2 swaps its parameters for sharded DTensors): build
+    the optimizer afterwards."""
     if mode not in MODES:
         raise ConfigError(f"parallel must be one of {', '.join(MODES)}, got {mode!r}")
-    # parameters flagged `_no_weight_decay` lose the flag when FSDP2 re-creates them: remember them by name
-    no_decay = {clean_name(n) for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
     _apply_block_wrappers(model, checkpointing, compile)
+    if world <= 1 or mode != "fsdp":
+        _materialise(model, device, sharded=False)
     if world <= 1:
         return Parallel(model, "none")
     if not dist.is_initialized():
@@ -96,9 +135,7 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
         if getattr(model, "_shared", None):   # one tensor in several per-block FSDP units cannot be sharded
             raise ConfigError("parallel fsdp does not support weight-shared layers (X@k in the layout): use ddp")
         mp = _fully_shard(model, dtype)
-        for n, p in model.named_parameters():
-            if clean_name(n) in no_decay:
-                p._no_weight_decay = True
+        _materialise(model, device, sharded=True)
         return Parallel(model, "fsdp", mixed_precision=mp)
     from torch.nn.parallel import DistributedDataParallel as DDP
     # routed experts may get no tokens in a step; an indexer not trained by its KL gets no gradient at all

@@ -197,20 +197,25 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
     start, tokens_seen, state = 0, 0, {}
     if resume:
         ckpt = find_checkpoint(out_dir)
-        model, state = load_checkpoint(ckpt)
+        # DCP shards are loaded below, into whatever this rank holds: no whole model here
+        model, state = load_checkpoint(ckpt, weights=not has_dcp(ckpt))
         model_cfg = model.config
         start, tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
     else:
-        model = CausalLM(model_cfg)
-        if cfg.init_from:
+        if cfg.init_from:             # the weights come from a checkpoint (e.g. a dense model, before the warm-up)
+            model = CausalLM(model_cfg)
             init_weights(model, cfg.init_from)
+        else:
+            with torch.device("meta"):    # allocated and initialised by parallelize, under FSDP2 shard by shard
+                model = CausalLM(model_cfg)
     apply_stage(model, cfg.stage)          # before parallelism: DDP / FSDP2 see only what trains
     if tok.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                           f"{model_cfg.vocab_size}")
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-    model.to(device)
+    if not any(p.is_meta for p in model.parameters()):
+        model.to(device)
     cp = cfg.context_parallel
     cp_group = _context_parallel_group(cfg, model_cfg, rank, world) if cp > 1 else None
     # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
