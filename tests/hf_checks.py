@@ -7,7 +7,7 @@ from hybridlm.cli import main as cli
 from hybridlm.hf import from_transformers
 from hybridlm.hf.common import TWINS
 from hybridlm.hf.convert import config_from_transformers
-from hybridlm.train.checkpoint import load_checkpoint
+from hybridlm.checkpoint import load_checkpoint
 
 TOL = 1e-4                                           # float32 logits, random weights
 

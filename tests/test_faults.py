@@ -19,9 +19,9 @@ from hybridlm import CausalLM, CheckpointError, presets
 from hybridlm.data.loader import TokenData
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.train import TrainConfig, load_checkpoint, load_pretrained, train
-from hybridlm.train import checkpoint as ckpt_mod
-from hybridlm.train.checkpoint import ensure_writable, find_checkpoint, save_step_checkpoint
-from hybridlm.train.optim import make_optimizer
+from hybridlm.checkpoint import files as ckpt_mod
+from hybridlm.checkpoint import ensure_writable, find_checkpoint, save_step_checkpoint
+from hybridlm.optim import make_optimizer
 
 TINY = ["--preset", "transformer++", "--n-layers", "1", "--d-model", "32", "--set", "n_heads=2", "--seq-len", "32",
         "--batch-size", "4", "--warmup", "1", "--eval-every", "0", "--eval-tokens", "64", "--log-every", "1",
@@ -132,8 +132,8 @@ SAVER = textwrap.dedent("""
     import sys, torch
     from hybridlm import CausalLM, presets
     from hybridlm.data.tokenizer import ByteTokenizer
-    from hybridlm.train.checkpoint import find_checkpoint, load_checkpoint, save_step_checkpoint
-    from hybridlm.train.optim import make_optimizer
+    from hybridlm.checkpoint import find_checkpoint, load_checkpoint, save_step_checkpoint
+    from hybridlm.optim import make_optimizer
     run = sys.argv[1]
     model = CausalLM(presets.get("transformer++", n_layers=4, d_model=256, n_heads=4, vocab_size=257))
     opt = make_optimizer(model, 1e-3)

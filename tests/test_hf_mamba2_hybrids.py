@@ -170,7 +170,7 @@ def test_twin_equals_preset(name):
 
 @pytest.mark.parametrize("case", ["nemotron-h", "granite-moe-nope"])
 def test_directory_conversion_and_info(case, tmp_path, capsys):
-    from hybridlm.train.checkpoint import load_checkpoint
+    from hybridlm.checkpoint import load_checkpoint
     hf = CASES[case]()
     hf.save_pretrained(tmp_path / "hf")
     run = str(tmp_path / "run")

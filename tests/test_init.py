@@ -12,7 +12,7 @@ from test_parallel import WORLD, spawn, tiny
 from hybridlm import CausalLM, ModelConfig
 from hybridlm.layers.short_conv import ShortConv
 from hybridlm.models.registry import LETTERS
-from hybridlm.train.optim import param_groups
+from hybridlm.optim import param_groups
 
 # together every letter, two-hop and parallel blocks, X@k sharing (Zamba2), a learned position table, the WM options
 COVER = ["mamba2-attention", "rodimus++", "cheems", "doge", "jamba", "qwen3-next", "kimi-linear", "lfm2",
@@ -148,7 +148,7 @@ def test_tied_and_shared_weights_are_initialised_once(monkeypatch):
 
 @pytest.mark.parametrize("name", ["mamba2-attention", "rodimus++", "kimi-linear", "lfm2"])
 def test_checkpoint_into_a_meta_built_model_gives_the_same_logits(tmp_path, name):
-    from hybridlm.train.checkpoint import load_checkpoint, save_checkpoint
+    from hybridlm.checkpoint import load_checkpoint, save_checkpoint
     torch.manual_seed(0)
     m = CausalLM(tiny_config(name)).eval()
     ids = torch.randint(0, 97, (2, 16))

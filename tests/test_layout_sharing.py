@@ -83,7 +83,7 @@ def test_decode_matches_forward():
 
 
 def test_checkpoint_round_trip_keeps_ties(tmp_path):
-    from hybridlm.train.checkpoint import load_checkpoint, save_checkpoint
+    from hybridlm.checkpoint import load_checkpoint, save_checkpoint
     m = model().eval()
     save_checkpoint(str(tmp_path / "ck"), m)
     back, _ = load_checkpoint(str(tmp_path / "ck"))                            # meta build + assign=True

@@ -14,7 +14,7 @@ from hybridlm import CausalLM, InputError, presets  # noqa: E402
 from hybridlm.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: E402
 from hybridlm.eval.harness import HybridLMEval  # noqa: E402
 from hybridlm.eval.harness_tasks import TASKS_DIR, local_task_names, run_tasks  # noqa: E402
-from hybridlm.train.checkpoint import save_checkpoint  # noqa: E402
+from hybridlm.checkpoint import save_checkpoint  # noqa: E402
 
 from conftest import assert_close  # noqa: E402
 

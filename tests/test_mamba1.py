@@ -85,7 +85,7 @@ def test_trains_and_keeps_its_init():
     fresh = CausalLM(ModelConfig(layout="B", **SMALL)).blocks[0].mixer
     assert_close(fresh.A_log, torch.log(torch.arange(1, 7.0)).repeat(64, 1), rtol=0, atol=0)   # S4D-real A
     assert (fresh.D == 1).all() and fresh.dt_proj.bias.abs().max() > 0                       # not re-initialised
-    from hybridlm.train.optim import param_groups
+    from hybridlm.optim import param_groups
     assert any(p is fresh.A_log for p in param_groups(fresh, 0.1)[1]["params"])   # a matrix, not decayed
     assert_trains(m, torch.randint(0, 61, (4, 24)), steps=8, drop=0.1)
     assert mixer.A_log.grad is not None and mixer.dt_norm.grad is not None

@@ -294,8 +294,8 @@ def _train_cfg(**kw):
 
 def _fsdp_runs(rank, tmp, text_path):
     from hybridlm.train import train
-    from hybridlm.train.dist_checkpoint import load_training_state
-    from hybridlm.train.optim import make_optimizer
+    from hybridlm.checkpoint.dcp import load_training_state
+    from hybridlm.optim import make_optimizer
     from hybridlm.train.parallel import parallelize
     data, cfg = _data(text_path), tiny("mamba2-attention", vocab_size=257)
     train(cfg, _train_cfg(), data, f"{tmp}/whole", progress=False)
@@ -325,9 +325,9 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
 
     from hybridlm.cli import main
     from hybridlm.train import load_checkpoint, train
-    from hybridlm.train.checkpoint import write_manifest
-    from hybridlm.train.dist_checkpoint import load_training_state
-    from hybridlm.train.optim import make_optimizer
+    from hybridlm.checkpoint import write_manifest
+    from hybridlm.checkpoint.dcp import load_training_state
+    from hybridlm.optim import make_optimizer
     text = tmp_path / "text.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(300)))
     spawn(_fsdp_runs, str(tmp_path), str(text))

@@ -16,9 +16,9 @@ from hybridlm.data.loader import TokenData
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.eval.perplexity import perplexity
 from hybridlm.train import TrainConfig, load_checkpoint, load_pretrained, lr_at, param_groups, save_checkpoint, train
-from hybridlm.train import checkpoint as ckpt_mod
-from hybridlm.train.checkpoint import load_optimizer
-from hybridlm.train.optim import make_optimizer
+from hybridlm.checkpoint import files as ckpt_mod
+from hybridlm.checkpoint import load_optimizer
+from hybridlm.optim import make_optimizer
 
 
 def tiny_config(preset="mamba2-attention", **kw):

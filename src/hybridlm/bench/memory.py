@@ -10,7 +10,7 @@ peak resident size during the step minus the resident size before it: activation
 not the weights. CUDA: torch.cuda.max_memory_allocated over the step minus the allocation
 before it, in this process (the caching allocator makes that exact). A fresh process per case keeps one
 case's freed-but-cached memory from hiding the next one's peak; it sets the allocator as the `hybridlm` command
-does (hybridlm.cli.tune_allocator). `dtype` bfloat16/float16: the step runs under autocast (float32 weights),
+does (hybridlm.runtime.tune_allocator). `dtype` bfloat16/float16: the step runs under autocast (float32 weights),
 as `hybridlm bench --dtype` times it.
 """
 import json
@@ -100,7 +100,7 @@ def step_peak_bytes(cfg: ModelConfig, batch: int, seq_len: int, train: bool = Tr
 
 
 if __name__ == "__main__":
-    from ..cli import tune_allocator
+    from ..runtime import tune_allocator
     tune_allocator()                                    # the allocator the `hybridlm` command runs with
     job = json.loads(sys.stdin.read())
     torch.set_num_threads(job["threads"])

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from ..models import CausalLM, presets
-    from ..train.optim import make_optimizer
+    from ..optim import make_optimizer
     from ..train.parallel import parallelize
     from ..train.trainer import _setup_distributed
     rank, world, device, _ = _setup_distributed("auto")

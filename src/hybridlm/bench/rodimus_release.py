@@ -118,7 +118,7 @@ def _transformer_like(params: int, size: dict):
 def _decode(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict:
     """Prefill `context` random tokens (chunks of 512), then time `steps` greedy one-token decode steps."""
     from ..models import CausalLM
-    from ..train.checkpoint import load_checkpoint, load_config
+    from ..checkpoint import load_checkpoint, load_config
     if which == "transformer++":
         with torch.device("meta"):
             params = CausalLM(load_config(ckpt)).num_parameters()

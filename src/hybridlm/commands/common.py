@@ -31,7 +31,7 @@ def model_config(args, vocab_size: int, seq_len: int | None = None):
     """The preset with --n-layers/--d-model/--n-heads/--set applied. Unless max_seq_len is set, a learned
     position table is sized to `seq_len` (the context trained on; it cannot extrapolate) and other models'
     max_seq_len grows to cover it."""
-    from .. import presets
+    from ..models import presets
     over = parse_sets(args.set)
     for flag in ("n_layers", "d_model", "n_heads"):
         if getattr(args, flag, None) is not None:

@@ -3,7 +3,7 @@ from .common import out
 
 
 def main(args) -> int:
-    from ..train.dist_checkpoint import consolidate
+    from ..checkpoint.dcp import consolidate
     out(f"wrote {consolidate(args.checkpoint)}")
     return 0
 

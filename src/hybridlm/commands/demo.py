@@ -15,7 +15,7 @@ def _calibrate(cfg, tcfg, data) -> tuple[int, float]:
     import torch
     from ..data.loader import batch_generator
     from ..models import CausalLM
-    from ..train.optim import make_optimizer
+    from ..optim import make_optimizer
     model = CausalLM(cfg)
     opt = make_optimizer(model, tcfg.lr)
     ids, resets = data.get_batch("train", tcfg.batch_size, tcfg.seq_len, batch_generator(12345, 0))
@@ -36,7 +36,7 @@ def _calibrate(cfg, tcfg, data) -> tuple[int, float]:
 
 
 def main(args) -> int:
-    from .. import presets
+    from ..models import presets
     from ..data.corpus import load_corpus
     from ..data.loader import TokenData
     from ..data.tokenizer import ByteTokenizer

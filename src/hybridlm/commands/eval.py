@@ -21,7 +21,7 @@ def main(args) -> int:
     from ..data.tokenizer import tokenizer_from_dir
     from ..dtypes import resolve_dtype
     from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
-    from ..train.checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
     model, state = load_checkpoint(args.checkpoint)
     tok = other_tokenizer(args.tokenizer, model.config.vocab_size) if args.tokenizer \
         else tokenizer_from_dir(state["checkpoint_dir"])

@@ -22,7 +22,7 @@ def cache_bytes(cfg, contexts: list[int], batch_size: int = 1, chunk: int = 512,
 
 
 def main(args) -> int:
-    from .. import presets
+    from ..models import presets
     from ..errors import InputError
     from ..models import CausalLM
     if args.list:
@@ -30,7 +30,7 @@ def main(args) -> int:
             out(f"{name:<20} {presets.PRESETS[name].doc}")
         return 0
     if args.checkpoint:
-        from ..train.checkpoint import load_config
+        from ..checkpoint import load_config
         cfg, name = load_config(args.checkpoint), args.checkpoint
     elif args.preset:
         cfg, name = model_config(args, args.vocab_size), args.preset

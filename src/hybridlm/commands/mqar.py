@@ -26,7 +26,7 @@ import os
 import platform
 import statistics
 
-from ..cli import command_line
+from ..runtime import command_line
 from ..plots import pyplot
 from .common import out, parse_sets
 
@@ -86,7 +86,7 @@ def add_arguments(p):
 
 def parse_layouts(text: str, layers: int) -> list[tuple[str, str, dict]]:
     """'attention=A,m2=S:ssd_d_state=16' -> [(name, layout or preset, field overrides)]."""
-    from .. import presets
+    from ..models import presets
     from ..errors import InputError
     from ..models.layout import parse_layout
     from ..models.registry import LETTERS
@@ -116,7 +116,7 @@ def parse_layouts(text: str, layers: int) -> list[tuple[str, str, dict]]:
 def build_config(value: str, over: dict, *, d_model: int, seq_len: int, vocab_size: int, layers: int):
     """ModelConfig of one sweep point: the spec at this width; single attention heads (000_4348bfb066d62081.txt
     table 6) and SSD head dims that divide the SSD width, unless the spec sets them."""
-    from .. import presets
+    from ..models import presets
     from ..errors import ConfigError
     from ..models import ModelConfig
     if value in presets.PRESETS:

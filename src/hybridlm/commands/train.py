@@ -28,8 +28,8 @@ def main(args) -> int:
     from ..dtypes import resolve_dtype
     from ..models import CausalLM, ModelConfig
     from ..train import TrainConfig, train
-    from ..train.checkpoint import ensure_writable, find_checkpoint, load_config
-    from ..train.checkpoint import load_tokenizer as checkpoint_tokenizer
+    from ..checkpoint import ensure_writable, find_checkpoint, load_config
+    from ..checkpoint import load_tokenizer as checkpoint_tokenizer
     if args.out is None:
         args.out = os.path.join("runs", args.preset)
     dtype, label = resolve_dtype(args.dtype, args.device)

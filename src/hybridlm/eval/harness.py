@@ -49,7 +49,7 @@ class HybridLMEval(TemplateLM):
         device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                               "cpu" if device in (None, "auto") else device)
         if checkpoint is not None:
-            from ..train.checkpoint import load_pretrained
+            from ..checkpoint import load_pretrained
             model, tokenizer = load_pretrained(str(checkpoint), device)
         if tokenizer is None:
             raise InputError("a model given to the hybridlm lm-eval model needs its tokenizer")

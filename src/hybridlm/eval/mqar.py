@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..data.mqar import IGNORE, check_sizes, curriculum, mqar
 from ..models import CausalLM, ModelConfig
-from ..train.optim import lr_at, make_optimizer
+from ..optim import lr_at, make_optimizer
 
 TEST_SEED_OFFSET = 1_000_003  # the test set's stream never coincides with a training stage's
 

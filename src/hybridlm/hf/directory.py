@@ -108,7 +108,7 @@ def convert_transformers_dir(src_dir: str, out_dir: str, dtype: str | torch.dtyp
 def save_converted(out_dir: str, cfg, sd: dict, src_dir: str) -> str:
     """Write a converted state dict as a hybridlm checkpoint (the tokenizer of `src_dir` too, if it has one)."""
     from ..data.tokenizer import BPE_FILE, check_fits, tokenizer_from_dir
-    from ..train.checkpoint import save_checkpoint
+    from ..checkpoint import save_checkpoint
     with torch.device("meta"):
         model = CausalLM(cfg)
     try:
@@ -156,7 +156,7 @@ def export_to_hf(src: str, out_dir: str, native: bool = False) -> str:
     HybridLMForCausalLM, or with `native` transformers' own class when the model is exactly one (hf/native.py)."""
     from ..data.tokenizer import check_fits, tokenizer_from_dir
     from ..errors import HybridLMError
-    from ..train.checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
     model, state = load_checkpoint(src)
     try:
         tok = tokenizer_from_dir(state["checkpoint_dir"])

@@ -296,7 +296,7 @@ def convert_rodimus_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | N
     atomically: config.json, model.safetensors, the tokenizer files); returns its path. `dtype` (float32, bfloat16,
     float16) casts the weights; by default they keep the dtype of the source embedding."""
     from ..data.tokenizer import tokenizer_from_dir
-    from ..train.checkpoint import MODEL_FILE, new_tmp_dir, publish
+    from ..checkpoint import MODEL_FILE, new_tmp_dir, publish
     hf = read_config(src_dir)
     cfg = model_config(hf, os.path.join(src_dir, "config.json"))
     if isinstance(dtype, str):

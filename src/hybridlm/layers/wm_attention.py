@@ -55,7 +55,7 @@ class WMAttention(nn.Module):
             self.v_keys = nn.Parameter(torch.empty(n_kv_heads, inner_values, inner_dret))
             self.v_table = nn.Parameter(torch.empty(n_kv_heads, inner_values, head_dim))
         if dyn_mask == "position":                       # eq. 4: l = ones([heads, max_position_len])
-            self.pos_mask = nn.Parameter(torch.empty(n_kv_heads, max_seq_len))   # never decayed (train/optim.py)
+            self.pos_mask = nn.Parameter(torch.empty(n_kv_heads, max_seq_len))   # never decayed (optim.py)
         elif dyn_mask == "dt":
             self.dt_proj = nn.Linear(n_kv_heads * head_dim, n_kv_heads, bias=bias)
             self.A = nn.Parameter(torch.empty(n_kv_heads))

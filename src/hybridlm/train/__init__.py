@@ -1,6 +1,6 @@
-"""Training: the loop, AdamW + schedules, and safetensors checkpoints."""
-from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint, save_step_checkpoint
-from .optim import lr_at, make_optimizer, param_groups
+"""Training: the loop (and, re-exported for convenience, the optimizer, validation and checkpoint functions it uses)."""
+from ..checkpoint import load_checkpoint, load_pretrained, save_checkpoint, save_step_checkpoint
+from ..optim import lr_at, make_optimizer, param_groups
 from ..eval.perplexity import evaluate_loss, validate
 from .trainer import TrainConfig, train
 

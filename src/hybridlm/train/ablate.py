@@ -21,7 +21,7 @@ import shutil
 import statistics
 import time
 
-from ..cli import command_line
+from ..runtime import command_line
 from ..errors import ConfigError
 from .recipes import Recipe, RunConfig
 
@@ -50,7 +50,7 @@ def _train_one(recipe: Recipe, c: RunConfig, cfg, data, tok, seed: int, run_dir:
     """Train one (configuration, seed), or reuse its result.json from an earlier run of the same budget."""
     from ..eval.perplexity import validate
     from . import TrainConfig, train
-    from .checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
     b = recipe.budget
     path = os.path.join(run_dir, RESULT)
     key = {"budget": _run_budget(b), "train": c.train, "layout": cfg.layout, "d_model": cfg.d_model}
@@ -106,7 +106,7 @@ def _measure(recipe: Recipe, cfg, data, seed: int, ckpt: str) -> dict:
 
     from ..eval.attention_recall import captured_mass
     from ..models import CausalLM
-    from .checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
     b = recipe.budget
     model, _ = load_checkpoint(ckpt)
     kw = dict(seq_len=b["seq_len"], batch_size=b["batch_size"], max_tokens=b["eval_tokens"] or 32_768, seed=seed)

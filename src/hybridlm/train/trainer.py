@@ -9,7 +9,7 @@ and RNG state, so a resumed run reproduces the loss curve of an uninterrupted on
 `torchrun --nproc_per_node N` (WORLD_SIZE > 1) each rank draws its own batches, gradients are averaged by
 DDP or FSDP2 (`parallel`, train/parallel.py; gloo on CPU, nccl on CUDA), and rank 0 alone logs; every rank
 validates its share of the windows, and under FSDP2 writes its shards of a DCP checkpoint
-(train/dist_checkpoint.py).
+(checkpoint/dcp.py).
 
 With `context_parallel` N, groups of N consecutive ranks split each sequence (train/context_parallel.py): the
 ranks of a group read the same batch and each runs its T/N positions; the groups are data parallel. Every rank
@@ -34,12 +34,12 @@ from ..dtypes import resolve_dtype
 from ..errors import CheckpointError, ConfigError
 from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
-from .checkpoint import (ensure_writable, find_checkpoint, init_weights, load_checkpoint, load_optimizer,
+from ..checkpoint import (ensure_writable, find_checkpoint, init_weights, load_checkpoint, load_optimizer,
                          mark_latest, save_checkpoint, set_rng_state, step_name)
 from .context_parallel import all_reduce_grads, context_parallel_forward
-from .dist_checkpoint import has_dcp, load_training_state, save_sharded_checkpoint
+from ..checkpoint.dcp import has_dcp, load_training_state, save_sharded_checkpoint
 from .faults import StopSignals, finite
-from .optim import lr_at, make_optimizer
+from ..optim import lr_at, make_optimizer
 from .parallel import MODES as PARALLEL_MODES
 from .parallel import parallelize
 from .stages import STAGES, apply_stage, set_dense

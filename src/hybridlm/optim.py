@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 
 # matrices that are not weights: Mamba-1's A_log [d_inner, d_state] (a decay towards 0 would make A -> -1) and the

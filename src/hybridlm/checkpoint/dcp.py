@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ..errors import CheckpointError
-from .checkpoint import (LATEST_FILE, MANIFEST_FILE, MODEL_FILE, _save_model, new_tmp_dir, publish, verify_checkpoint,
+from .files import (LATEST_FILE, MANIFEST_FILE, MODEL_FILE, _save_model, new_tmp_dir, publish, verify_checkpoint,
                          write_manifest, write_metadata, write_run_index)
 
 DCP_DIR = "dcp"
@@ -97,7 +97,7 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, chec
 def consolidate(checkpoint_dir: str) -> str:
     """Write model.safetensors next to the DCP shards of `checkpoint_dir` (one process); returns its path."""
     from ..models import CausalLM
-    from .checkpoint import find_checkpoint, load_config
+    from .files import find_checkpoint, load_config
     ckpt = find_checkpoint(checkpoint_dir)
     verify_checkpoint(ckpt)  # the manifest is rewritten below: it must not bless damaged shards
     if not has_dcp(ckpt):

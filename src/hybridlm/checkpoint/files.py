@@ -428,7 +428,7 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", weights: bool
     if not weights:
         pass
     elif not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
-        from .dist_checkpoint import load_dcp_weights   # saved under FSDP and not consolidated yet
+        from .dcp import load_dcp_weights   # saved under FSDP and not consolidated yet
         model.to_empty(device="cpu")
         model.tie_weights()                             # to_empty made one tensor per name
         load_dcp_weights(model, ckpt)
@@ -446,7 +446,7 @@ def init_weights(model: nn.Module, path: str):
     ckpt = find_checkpoint(path)
     verify_checkpoint(ckpt)
     if not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
-        from .dist_checkpoint import load_dcp_weights
+        from .dcp import load_dcp_weights
         load_dcp_weights(model, ckpt)
     else:
         load_model_weights(model, os.path.join(ckpt, MODEL_FILE))

@@ -1,0 +1,37 @@
+"""Process-level facts a command needs: how it was typed, and the allocator settings of a command-line process.
+
+Below every package (train, bench and the commands use it), so none of them imports `cli`.
+"""
+import ctypes
+import os
+import platform
+import sys
+
+# glibc mallopt parameters, and the values the command sets for its own process: freed blocks up to 1 GiB stay
+# in the heap instead of going back to the OS, so a long-sequence step does not page-fault its activations
+# in again every time (2x the cost per token past ~4K tokens on CPU, ../docs/architecture.md)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MALLOPT = ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20))
+_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def tune_allocator() -> bool:
+    """Raise glibc's mmap/trim thresholds and top pad for this process (a command-line entry point's choice;
+    importing hybridlm changes nothing). Skipped where glibc is not the allocator, where jemalloc/tcmalloc is
+    preloaded, or where the user set the MALLOC_* variables themselves. Returns whether it applied."""
+    if platform.libc_ver()[0] != "glibc" or "malloc" in os.environ.get("LD_PRELOAD", "") or \
+            any(v in os.environ for v in _ENV):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return all(libc.mallopt(param, value) == 1 for param, value in _MALLOPT)
+
+
+def command_line() -> str:
+    """This process's command as a user would type it ("hybridlm bench ..."), never a path of the machine."""
+    import shlex
+    prog = os.path.basename(sys.argv[0])
+    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return f"hybridlm {args}" if prog in ("hybridlm", "__main__.py") else f"python {prog} {args}".rstrip()

@@ -1,0 +1,79 @@
+"""The package order of docs/architecture.md holds: no module imports from a package above its own.
+
+Checked on the source (every `import`, including the lazy ones inside functions), so a cycle cannot hide behind a
+deferred import. The root `hybridlm/__init__.py` is the public facade and may import anything; other modules may
+take only `__version__` from it.
+"""
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "hybridlm"
+
+# lowest first; a package may import from its own rank and below
+LAYERS = [
+    {"errors", "jsonio", "runtime", "dtypes", "plots", "optim"},   # leaf utilities
+    {"ops"},
+    {"context", "cache"},
+    {"layers"},
+    {"models"},
+    {"data"},
+    {"checkpoint"},
+    {"eval"},
+    {"train"},
+    {"hf"},
+    {"bench"},
+    {"commands"},
+    {"cli", "__main__"},
+]
+RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
+
+
+def _imports(path: pathlib.Path):
+    """(line, imported hybridlm top-level name, names taken) for every import of a hybridlm module in `path`."""
+    rel = path.relative_to(SRC).with_suffix("").parts        # ("train", "trainer") or ("cli",)
+    package = rel[:-1] if rel[-1] != "__init__" else rel[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                target = list(base) + (node.module.split(".") if node.module else [])
+            elif node.module and (node.module == "hybridlm" or node.module.startswith("hybridlm.")):
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            yield node.lineno, (target[0] if target else None), (names if not target else [])
+            if not target:                                    # `from .. import x`: x may be a package
+                continue
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("hybridlm."):
+                    yield node.lineno, a.name.split(".")[1], []
+
+
+def _modules():
+    return sorted(p for p in SRC.rglob("*.py") if p != SRC / "__init__.py")
+
+
+def test_every_package_has_a_rank():
+    tops = {p.relative_to(SRC).parts[0].removesuffix(".py") for p in _modules()}
+    assert tops - RANK.keys() == set(), "a new package: give it its place in LAYERS and docs/architecture.md"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_go_down(path):
+    own = path.relative_to(SRC).parts[0].removesuffix(".py")
+    bad = []
+    for line, target, names in _imports(path):
+        if target is None:                                    # `from .. import name` of the root package
+            bad += [f"line {line}: imports {n} from the hybridlm facade" for n in names
+                    if n != "__version__" and n not in RANK]
+            targets = [n for n in names if n in RANK]
+        else:
+            targets = [target]
+        for t in targets:
+            if t != own and RANK.get(t, -1) > RANK[own]:
+                bad.append(f"line {line}: {own} imports {t}, a package above it")
+    assert not bad, f"{path.relative_to(SRC)}: " + "; ".join(bad)
