@@ -3,6 +3,16 @@
 Each token mixer owns one slot (`cache.layer(i, factory)`) and reads/writes it during its forward, so
 prefill, chunked prefill and one-token decode are the same call. The cache also tracks, per row, which
 of the tokens seen so far are real (`key_mask`, for left-padded batches) and the next position id.
+
+Slots: `KVCache` (attention: allocated once at `max_tokens` when the caller knows it, else grown by doubling),
+`WindowKVCache` (a ring of `window` tokens: prefill reads it in time order, a one-token decode as it lies with the
+key mask permuted into slot order), `LatentCache` (MLA's latent and shared roped key), `IndexerCache` (the lightning
+indexer's keys plus the wrapped attention's slot), `RecurrentCache` (conv tail + float32 state). `nbytes` counts
+what is held (tokens seen), not the capacity.
+
+Static decoding (`make_static`, for CUDA graphs): after the prefill every K/V buffer is grown to `max_tokens`, the
+write slot and the key mask become tensors advanced in place, a recurrent slot copies new states into its existing
+tensors, and host counters move in `advance()` outside the step, so every step has the same shapes and addresses.
 """
 from dataclasses import dataclass
 

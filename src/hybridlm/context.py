@@ -1,4 +1,9 @@
-"""What every mixer needs to know about the current call besides its input: positions, masks, resets."""
+"""What every mixer needs to know about the current call besides its input: positions, masks, resets.
+
+One object passed to every token mixer (`forward(x, *, ctx, cache)`) instead of separate position and mask
+arguments: the model builds it once per call, and the rotary tables it hands out are computed once per
+(dim, base) and shared by all layers.
+"""
 from dataclasses import dataclass, field
 
 from torch import Tensor

@@ -9,7 +9,7 @@ import sys
 
 # glibc mallopt parameters, and the values the command sets for its own process: freed blocks up to 1 GiB stay
 # in the heap instead of going back to the OS, so a long-sequence step does not page-fault its activations
-# in again every time (2x the cost per token past ~4K tokens on CPU, ../docs/architecture.md)
+# in again every time (2x the cost per token past ~4K tokens on CPU; README, "The allocator")
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MALLOPT = ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20))
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")

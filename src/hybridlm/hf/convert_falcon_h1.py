@@ -5,6 +5,9 @@ Falcon-H1's muP multipliers are constants around linear maps, so they are folded
 to float32 rounding) instead of becoming model options: embedding (into the embedding, or `embed_scale` when the
 embedding is tied to the LM head), lm_head, attention in (q/k/v weights), key (k weights and bias), attention out,
 ssm in, `ssm_multipliers` (the in_proj output segments z, x, B, C, dt: rows of in_proj), ssm out, MLP gate and down.
+Products are formed in float64 and rounded once. The multipliers live in the transformers config, not in tensors,
+so the converter registers `with_config=True` and its weights function takes that config. Falcon-H1's in_proj and
+out_proj biases are separate options, ours one: a missing one is converted as zeros.
 """
 import torch
 from torch import Tensor

@@ -4,7 +4,9 @@
   - `JambaForCausalLM` -> one letter pair per decoder layer: the mixer (B, or A at i % attn_layer_period ==
     attn_layer_offset; Jamba's attention has no positional encoding) then the FFN (O, a routed MoE, at i %
     expert_layer_period == expert_layer_offset when num_experts > 1, else M), e.g. "(BM BO BM BO AM BO BM BO)*4".
-    Its router is a softmax over all experts whose top-k weights are not renormalised.
+    Its router is a softmax over all experts whose top-k weights are not renormalised (`moe_norm_topk=False`);
+    its experts are read fused or per expert, as the files store them.
+  Falcon-Mamba's dt/B/C norms have no weight: `mamba1_bcdt_norm="plain"`.
 
 transformers' Mamba blocks keep the residual in float32 (`residual_in_fp32`); that matters only in half precision.
 """

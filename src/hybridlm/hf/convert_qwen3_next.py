@@ -6,6 +6,7 @@ gate), then a sparse MoE block -> O (softmax top-k, shared expert with a sigmoid
 Qwen3-Next's RMSNorms (layer, final and q/k norms) are zero-centred, x·(1 + w): converted to our weight 1 + w,
 computed in float32 as transformers does (a bfloat16 model rounds 1 + w to bfloat16). The G layer's gated norm is
 a plain weight. Projection layouts are kept, so G's fused in_proj_qkvz / in_proj_ba copy without reordering.
+Experts are read fused (a model in memory) or per expert (saved checkpoints).
 """
 import torch
 from torch import Tensor

@@ -3,6 +3,8 @@
     b, c, h = in_proj(x) split in three        (each [B, T, d])
     y = out_proj(c ⊙ conv(b ⊙ h))              conv: depthwise, causal, `kernel` taps
 Its cache slot is the conv tail (the last kernel-1 values of b ⊙ h), so decoding costs O(1) per token.
+Padding: b ⊙ h is zeroed at pad positions before the conv (transformers zeroes the layer input instead: the same
+without biases).
 """
 import torch
 from torch import Tensor, nn

@@ -12,6 +12,8 @@ L1-normalised) and softmax(I) (ops/indexer_loss.py), left in `indexer_kl` for th
 The indexer reads detached inputs, so that KL trains only the indexer and the LM loss only the rest. Two stages:
 `dense` (the warm-up: main attention over all keys, KL over all keys; train/stages.py freezes all but the
 indexers) and sparse (main attention over the top-k, KL over the selected keys only).
+DeepSeek's Hadamard rotation of the index q/k is not applied: it leaves the scores unchanged and serves FP8
+quantisation of q/k, which hybridlm does not do (index scores are float32).
 """
 import torch
 import torch.nn.functional as F

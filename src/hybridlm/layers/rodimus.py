@@ -10,7 +10,8 @@ linear attention with data-dependent tempered selection (DDTS). Released-code fa
     S_t = diag(α_t) S_{t-1} + (α̂_t ⊙ k_t)ᵀ u_t,  o_t = q_t S_t / √n + d ⊙ x'_t         (eq. 11)
     y = out_proj(RMSNorm(o ⊙ silu(z)))
 
-One head: the state is n × m, float32. Ablations: use_g=False makes g a learned constant softplus(b_g)
+One head: the state is n × m, float32. The input gate is g^τ exactly, floored only at float32's smallest normal
+to keep log g finite (a decay near 1 means g ~ 1e-9). Ablations: use_g=False makes g a learned constant softplus(b_g)
 (no selection by the input), use_tau=False sets τ = 1, use_beta_hat=False sets β̂ = 1 (table 11);
 product_decay=True also decays the value dim by β_t = 1 - β̂_t (eq. 7, table 12; the paper leaves β_t's
 form open, 1 - β̂ makes it the negative correlate of β̂ as α is of α̂).
