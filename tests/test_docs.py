@@ -128,8 +128,9 @@ def _fields(path: pathlib.Path, cls: str) -> set:
 
 def _dotted_exists(parts: list[str]) -> bool | None:
     """Whether `a.b.c` names something of ours (None: not ours, e.g. `torch.compile`). The longest leading part that
-    is one of our modules (`ops.loss`, `common`: any module whose path ends so) must define the next part; a class
-    (`CausalLM.forward`) must define its member."""
+    is one of our modules (`ops.loss`, `common`: any module whose path ends so) must define the next part (or, for a
+    variable named like the module, some class of ours must have it as a member); a class (`CausalLM.forward`) must
+    define its member."""
     _, modules, classes, _ = _index()
     parts = parts[1:] if parts[0] == "hybridlm" else parts
     for i in range(len(parts), 0, -1):
@@ -138,9 +139,10 @@ def _dotted_exists(parts: list[str]) -> bool | None:
             rest = parts[i:]
             if not rest:
                 return True
-            if not any(rest[0] in defs for defs in found):
-                return False
-            return len(rest) == 1 or rest[0] not in classes or rest[1] in classes[rest[0]]
+            if any(rest[0] in defs for defs in found):
+                return len(rest) == 1 or rest[0] not in classes or rest[1] in classes[rest[0]]
+            # `cache.seen`: a variable named like the module, holding an object of one of our classes
+            return any(rest[0] in members for members in classes.values())
     if parts[0] in classes:
         return parts[1] in classes[parts[0]]
     return None
@@ -154,8 +156,9 @@ def missing_names(text: str) -> list[str]:
     for span in spans(text):
         if SNAKE.match(span) and span not in config and span not in names:
             bad.append(span)
-        elif DOTTED.match(span) and span.rsplit(".", 1)[1] not in FILE_SUFFIXES and _dotted_exists(span.split(".")) is False:
-            bad.append(span)
+        elif DOTTED.match(span) and span.rsplit(".", 1)[1] not in FILE_SUFFIXES:     # config.json is a file name
+            if _dotted_exists(span.split(".")) is False:
+                bad.append(span)
     return bad
 
 
@@ -196,7 +199,8 @@ def test_layering_order_matches_the_test():
     ("set `ssd_no_such_field`", missing_names, ["ssd_no_such_field"]),
     ("set `dsa_kl_weight`, `grad_accum`, call `init_weights`", missing_names, []),
     ("`CausalLM.no_such_method` and `common.pyplot`", missing_names, ["CausalLM.no_such_method", "common.pyplot"]),
-    ("`CausalLM.forward`, `hybridlm.errors`, `ops.loss.linear_cross_entropy`, `plots.pyplot`", missing_names, []),
+    ("`CausalLM.forward`, `hybridlm.errors`, `ops.loss.linear_cross_entropy`, `plots.pyplot`, `cache.seen`",
+     missing_names, []),
     ("`m(x, ctx=ctx, cache=cache)`, `[B, T]`, `(S*4 A S*5)*2`, `torch.compile`, `config.json`", missing_names, []),
 ])
 def test_the_checks_catch_what_is_missing(doc, finder, expected):

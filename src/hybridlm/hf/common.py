@@ -1,6 +1,8 @@
 """What every converter shares: the registry keyed by transformers' `model_type`, and weight-copy helpers (renames
 and concatenations of a checkpoint's tensors, with one clear error for a tensor that is absent). Converters import
-this module, never each other."""
+this module, never each other; a block several families share (the Mamba-2 mixer, stacked routed experts) is copied
+by one helper here. A converter whose weights need the transformers config (constant multipliers folded into
+weights: Falcon-H1, Granite) registers `with_config=True`, and `convert_weights` then passes that config."""
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
