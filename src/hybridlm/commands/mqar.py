@@ -42,7 +42,8 @@ DEFAULT_LAYOUTS = ("attention=A:pos_embedding=\"learned\","
                    "gated-deltanet=G,"
                    "kda=K")
 ROW_KEYS = ("name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "accuracy_min", "accuracy_max", "seeds",
-            "params", "state_bytes", "lr", "steps")
+            "params", "state_bytes", "lr", "steps", "rising")
+RISING = 0.02   # a run that gained more than this over the last quarter of its budget was cut by the budget
 # settings that define the protocol: a resumed sweep must match them (the sweep's axes may grow)
 PROTOCOL_KEYS = ("layers", "pairs", "hard", "vocab_size", "curriculum", "steps", "batch_size", "train_examples",
                  "test_examples", "eval_every", "target", "weight_decay")
@@ -156,13 +157,22 @@ def _run_point(job: dict) -> list[dict]:
                              weight_decay=job["weight_decay"], eval_every=job["eval_every"], target=job["target"],
                              device=job["device"], progress=job["progress"], desc=f"{job['desc']} lr={lr:g}")
             prev = dict(base, accuracy=res["accuracy"], params=res["params"], state_bytes=state, steps=res["steps"],
-                        stopped_early=res["stopped_early"], loss=res["loss"], wall_s=res["wall_s"],
-                        curve=res["curve"], fields=job["fields"])
+                        stopped_early=res["stopped_early"], rising=still_rising(res["curve"], job["steps"]),
+                        loss=res["loss"], wall_s=res["wall_s"], curve=res["curve"], fields=job["fields"])
             job["report"](prev)
         trials.append(prev)
         if prev["accuracy"] >= job["target"]:
             break
     return trials
+
+
+def still_rising(curve: list, steps: int) -> bool:
+    """Whether held-out accuracy gained more than RISING over the last quarter of the step budget: the run ended
+    below the target because the budget ran out, not because the model cannot do better (report it as such)."""
+    if not curve or curve[-1][0] < steps:                  # stopped early, or no evaluation yet
+        return False
+    before = [a for s, a in curve if s <= 0.75 * steps]
+    return bool(before) and curve[-1][1] - before[-1] > RISING
 
 
 def best_rows(trials: list[dict]) -> list[dict]:
