@@ -79,7 +79,7 @@ def test_depth_sizing_and_active_parameters(tmp_path):
         cfg, n = r.model_config(c, 256)
         assert cfg.d_model == 32 and abs(n - 60_000) <= 9_000 and "{n}" not in cfg.layout
     from hybridlm.models import CausalLM
-    moe = CausalLM(ModelConfig(layout="(AO)*2", d_model=32, n_heads=2, wm_moe_experts=8, wm_moe_topk=2))
+    moe = CausalLM(ModelConfig(layout="(AO)*2", d_model=32, n_heads=2, moe_experts=8, moe_topk=2))
     per_expert = 3 * 32 * moe.config.mlp_hidden_size
     assert active_parameters(moe) == moe.num_parameters() - 2 * 6 * per_expert
 

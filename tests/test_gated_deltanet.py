@@ -16,7 +16,7 @@ from hybridlm.ops.delta_rule import delta_rule_recurrent
 SMALL = dict(d_model=64, vocab_size=61, n_heads=4, head_dim=16, gdn_chunk_size=8)
 CASES = {
     "one-group": dict(layout="(GM)*2", gdn_k_heads=2, gdn_k_dim=16),
-    "groups": dict(layout="GM GO AM", gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=16, gdn_v_dim=8, wm_moe_experts=4,
+    "groups": dict(layout="GM GO AM", gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=16, gdn_v_dim=8, moe_experts=4,
                    n_kv_heads=2, qk_norm=True, rope_dim=8, attn_output_gate=True),
     "mqa-gate": dict(layout="G A", gdn_k_heads=1, gdn_v_heads=3, n_kv_heads=1, attn_output_gate=True),
 }

@@ -85,7 +85,7 @@ def test_greedy_generate_matches(case):
 def test_config_mapping():
     cfg, sd = to_state_dict(CASES["jamba-moe-gqa"]())
     assert cfg.pos_embedding == "none" and cfg.kv_heads == 2 and cfg.mamba1_bcdt_norm == "weight"
-    assert cfg.wm_moe_experts == 4 and cfg.wm_moe_topk == 2 and not cfg.moe_norm_topk and cfg.moe_router == "softmax"
+    assert cfg.moe_experts == 4 and cfg.moe_topk == 2 and not cfg.moe_norm_topk and cfg.moe_router == "softmax"
     assert sd["blocks.1.mixer.w_gate"].shape == (4, 32, 48) and sd["blocks.1.mixer.w_down"].shape == (4, 48, 32)
     assert sd["blocks.0.mixer.dt_norm"].shape == (3,) and sd["blocks.0.mixer.conv.weight"].shape == (64, 4)
     falcon = config_from_transformers(CASES["falcon-mamba"]().config)

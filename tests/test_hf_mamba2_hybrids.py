@@ -133,7 +133,7 @@ def test_layouts_and_options():
     assert cfg.layout == "SM AM SM" and cfg.rope_dim == 8 and cfg.head_dim == 16 and cfg.ssd_expand == 2
     assert cfg.ssd_d_inner is None and cfg.ssd_dt_limit is None
     cfg = to_state_dict(granite())[0]
-    assert cfg.layout == "SO AO SO" and cfg.embed_scale == 3.0 and cfg.wm_moe_shared and cfg.moe_shared_hidden == 48
+    assert cfg.layout == "SO AO SO" and cfg.embed_scale == 3.0 and cfg.moe_shared and cfg.moe_shared_hidden == 48
     assert cfg.pos_embedding == "none" and cfg.tie_embeddings
 
 
@@ -230,7 +230,7 @@ def test_ssd_dt_limit_clamps_and_trains():
     ("mlp_act", "relu3", "mlp_act"),
 ])
 def test_impossible_sizes_fail_at_config_time(field, value, match):
-    base = dict(layout="S O", vocab_size=V, d_model=32, ssd_headdim=8, ssd_d_state=8, wm_moe_experts=4)
+    base = dict(layout="S O", vocab_size=V, d_model=32, ssd_headdim=8, ssd_d_state=8, moe_experts=4)
     with pytest.raises(ConfigError, match=match):
         ModelConfig(**{**base, field: value})
 

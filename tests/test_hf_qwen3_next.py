@@ -61,7 +61,7 @@ def test_layouts():
     released = transformers.Qwen3NextConfig()   # the 80B-A3B defaults: 48 layers, full attention every 4th
     cfg = config_from_transformers(released)
     assert cfg.layout == "(GO GO GO AO)*12" and cfg.rope_dim == 64 and cfg.gdn_v_heads == 32
-    assert cfg.wm_moe_experts == 512 and cfg.wm_moe_topk == 10 and cfg.moe_shared_gate and cfg.mlp_hidden is None
+    assert cfg.moe_experts == 512 and cfg.moe_topk == 10 and cfg.moe_shared_gate and cfg.mlp_hidden is None
 
 
 def test_left_padding():

@@ -105,9 +105,9 @@ def test_impossible_sizes_fail_at_config_time(field, value, match):
 def test_presets():
     j = presets.get("jamba")
     assert j.layout == "(BM BO BM BO AM BO BM BO)*2" and j.pos_embedding == "none" and j.mamba1_bcdt_norm == "weight"
-    assert not j.moe_norm_topk and j.moe_router == "softmax" and j.wm_moe_experts == 16
+    assert not j.moe_norm_topk and j.moe_router == "softmax" and j.moe_experts == 16
     j = presets.get("jamba", d_model=64, n_layers=1)
-    assert j.mamba1_dt_rank == 4 and j.head_dim == 8 and j.mlp_hidden == j.wm_moe_hidden == 192
+    assert j.mamba1_dt_rank == 4 and j.head_dim == 8 and j.mlp_hidden == j.moe_hidden == 192
     assert presets.get("mamba", n_layers=3).layout == "B*3"
     assert "S" in presets.get("jamba-ssd").layout and "B" not in presets.get("jamba-ssd").layout
 

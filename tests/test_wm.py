@@ -21,7 +21,7 @@ from hybridlm.ops.wm import (inner_function_values, inner_function_values_ref, k
                              topk_key_mask, topk_key_mask_ref)
 
 SMALL = dict(d_model=64, n_heads=4, vocab_size=97, ssd_headdim=16, ssd_d_state=16, ssd_chunk_size=8,
-             max_seq_len=128, wm_cdmoe_experts=64, wm_cdmoe_topk=6, wm_cdmoe_dret=16, wm_moe_experts=4,
+             max_seq_len=128, wm_cdmoe_experts=64, wm_cdmoe_topk=6, wm_cdmoe_dret=16, moe_experts=4,
              wm_inner_dret=16, wm_inner_values=6)
 
 
@@ -125,7 +125,7 @@ CASES = {
     "E-doge": ("(AE)*2", dict(wm_cdmoe_form="doge", wm_cdmoe_heads=2)),
     "E-sum": ("(SE)*2", dict(wm_cdmoe_form="sum", wm_cdmoe_heads=2)),
     "E-compose": ("(SE)*2", dict(wm_cdmoe_form="compose", wm_ssd_rope=True)),
-    "O-shared": ("(AO)*2", dict(wm_moe_shared=True)),
+    "O-shared": ("(AO)*2", dict(moe_shared=True)),
 }
 
 
@@ -345,8 +345,8 @@ def test_bad_configs_give_clear_errors():
         ModelConfig(layout="AE", wm_cdmoe_experts=1000)
     with pytest.raises(ConfigError, match="wm_cdmoe_topk"):
         ModelConfig(layout="AE", wm_cdmoe_experts=64, wm_cdmoe_topk=65)
-    with pytest.raises(ConfigError, match="wm_moe_topk"):
-        ModelConfig(layout="AO", wm_moe_experts=4, wm_moe_topk=5)
+    with pytest.raises(ConfigError, match="moe_topk"):
+        ModelConfig(layout="AO", moe_experts=4, moe_topk=5)
     with pytest.raises(ConfigError, match="wm_keep_window must be between"):
         ModelConfig(layout="AM", wm_dyn_mask="dt", wm_keep_window=4096, max_seq_len=2048)
     with pytest.raises(ConfigError, match="wm_keep_window must be between"):

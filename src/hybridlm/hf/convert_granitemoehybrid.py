@@ -52,8 +52,8 @@ def granite_config(hf) -> dict:
                          proj_bias=bool(hf.mamba_proj_bias), act=hf.hidden_act),
     )
     if experts:  # softmax over the top-k logits = softmax over all, top-k, renormalised
-        fields.update(wm_moe_experts=experts, wm_moe_topk=hf.num_experts_per_tok, wm_moe_hidden=hf.intermediate_size,
-                      wm_moe_shared=True, moe_shared_hidden=hf.shared_intermediate_size, moe_router="softmax",
+        fields.update(moe_experts=experts, moe_topk=hf.num_experts_per_tok, moe_hidden=hf.intermediate_size,
+                      moe_shared=True, moe_shared_hidden=hf.shared_intermediate_size, moe_router="softmax",
                       moe_norm_topk=True)
     return fields
 

@@ -59,8 +59,8 @@ def kimi_config(hf) -> dict:
     shared = int(_get(hf, "n_shared_experts", 0) or 0)
     topk_group = _get(hf, "topk_group")
     _need(isinstance(topk_group, int) or "sparse" not in mlps, ARCH, f"topk_group {topk_group!r} (not an integer)")
-    fields.update(wm_moe_experts=hf.num_local_experts, wm_moe_topk=hf.num_experts_per_tok or 1,
-                  wm_moe_hidden=hf.moe_intermediate_size, wm_moe_shared=shared > 0,
+    fields.update(moe_experts=hf.num_local_experts, moe_topk=hf.num_experts_per_tok or 1,
+                  moe_hidden=hf.moe_intermediate_size, moe_shared=shared > 0,
                   moe_shared_hidden=hf.moe_intermediate_size * shared if shared else None,
                   moe_router="sigmoid", moe_norm_topk=bool(hf.norm_topk_prob), moe_router_bias=True,
                   moe_n_group=int(hf.n_group or 1), moe_topk_group=topk_group or 1,
@@ -90,11 +90,11 @@ def _kda_weights(out: dict, prefix: str, at: _Tensors):
 
 def _moe_weights(out: dict, prefix: str, mo: _Tensors, cfg: ModelConfig):
     """experts.gate_up_proj [E, 2h, d] / down_proj [E, d, h] (loaded model) or experts.{e}.w1/w3/w2 (files)."""
-    gate, up, down = _stacked_experts(mo, cfg.wm_moe_experts, cfg.wm_moe_hidden, ("w1", "w3", "w2"))
+    gate, up, down = _stacked_experts(mo, cfg.moe_experts, cfg.moe_hidden, ("w1", "w3", "w2"))
     _routed_experts(out, prefix, gate=gate, up=up, down=down)
     out[prefix + "router.weight"] = mo["gate.weight"]
     out[prefix + "router_bias"] = mo["gate.e_score_correction_bias"]
-    if cfg.wm_moe_shared:
+    if cfg.moe_shared:
         out[prefix + "shared.w_in.weight"] = torch.cat((mo["shared_experts.gate_proj.weight"],
                                                         mo["shared_experts.up_proj.weight"]), 0)
         out[prefix + "shared.w_out.weight"] = mo["shared_experts.down_proj.weight"]
@@ -150,13 +150,13 @@ def kimi_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
     mla = mla_sizes(cfg)
     return KimiLinearConfig(
         vocab_size=vocab_size, hidden_size=d_model, intermediate_size=cfg.mlp_hidden_size,
-        moe_intermediate_size=cfg.wm_moe_hidden, num_hidden_layers=n_layers, num_attention_heads=cfg.n_heads,
+        moe_intermediate_size=cfg.moe_hidden, num_hidden_layers=n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_heads, n_shared_experts=1, routed_scaling_factor=cfg.moe_scale,
         kv_lora_rank=mla["kv_lora_rank"], q_lora_rank=None, qk_rope_head_dim=mla["rope_dim"],
         v_head_dim=mla["v_dim"], qk_nope_head_dim=mla["qk_nope_dim"], n_group=1, topk_group=1,
-        num_experts_per_tok=cfg.wm_moe_topk, norm_topk_prob=True, hidden_act="silu",
+        num_experts_per_tok=cfg.moe_topk, norm_topk_prob=True, hidden_act="silu",
         max_position_embeddings=max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False,
-        num_local_experts=cfg.wm_moe_experts, linear_head_dim=cfg.kda_head_dim, linear_num_heads=cfg.n_heads,
+        num_local_experts=cfg.moe_experts, linear_head_dim=cfg.kda_head_dim, linear_num_heads=cfg.n_heads,
         linear_conv_kernel_dim=cfg.kda_d_conv,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)],
         mlp_layer_types=["dense" if i == 0 else "sparse" for i in range(n_layers)],

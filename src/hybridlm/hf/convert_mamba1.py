@@ -106,8 +106,8 @@ def jamba_config(hf) -> dict:
         mamba1_bias=bool(hf.mamba_proj_bias), mamba1_bcdt_norm="weight",
     )
     if E > 1:   # softmax over all experts, top-k weights used as they are
-        fields.update(wm_moe_experts=E, wm_moe_topk=int(hf.num_experts_per_tok), wm_moe_hidden=hf.intermediate_size,
-                      wm_moe_shared=False, moe_router="softmax", moe_norm_topk=False)
+        fields.update(moe_experts=E, moe_topk=int(hf.num_experts_per_tok), moe_hidden=hf.intermediate_size,
+                      moe_shared=False, moe_router="softmax", moe_norm_topk=False)
     return fields
 
 
@@ -121,7 +121,7 @@ def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
         f = _Tensors(s, "feed_forward.")
         if "router.weight" in f:
             out[m + "mixer.router.weight"] = f["router.weight"]
-            gate, up, down = _stacked_experts(f, cfg.wm_moe_experts, cfg.wm_moe_hidden)
+            gate, up, down = _stacked_experts(f, cfg.moe_experts, cfg.moe_hidden)
             _routed_experts(out, m + "mixer.", gate=gate, up=up, down=down)
         else:
             out[m + "mixer.w_in.weight"] = torch.cat((f["gate_proj.weight"], f["up_proj.weight"]), 0)

@@ -43,8 +43,8 @@ def nemotron_h_config(hf) -> dict:
     )
     _need("moe" not in types or not fields["mlp_bias"], ARCH, "mlp_bias with MoE layers (our experts have no bias)")
     if "moe" in types:  # DeepSeek-V3's router (sigmoid, correction bias, groups); experts and shared expert as the MLP
-        fields.update(wm_moe_experts=hf.n_routed_experts, wm_moe_topk=hf.num_experts_per_tok,
-                      wm_moe_hidden=hf.moe_intermediate_size, wm_moe_shared=True,
+        fields.update(moe_experts=hf.n_routed_experts, moe_topk=hf.num_experts_per_tok,
+                      moe_hidden=hf.moe_intermediate_size, moe_shared=True,
                       moe_shared_hidden=hf.moe_shared_expert_intermediate_size, moe_router="sigmoid",
                       moe_norm_topk=bool(hf.norm_topk_prob), moe_router_bias=True, moe_n_group=int(hf.n_group),
                       moe_topk_group=int(hf.topk_group), moe_scale=float(hf.routed_scaling_factor))

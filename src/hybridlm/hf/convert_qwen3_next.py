@@ -57,8 +57,8 @@ def qwen3_next_config(hf) -> dict:
     if any(sparse):
         h, shared = hf.moe_intermediate_size, _get(hf, "shared_expert_intermediate_size", 0) or 0
         _need(shared > 0, ARCH, f"shared_expert_intermediate_size {shared} (a shared expert is always built)")
-        fields.update(wm_moe_experts=hf.num_experts, wm_moe_topk=hf.num_experts_per_tok, wm_moe_hidden=h,
-                      wm_moe_shared=True, moe_shared_hidden=shared if shared != h else None, moe_shared_gate=True,
+        fields.update(moe_experts=hf.num_experts, moe_topk=hf.num_experts_per_tok, moe_hidden=h,
+                      moe_shared=True, moe_shared_hidden=shared if shared != h else None, moe_shared_gate=True,
                       moe_router="softmax", moe_norm_topk=bool(_get(hf, "norm_topk_prob", True)))
     return fields
 
@@ -72,7 +72,7 @@ def _moe(out: dict[str, Tensor], prefix: str, s: _Tensors, cfg: ModelConfig):
     """Qwen3-Next's sparse block -> RoutedMoE: experts gate_up_proj [E, 2h, d] -> w_gate, w_up [E, d, h];
     down_proj [E, d, h] -> w_down [E, h, d] (or, as checkpoints store them, experts.{e}.gate/up/down_proj.weight);
     the shared expert -> `shared`, its gate -> `shared_gate`."""
-    gate, up, down = _stacked_experts(_Tensors(s, "mlp."), cfg.wm_moe_experts, cfg.wm_moe_hidden)
+    gate, up, down = _stacked_experts(_Tensors(s, "mlp."), cfg.moe_experts, cfg.moe_hidden)
     _routed_experts(out, prefix, gate=gate, up=up, down=down)
     out[prefix + "router.weight"] = s["mlp.gate.weight"]
     shared = _Tensors(s, "mlp.shared_expert.")

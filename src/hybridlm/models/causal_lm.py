@@ -39,7 +39,7 @@ from ..layers.short_conv import old_conv_names
 from ..ops.loss import cross_entropy, linear_cross_entropy
 from .config import ModelConfig
 from .layout import Hop, Parallel, parse_layout, shared_groups
-from .registry import LETTERS
+from .registry import LETTERS, lazy
 
 
 @dataclass
@@ -60,13 +60,15 @@ def cxx_compiler() -> str | None:
     """A C++ compiler on PATH ($CXX first), which torch.compile needs to build CPU kernels; None if there is none."""
     return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
 
-# builders for residual schemes, keyed by ("letter" | "hop" | "parallel"); other modules may register more
+# builders for residual schemes, keyed by ("letter" | "hop" | "parallel"); other modules may add kinds of their own
 BLOCKS = {}
 
 
 def _build_plain(cfg: ModelConfig, letter: str, idx: int) -> nn.Module:
     lcfg = cfg.for_layer(idx)
     spec = LETTERS[letter]
+    if not spec.residual:       # Z: takes the raw stream and is added nowhere (its output feeds the next letter)
+        return spec.build(lcfg, idx)
     return Residual(make_norm(lcfg.norm, lcfg.d_model, lcfg.norm_eps), spec.build(lcfg, idx), spec.token,
                     lcfg.d_model, learnable_scale=lcfg.residual_scale)
 
@@ -82,6 +84,7 @@ def _build_parallel(cfg: ModelConfig, letters: tuple, idx: int) -> nn.Module:
 
 BLOCKS["letter"] = _build_plain
 BLOCKS["parallel"] = _build_parallel
+BLOCKS["hop"] = lazy("mixers_rodimus:_build_hop")      # Rodimus++'s two-hop residual [token, attention, channel]
 
 
 def _shared_slots(src: nn.Module, dst: nn.Module):
@@ -126,7 +129,7 @@ def _untied(src: nn.Module, dst: nn.Module):
 def fold_feeds(blocks: list) -> list:
     """A block marked `feeds_next` (Zamba2's shared transformer `Z`) adds its output to the input of the next
     block's branch instead of to the residual stream: the pair becomes one `Fed` block (layers/residual.py). The
-    config check of `Z` (models/mixers_zamba.py) guarantees a plain letter follows."""
+    layout check of `Z` (models/mixers_zamba.py) guarantees a plain letter follows."""
     out, i = [], 0
     while i < len(blocks):
         if getattr(blocks[i], "feeds_next", False):

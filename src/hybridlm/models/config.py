@@ -5,6 +5,26 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 from ..errors import ConfigError
+from .registry import lazy
+
+# fields that were renamed: old name -> new name. Config dicts (config.json, checkpoints, recipes, --set) written
+# with an old name still load (`renamed`).
+RENAMED = {"wm_moe_experts": "moe_experts", "wm_moe_topk": "moe_topk", "wm_moe_hidden": "moe_hidden",
+           "wm_moe_shared": "moe_shared"}
+
+
+def renamed(d: dict, where: str = "config") -> dict:
+    """`d` (config fields) with old field names replaced by their new ones (ModelConfig does the same to each of
+    its `layer_overrides`)."""
+    out, given = {}, {}
+    for k, v in d.items():
+        new = RENAMED.get(k, k)
+        if new in out and out[new] != v:
+            raise ConfigError(f"{where} sets {given[new]!r} = {out[new]!r} and {k!r} = {v!r}: the old and the new "
+                              f"name of one field ({new})")
+        out[new], given[new] = v, k
+    return out
+
 
 def check_fields(keys, where: str = "config"):
     """One ConfigError naming each unknown ModelConfig field and the nearest valid names."""
@@ -13,13 +33,14 @@ def check_fields(keys, where: str = "config"):
     if unknown:
         hints = []
         for k in unknown:
-            near = difflib.get_close_matches(k, names, n=3, cutoff=0.6)
+            near = [RENAMED[k]] if k in RENAMED else difflib.get_close_matches(k, names, n=3, cutoff=0.6)
             hints.append(f"{k!r}" + (f" (did you mean {' or '.join(near)}?)" if near else ""))
         raise ConfigError(f"unknown {where} field {', '.join(hints)}")
 
 
-# extra whole-model checks, hook(cfg, parsed_layout_items): e.g. two-hop block structure
-CONFIG_CHECKS: list = []
+# extra whole-model checks, hook(cfg, parsed_layout_items), declared here ("module:function" imported on first use)
+CONFIG_CHECKS: list = [lazy("mixers_deepseek:_check_hyper_connections"),   # the hyper_connections options
+                       lazy("mixers_rodimus:_check_hops")]                 # two-hop block structure [...]
 
 
 @dataclass
@@ -82,7 +103,8 @@ class ModelConfig:
     attn_shared_key: bool = False         # A and W layers: one key head shared by all query and value heads
     n_k_heads: int | None = None          # A and W layers: key heads, each shared by a group of value heads
                                           # (None = 1 with attn_shared_key, else n_kv_heads)
-    # Wonderful Matrices: Cheems, Doge, CDMoE (E), routed MoE (O) (000_4348bfb066d62081.txt; models/mixers_wm.py)
+    # Wonderful Matrices: Cheems, Doge, inner-function attention (F), CDMoE (E) (000_4348bfb066d62081.txt;
+    # models/mixers_wm.py)
     wm_ssd_rope: bool = False             # S layers: RoPE on C and B, own X/B/C/dt projections, no conv/gate/norm/D
     wm_ssd_position: str = "rope"         # with wm_ssd_rope: "conv" puts Mamba-2's conv + D back in place of RoPE (ablation)
     wm_dyn_mask: str = "none"             # A and F layers: none | position (eq. 4: learned weight per head and key
@@ -98,10 +120,11 @@ class ModelConfig:
     wm_cdmoe_heads: int = 1               # E: product-key retrieval heads
     wm_cdmoe_dret: int = 128              # E, sum/compose forms: query dimension per head (two halves of d_ret/2)
     wm_cdmoe_hidden: int | None = None    # E: shared MLP width (None = the MLP's width)
-    wm_moe_experts: int = 16              # O: routed gated-MLP experts
-    wm_moe_topk: int = 2                  # O: experts per token
-    wm_moe_hidden: int | None = None      # O: width of each expert (None = the MLP's width)
-    wm_moe_shared: bool = False           # O: one always-on shared expert as well (MoE-SEI)
+    # routed MoE (O; models/mixers_moe.py): WM's MoE and MoE-SEI, DeepSeek-V3, Jamba, Qwen3-Next, Kimi-Linear, ...
+    moe_experts: int = 16                 # O: routed gated-MLP experts
+    moe_topk: int = 2                     # O: experts per token
+    moe_hidden: int | None = None         # O: width of each expert (None = the MLP's width)
+    moe_shared: bool = False              # O: one always-on shared expert as well (MoE-SEI)
     moe_router: str = "softmax"           # O: softmax over the experts | sigmoid (independent scores, DeepSeek-V3)
     moe_norm_topk: bool = True            # O: renormalise the chosen experts' weights to sum to 1
     moe_router_bias: bool = False         # O: a per-expert bias (e_score_correction_bias) used only to choose experts
@@ -175,7 +198,8 @@ class ModelConfig:
     layer_overrides: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.layer_overrides = {int(k): v for k, v in self.layer_overrides.items()}
+        self.layer_overrides = {int(k): renamed(v, f"layer_overrides[{k}]") if isinstance(v, dict) else v
+                                for k, v in self.layer_overrides.items()}
         self.ssd_A_init_range = tuple(self.ssd_A_init_range)
         if self.ssd_dt_limit is not None:
             self.ssd_dt_limit = tuple(float(v) for v in self.ssd_dt_limit)
@@ -224,10 +248,13 @@ class ModelConfig:
         checked = set()
         for i, letter in enumerate(layers):
             key = (letter, i if i in self.layer_overrides else None)
-            if key in checked or LETTERS[letter].validate is None:
+            if key in checked:
                 continue
             checked.add(key)
             LETTERS[letter].validate(self.for_layer(i))
+        for letter in dict.fromkeys(str(x) for x in layers):   # whole-layout rules of the letters used
+            if LETTERS[letter].check is not None:
+                LETTERS[letter].check(self, items)
         for tag in shared_groups(items):                  # `X@k`: one set of parameters, so one layer config
             at = [i for i, l in enumerate(layers) if getattr(l, "tag", None) == tag]
             need(len({repr(self.layer_overrides.get(i)) for i in at}) == 1,
@@ -255,9 +282,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """From to_dict()'s output (config.json, checkpoints), old field names (RENAMED) included."""
+        d = renamed(d)
         check_fields(d)
         return cls(**d)
 
     def replace(self, **kw) -> "ModelConfig":
+        kw = renamed(kw)
         check_fields(kw)
         return dataclasses.replace(self, **kw)

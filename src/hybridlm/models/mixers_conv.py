@@ -2,7 +2,7 @@
 
     C  in_proj -> b, c, h; y = out_proj(c ⊙ causal_depthwise_conv(b ⊙ h)), `conv_kernel` taps, cache = conv tail
 """
-from .registry import need, register
+from .registry import need
 
 
 def _validate_conv(cfg):
@@ -13,7 +13,3 @@ def _validate_conv(cfg):
 def _gated_conv(cfg, idx):
     from ..layers.gated_conv import GatedShortConv
     return GatedShortConv(cfg.d_model, layer_idx=idx, kernel=cfg.conv_kernel, bias=cfg.conv_bias)
-
-
-register("C", _gated_conv, token=True, validate=_validate_conv,
-         doc="gated short convolution (LFM2): out(c ⊙ conv(b ⊙ h)), cache = conv tail")

@@ -1,7 +1,6 @@
 """DeepSeek-family letters and options: `L` multi-head latent attention (MLA), `I` lightning-indexer sparse
 attention, and the checks of the model-level `hyper_connections` option (002_2cec91cb83945854.txt 3.2-3.5, 5)."""
-from .config import CONFIG_CHECKS
-from .registry import LETTERS, need, register
+from .registry import LETTERS, need
 
 
 def mla_sizes(cfg) -> dict:
@@ -73,10 +72,3 @@ def _indexed(cfg, idx):
     q_lora = mla_sizes(cfg)["q_lora_rank"] if cfg.dsa_attention == "L" else 0
     indexer = LightningIndexer(cfg.d_model, q_lora or cfg.d_model, **dsa_sizes(cfg), rope_base=cfg.rope_base)
     return IndexedAttention(attn, indexer, layer_idx=idx, distill=cfg.dsa_kl_weight > 0)
-
-
-register("L", _mla, token=True, validate=_validate_mla,
-         doc="multi-head latent attention (MLA, DeepSeek-V3): decoupled RoPE, latent cache, absorbed decode")
-register("I", _indexed, token=True, validate=_validate_indexed,
-         doc="lightning-indexer top-k sparse attention (DeepSeek-V3.2) over MLA or attention")
-CONFIG_CHECKS.append(_check_hyper_connections)

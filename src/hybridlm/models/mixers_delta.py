@@ -2,10 +2,9 @@
 
     G  Gated DeltaNet, as in Qwen3-Next (layers/gated_deltanet.py): scalar decay per value head
 
-(K, Kimi Delta Attention, the per-channel-decay form, is registered by models/mixers_kda.py.)
+(K, Kimi Delta Attention, the per-channel-decay form, is built by models/mixers_kda.py.)
 """
-from .config import CONFIG_CHECKS
-from .registry import need, register
+from .registry import need
 
 
 # --- G: Gated DeltaNet -------------------------------------------------------------------------------------------
@@ -32,13 +31,3 @@ def _gated_deltanet(cfg, idx):
     hk, hv, dk, dv = gdn_sizes(cfg)
     return GatedDeltaNet(cfg.d_model, layer_idx=idx, k_heads=hk, v_heads=hv, k_dim=dk, v_dim=dv, d_conv=cfg.gdn_conv,
                          chunk_size=cfg.gdn_chunk_size, norm_eps=cfg.norm_eps)
-
-
-def _check_output_gate(cfg, items):
-    """attn_output_gate is an option of the plain attention layer (A, W), not of the dynamic-mask one."""
-    need(not cfg.attn_output_gate or cfg.wm_dyn_mask == "none", "attn_output_gate does not support wm_dyn_mask")
-
-
-CONFIG_CHECKS.append(_check_output_gate)
-register("G", _gated_deltanet, token=True, doc="Gated DeltaNet (Qwen3-Next's linear attention: delta rule, scalar "
-         "decay, short conv, gated RMSNorm)", validate=_validate_gdn)

@@ -1,5 +1,5 @@
 """The `K` letter: Kimi Delta Attention (layers/kda.py), the linear-attention layer of Kimi-Linear."""
-from .registry import need, register
+from .registry import need
 
 
 def kda_sizes(cfg) -> tuple[int, int, int]:
@@ -25,7 +25,3 @@ def _kda(cfg, idx):
     heads, dim, rank = kda_sizes(cfg)
     return KimiDeltaAttention(cfg.d_model, layer_idx=idx, n_heads=heads, head_dim=dim, d_conv=cfg.kda_d_conv,
                               rank=rank, norm_eps=cfg.norm_eps)
-
-
-register("K", _kda, token=True, validate=_validate_kda,
-         doc="Kimi Delta Attention (Kimi-Linear): gated delta rule with a per-channel forget gate, q/k/v short convs")

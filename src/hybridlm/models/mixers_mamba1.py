@@ -3,7 +3,7 @@
     B  the Mamba-1 block (selective scan with per-channel diagonal A, input-dependent dt/B/C, conv, SiLU gate);
        its cache is the conv tail + the float32 state [B, d_inner, d_state]
 """
-from .registry import need, register
+from .registry import need
 
 
 def _validate_mamba1(cfg):
@@ -26,7 +26,3 @@ def _mamba1(cfg, idx):
                   bias=cfg.mamba1_bias, bcdt_norm=cfg.mamba1_bcdt_norm,
                   norm_eps=cfg.mamba1_norm_eps if cfg.mamba1_norm_eps is not None else cfg.norm_eps,
                   chunk_size=cfg.mamba1_chunk_size)
-
-
-register("B", _mamba1, token=True, doc="Mamba-1 block (selective scan, per-channel diagonal A; Mamba, Jamba)",
-         validate=_validate_mamba1)

@@ -4,16 +4,14 @@
     W  sliding-window attention (each query sees its last `swa_window` keys, itself included); with
        attn_shared_key it is Rodimus++'s SW-SKA. Its cache is a ring buffer of `swa_window` tokens. The released
        code's `attn_cfg.window_size = W` is flash-attn's window (W // 2, 0): swa_window = W // 2 + 1.
-    [R W M]  two-hop residual block of Rodimus++ (eq. 13), built by BLOCKS["hop"]
+    [R W M]  two-hop residual block of Rodimus++ (eq. 13), built by causal_lm.BLOCKS["hop"] (_build_hop)
 """
 import copy
 
 from ..layers.norm import make_norm
 from ..layers.residual import TwoHopResidual
-from .causal_lm import BLOCKS
-from .config import CONFIG_CHECKS
 from .layout import Hop
-from .registry import LETTERS, _attention, _validate_attention, need, register
+from .registry import LETTERS, _attention, _validate_attention, need
 
 # letters that are attention-like token mixers (DESIGN.md's A W F L I); the middle of a two-hop block
 ATTENTION_LETTERS = {"A", "W", "F", "L", "I"}
@@ -76,12 +74,3 @@ def _check_hops(cfg, items):
         need(len(it) == 3 and token[0] and it[1] in ATTENTION_LETTERS and not token[2],
              f"two-hop block {name} has the wrong structure: {shape}")
         need(not cfg.residual_scale, "residual_scale (learnable residual weights) is not supported in two-hop blocks")
-
-
-register("R", _rodimus, token=True, doc="Rodimus block (DDTS gated linear attention in a GLU)",
-         validate=_validate_rodimus)
-register("W", _window_attention, token=True,
-         doc="sliding-window attention (swa_window; shared key with attn_shared_key), cache bounded by the window",
-         validate=_validate_window_attention)
-BLOCKS["hop"] = _build_hop
-CONFIG_CHECKS.append(_check_hops)

@@ -1,16 +1,13 @@
 """Wonderful Matrices letters and options (000_4348bfb066d62081.txt): Cheems and Doge.
 
   F  inner-function attention (section 3.2, eq. 3)            E  CDMoE (section 3.3, eq. 5; Doge's form)
-  O  routed top-k MoE, optional shared expert (MoE-SEI)
-and two options on existing letters, chosen by the config: `wm_dyn_mask` on A (and F) layers builds the
-dynamic-mask attention (layers/wm_attention.py); `wm_ssd_rope` on S layers builds Cheems' SSD with RoPE on
-C and B (layers/rope_ssd.py). Both wrap the letter's previous builder and validator, which still serve
-every config that leaves the option off.
+and the builders of two options of other letters, chosen by the config: `wm_dyn_mask` on A (and F) layers builds
+the dynamic-mask attention (layers/wm_attention.py); `wm_ssd_rope` on S layers builds Cheems' SSD with RoPE on
+C and B (layers/rope_ssd.py). The entries of all five letters, options included, are declared in models/registry.py.
 """
 import math
 
-from ..layers.mlp import ACTIVATIONS
-from .registry import LETTERS, need, register
+from .registry import LETTERS, need
 
 DYN_MASKS = ("none", "position", "dt")
 CDMOE_FORMS = ("doge", "sum", "compose")
@@ -25,6 +22,7 @@ def _validate_dyn_mask(cfg):
              f"wm_keep_window must be between 1 and max_seq_len ({cfg.max_seq_len}), got {cfg.wm_keep_window}")
     if cfg.wm_dyn_mask != "none":
         need(not getattr(cfg, "attn_shared_key", False), "wm_dyn_mask does not support attn_shared_key")
+        need(not cfg.attn_output_gate, "attn_output_gate does not support wm_dyn_mask")
 
 
 def _validate_inner(cfg):
@@ -52,19 +50,9 @@ def _validate_cdmoe(cfg):
              f"wm_cdmoe_dret must be even and >= 2 (two product-key halves), got {cfg.wm_cdmoe_dret}")
 
 
-def _validate_moe(cfg):
-    E, k, G = cfg.wm_moe_experts, cfg.wm_moe_topk, cfg.moe_n_group
-    need(E >= 1, f"wm_moe_experts must be >= 1, got {E}")
-    need(1 <= k <= E, f"wm_moe_topk ({k}) must be between 1 and wm_moe_experts ({E})")
-    need(cfg.moe_router in ("softmax", "sigmoid"), f"moe_router must be softmax or sigmoid, got {cfg.moe_router!r}")
-    need(G >= 1 and E % G == 0, f"moe_n_group ({G}) must be >= 1 and divide wm_moe_experts ({E})")
-    need(1 <= cfg.moe_topk_group <= G, f"moe_topk_group ({cfg.moe_topk_group}) must be between 1 and moe_n_group ({G})")
-    need(k <= cfg.moe_topk_group * (E // G),
-         f"wm_moe_topk ({k}) exceeds the experts in moe_topk_group groups ({cfg.moe_topk_group * (E // G)})")
-    need(cfg.mlp_act in ACTIVATIONS, f"mlp_act must be one of {', '.join(ACTIVATIONS)}, got {cfg.mlp_act!r}")
-
-
 def _validate_rope_ssd(cfg):
+    if not cfg.wm_ssd_rope:
+        return
     need(cfg.ssd_d_state % 2 == 0, f"wm_ssd_rope rotates B and C: ssd_d_state must be even, got {cfg.ssd_d_state}")
     need(cfg.wm_ssd_position in ("rope", "conv"), f"wm_ssd_position must be rope or conv, got {cfg.wm_ssd_position!r}")
 
@@ -98,44 +86,11 @@ def _cdmoe(cfg, idx):
                  form=cfg.wm_cdmoe_form, act=cfg.mlp_act, bias=cfg.mlp_bias)
 
 
-def _routed_moe(cfg, idx):
-    from ..layers.routed_moe import RoutedMoE
-    return RoutedMoE(cfg.d_model, cfg.wm_moe_hidden or cfg.mlp_hidden_size, num_experts=cfg.wm_moe_experts,
-                     top_k=cfg.wm_moe_topk, shared_expert=cfg.wm_moe_shared, init_std=cfg.init_std,
-                     act=cfg.mlp_act, gated=cfg.mlp_gated, router=cfg.moe_router, norm_topk=cfg.moe_norm_topk,
-                     router_bias=cfg.moe_router_bias, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-                     scale=cfg.moe_scale, shared_hidden=cfg.moe_shared_hidden, shared_gate=cfg.moe_shared_gate)
+def dyn_mask_attention(cfg, idx):
+    """A with wm_dyn_mask set."""
+    return _wm_attention(cfg, idx, inner=False)
 
 
-def _with_option(letter: str, on, build, validate, doc: str):
-    """Re-register `letter` so configs with option `on(cfg)` build `build` and check `validate`; all other
-    configs keep the letter's previous builder and validator."""
-    prev = LETTERS[letter]
-
-    def build_any(cfg, idx):
-        return build(cfg, idx) if on(cfg) else prev.build(cfg, idx)
-
-    def validate_any(cfg):
-        validate(cfg)
-        if prev.validate is not None:
-            prev.validate(cfg)
-
-    register(letter, build_any, token=prev.token, doc=f"{prev.doc}; {doc}", validate=validate_any)
-
-
-def _dyn_on(cfg):
-    return cfg.wm_dyn_mask != "none"
-
-
-_with_option("A", _dyn_on, lambda cfg, idx: _wm_attention(cfg, idx, inner=False), _validate_dyn_mask,
-             "dynamic mask with wm_dyn_mask")
-_with_option("S", lambda cfg: cfg.wm_ssd_rope, _rope_ssd,
-             lambda cfg: _validate_rope_ssd(cfg) if cfg.wm_ssd_rope else None,
-             "RoPE on C/B without conv or D with wm_ssd_rope")
-register("F", lambda cfg, idx: _wm_attention(cfg, idx, inner=True), token=True,
-         doc="inner-function attention (values f(x) from shared value rows; optional dynamic mask)",
-         validate=_validate_inner)
-register("E", _cdmoe, token=False, doc="CDMoE: shared MLP + product-key single-neuron experts",
-         validate=_validate_cdmoe)
-register("O", _routed_moe, token=False, doc="routed top-k MoE of gated MLPs (+ shared expert: MoE-SEI)",
-         validate=_validate_moe)
+def inner_attention(cfg, idx):
+    """F."""
+    return _wm_attention(cfg, idx, inner=True)

@@ -4,11 +4,11 @@
        letter's input instead of the stream, so a Z and the letter after it form one block
        (causal_lm.fold_feeds -> layers/residual.Fed): out = x + S(norm(x + Z(x, e))). Zamba2's shared blocks are
        `Z@0`, `Z@1`, ... (weight sharing, models/layout.py); the adapters and output projection stay per occurrence.
+       Z takes the raw stream (it norms concat(x, e) itself) and is added nowhere: its table entry (models/registry.py)
+       has residual=False, and `_check_feeds` is its whole-layout check.
 """
 from ..layers.zamba import ZambaBlock
-from .causal_lm import BLOCKS
-from .config import CONFIG_CHECKS
-from .registry import LETTERS, need, register
+from .registry import need
 
 
 def _validate_zamba(cfg):
@@ -37,16 +37,6 @@ def _zamba(cfg, idx):
                       rope_base=cfg.rope_base, norm_eps=cfg.norm_eps)
 
 
-_build_letter = BLOCKS["letter"]
-
-
-def _build_block(cfg, letter: str, idx: int):
-    """Z takes the raw stream (it norms concat(x, e) itself) and is added nowhere: no Residual around it."""
-    if letter == "Z":
-        return LETTERS["Z"].build(cfg.for_layer(idx), idx)
-    return _build_letter(cfg, letter, idx)
-
-
 def _check_feeds(cfg, items):
     """Every Z stands on its own (not inside a two-hop or parallel block, where it would sit behind a norm and add to
     the stream) and is followed by a letter of its own (which its output feeds)."""
@@ -59,9 +49,3 @@ def _check_feeds(cfg, items):
             need(isinstance(nxt, str) and nxt != "Z",
                  f"layout {cfg.layout!r}: each Z must be followed by a letter (not a block, another Z or the end): "
                  "its output is added to that layer's input")
-
-
-register("Z", _zamba, token=True, validate=_validate_zamba,
-         doc="Zamba2 shared transformer over concat(stream, embeddings), output fed to the next letter's input")
-BLOCKS["letter"] = _build_block
-CONFIG_CHECKS.append(_check_feeds)

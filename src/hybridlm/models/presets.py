@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ConfigError
-from .config import ModelConfig, check_fields
+from .config import ModelConfig, check_fields, renamed
 from .layout import fold_layout
 
 
@@ -48,6 +48,7 @@ def get(name: str, **overrides) -> ModelConfig:
     n = overrides.pop("n_layers", None) or p.n_layers
     if n < 1:
         raise ConfigError(f"n_layers must be >= 1, got {n}")
+    overrides = renamed(overrides)
     check_fields(overrides)
     fields = p.fields(n)
     fields.update(overrides)
@@ -75,8 +76,8 @@ register("deepseek-mla", "DeepSeek-V3-style: multi-head latent attention (latent
          lambda n: dict(layout=f"(LM)*{n}", **_deepseek))
 register("deepseek-mla-moe", "DeepSeek-V3-style: MLA; first block dense SwiGLU, then routed MoE (8 experts, top 2, "
          "one shared expert)", 4,
-         lambda n: dict(layout="LM" + (f" (LO)*{n - 1}" if n > 1 else ""), wm_moe_experts=8, wm_moe_topk=2,
-                        wm_moe_shared=True, **_deepseek))
+         lambda n: dict(layout="LM" + (f" (LO)*{n - 1}" if n > 1 else ""), moe_experts=8, moe_topk=2,
+                        moe_shared=True, **_deepseek))
 register("deepseek-sparse", "DeepSeek-V3.2-style: MLA restricted to the lightning indexer's top-k keys, SwiGLU", 4,
          lambda n: dict(layout=f"(IM)*{n}", dsa_topk=256, **_deepseek))
 # Wonderful Matrices (000_4348bfb066d62081.txt): Cheems (figure 4), Doge (section 5, transformers' DogeForCausalLM)
@@ -94,7 +95,7 @@ register("doge-dense", "Doge as transformers ships it by default: dynamic-mask a
          lambda n: dict(layout=f"(AM)*{n}", **_doge))
 register("jamba-ssd", "Jamba's plan with SSD (Mamba-2) in place of its Mamba-1: blocks of 7 SSD + 1 attention, routed "
          "MoE (16 experts, top 2) every other layer", 2,
-         lambda n: dict(layout=f"(SM SO SM SO AM SO SM SO)*{n}", ssd_d_state=128, wm_moe_experts=16, wm_moe_topk=2,
+         lambda n: dict(layout=f"(SM SO SM SO AM SO SM SO)*{n}", ssd_d_state=128, moe_experts=16, moe_topk=2,
                         tie_embeddings=False))
 
 
@@ -116,7 +117,7 @@ register("jamba", "Jamba: blocks of 8 layers, Mamba-1 (RMSNorm on dt/B/C) with a
          lambda n: dict(layout=f"(BM BO BM BO AM BO BM BO)*{n}", pos_embedding="none", norm_eps=1e-6,
                         tie_embeddings=False, n_heads=8, n_kv_heads=2, head_dim=lambda f: f["d_model"] // f["n_heads"],
                         mlp_hidden=_glu_width, mamba1_bcdt_norm="weight", mamba1_dt_rank=_dt_rank,
-                        wm_moe_experts=16, wm_moe_topk=2, wm_moe_hidden=_glu_width, moe_norm_topk=False))
+                        moe_experts=16, moe_topk=2, moe_hidden=_glu_width, moe_norm_topk=False))
 # Zamba2 (transformers' Zamba2ForCausalLM, 2.7B/7B style: two shared blocks alternating every 6th layer, MLP adapters,
 # no RoPE in the shared attention); n counts Mamba layers, hf/convert_zamba2.py's twin builds the same model
 
@@ -216,8 +217,8 @@ register("kimi-linear", "Kimi-Linear: 3 Kimi Delta Attention : 1 NoPE MLA, first
                         n_heads=_kimi_heads, head_dim=64, mla_q_lora_rank=0, mla_kv_lora_rank=256,
                         mla_qk_nope_dim=64, mla_rope_dim=32, mla_v_dim=64,
                         mlp_hidden=lambda f: 64 * -(-int(8 * f["d_model"] / 3) // 64),
-                        kda_heads=_kimi_heads, kda_head_dim=64, kda_rank=64, wm_moe_experts=8, wm_moe_topk=2,
-                        wm_moe_shared=True, wm_moe_hidden=_kimi_expert, moe_shared_hidden=_kimi_expert,
+                        kda_heads=_kimi_heads, kda_head_dim=64, kda_rank=64, moe_experts=8, moe_topk=2,
+                        moe_shared=True, moe_hidden=_kimi_expert, moe_shared_hidden=_kimi_expert,
                         moe_router="sigmoid", moe_router_bias=True, moe_scale=2.446))
 # Qwen3-Next (transformers' Qwen3NextForCausalLM, converter hf/convert_qwen3_next.py): the released 3:1 pattern of
 # Gated DeltaNet and gated attention (q/k norm, a quarter of each head rotated), every layer a routed MoE with a gated
@@ -230,7 +231,7 @@ register("qwen3-next", "Qwen3-Next: layers of Gated DeltaNet, every 4th gated at
                         head_dim=64, rope_base=10_000_000.0, rope_dim=16, qk_norm=True, attn_output_gate=True,
                         gdn_k_heads=lambda f: max(1, f["d_model"] // 128),
                         gdn_v_heads=lambda f: 2 * max(1, f["d_model"] // 128), gdn_k_dim=64, gdn_v_dim=64, gdn_conv=4,
-                        wm_moe_experts=8, wm_moe_topk=2, wm_moe_hidden=lambda f: f["d_model"], wm_moe_shared=True,
+                        moe_experts=8, moe_topk=2, moe_hidden=lambda f: f["d_model"], moe_shared=True,
                         moe_shared_gate=True, norm_eps=1e-6, tie_embeddings=False))
 
 # Mamba-2 hybrids converted from transformers (hf/convert_{bamba,nemotron_h,granitemoehybrid}.py), small: heads of 64,

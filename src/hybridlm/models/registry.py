@@ -1,9 +1,13 @@
-"""Mixer letters of the layout language -> module builders.
+"""The mixer letters of the layout language: one table entry per letter, declared once, here.
 
-A builder takes (config for this layer, layer index) and returns an nn.Module. Token mixers are called
-as `m(x, ctx=..., cache=...)`, channel mixers as `m(x)`. New architectures register their letters here
-(`register("R", build, token=True)`) instead of writing a new model class.
+An entry holds the letter's builder (config for this layer, layer index) -> nn.Module, its validator and its
+options: config fields that swap the module for another (`wm_dyn_mask` on A builds the dynamic-mask attention).
+Builders that live in a family module (mixers_*.py) are named "module:function" and imported on first use, so the
+table is complete whatever was imported, in whatever order, and no module rewrites another's entry.
+Token mixers are called as `m(x, ctx=..., cache=...)`, channel mixers as `m(x)`. A new architecture declares its
+letters with `register("R", build, token=True)` (once per letter) instead of writing a new model class.
 """
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,22 +16,76 @@ from torch import nn
 from ..errors import ConfigError
 
 
+def lazy(fn: Callable | str | None) -> Callable | None:
+    """`fn`, or for "module:function" (a module of this package) a function importing it on first call: the family
+    modules import this one, so the table cannot import them while it is being built."""
+    if not isinstance(fn, str):
+        return fn
+    mod, name = fn.split(":")
+    found = []
+
+    def call(*args, **kw):
+        if not found:
+            found.append(getattr(importlib.import_module(f".{mod}", __package__), name))
+        return found[0](*args, **kw)
+    call.__name__ = call.__qualname__ = call.ref = fn
+    return call
+
+
+@dataclass(frozen=True)
+class Option:
+    """A config option of a letter: layers whose config has `on(cfg)` are built by `build` instead of the letter's
+    builder. `validate(cfg)` checks the option's fields on every config of the letter, the option set or not."""
+    field: str                       # the ModelConfig field that turns it on
+    on: Callable
+    build: Callable
+    validate: Callable | None
+    doc: str
+
+
 @dataclass(frozen=True)
 class Letter:
-    build: Callable[..., nn.Module]
-    token: bool          # token mixer (sees the sequence, owns a cache slot) or channel mixer
+    builder: Callable                # builder(cfg, idx) -> nn.Module when no option is on
+    token: bool                      # token mixer (sees the sequence, owns a cache slot) or channel mixer
     doc: str
-    validate: Callable | None = None   # validate(cfg) raises ConfigError for impossible options
+    validator: Callable | None = None   # validator(cfg) raises ConfigError for impossible options
+    options: tuple[Option, ...] = ()
+    residual: bool = True            # False: built bare, no norm and residual around it (Z feeds the next letter)
+    check: Callable | None = None    # check(cfg, parsed_layout_items): whole-layout rule, once if the letter is used
+
+    def build(self, cfg, idx: int) -> nn.Module:
+        """The module of one layer: the first option that is on, else the letter's builder."""
+        for o in self.options:
+            if o.on(cfg):
+                return o.build(cfg, idx)
+        return self.builder(cfg, idx)
+
+    def validate(self, cfg):
+        for o in self.options:
+            if o.validate is not None:
+                o.validate(cfg)
+        if self.validator is not None:
+            self.validator(cfg)
 
 
 LETTERS: dict[str, Letter] = {}
 
 
-def register(letter: str, build: Callable[..., nn.Module], *, token: bool, doc: str = "",
-             validate: Callable | None = None):
+def option(field: str, on: Callable, build: Callable | str, validate: Callable | str | None = None,
+           doc: str = "") -> Option:
+    return Option(field, on, lazy(build), lazy(validate), doc)
+
+
+def register(letter: str, build: Callable[..., nn.Module] | str, *, token: bool, doc: str = "",
+             validate: Callable | str | None = None, options: tuple[Option, ...] = (), residual: bool = True,
+             check: Callable | str | None = None):
+    """Declare `letter` (once: a second declaration is an error; options of a letter go in its one entry)."""
     if len(letter) != 1 or not letter.isalpha() or not letter.isupper():
         raise ValueError(f"a mixer letter is one upper-case letter, got {letter!r}")
-    LETTERS[letter] = Letter(build, token, doc, validate)
+    if letter in LETTERS:
+        raise ValueError(f"mixer letter {letter!r} is already registered ({LETTERS[letter].doc}); a letter is "
+                         f"declared once: add an option to its entry in models/registry.py instead")
+    LETTERS[letter] = Letter(lazy(build), token, doc, lazy(validate), tuple(options), residual, lazy(check))
 
 
 def need(cond: bool, msg: str):
@@ -92,7 +150,41 @@ def _ssd(cfg, idx):
                   norm=cfg.ssd_norm)
 
 
+# --- the table: every letter of the language ------------------------------------------------------------------
+def _dyn_mask_on(cfg) -> bool:
+    return cfg.wm_dyn_mask != "none"
+
+
 register("A", _attention, token=True, doc="softmax attention (MHA/GQA/MQA, RoPE, optional window)",
-         validate=_validate_attention)
-register("S", _ssd, token=True, doc="SSD / Mamba-2 block", validate=_validate_ssd)
+         validate=_validate_attention,
+         options=(option("wm_dyn_mask", _dyn_mask_on, "mixers_wm:dyn_mask_attention", "mixers_wm:_validate_dyn_mask",
+                         "dynamic-mask attention (Wonderful Matrices, Doge)"),))
+register("S", _ssd, token=True, doc="SSD / Mamba-2 block", validate=_validate_ssd,
+         options=(option("wm_ssd_rope", lambda cfg: cfg.wm_ssd_rope, "mixers_wm:_rope_ssd",
+                         "mixers_wm:_validate_rope_ssd", "Cheems' SSD: RoPE on C/B, no conv or D"),))
 register("M", _mlp, token=False, doc="MLP or gated MLP (SwiGLU)")
+register("F", "mixers_wm:inner_attention", token=True, validate="mixers_wm:_validate_inner",
+         doc="inner-function attention (values f(x) from shared value rows; optional dynamic mask)")
+register("E", "mixers_wm:_cdmoe", token=False, validate="mixers_wm:_validate_cdmoe",
+         doc="CDMoE: shared MLP + product-key single-neuron experts")
+register("O", "mixers_moe:_routed_moe", token=False, validate="mixers_moe:_validate_moe",
+         doc="routed top-k MoE of gated MLPs (+ shared expert: MoE-SEI)")
+register("L", "mixers_deepseek:_mla", token=True, validate="mixers_deepseek:_validate_mla",
+         doc="multi-head latent attention (MLA, DeepSeek-V3): decoupled RoPE, latent cache, absorbed decode")
+register("I", "mixers_deepseek:_indexed", token=True, validate="mixers_deepseek:_validate_indexed",
+         doc="lightning-indexer top-k sparse attention (DeepSeek-V3.2) over MLA or attention")
+register("R", "mixers_rodimus:_rodimus", token=True, validate="mixers_rodimus:_validate_rodimus",
+         doc="Rodimus block (DDTS gated linear attention in a GLU)")
+register("W", "mixers_rodimus:_window_attention", token=True, validate="mixers_rodimus:_validate_window_attention",
+         doc="sliding-window attention (swa_window; shared key with attn_shared_key), cache bounded by the window")
+register("K", "mixers_kda:_kda", token=True, validate="mixers_kda:_validate_kda",
+         doc="Kimi Delta Attention (Kimi-Linear): gated delta rule with a per-channel forget gate, q/k/v short convs")
+register("G", "mixers_delta:_gated_deltanet", token=True, validate="mixers_delta:_validate_gdn",
+         doc="Gated DeltaNet (Qwen3-Next's linear attention: delta rule, scalar decay, short conv, gated RMSNorm)")
+register("B", "mixers_mamba1:_mamba1", token=True, validate="mixers_mamba1:_validate_mamba1",
+         doc="Mamba-1 block (selective scan, per-channel diagonal A; Mamba, Jamba)")
+register("C", "mixers_conv:_gated_conv", token=True, validate="mixers_conv:_validate_conv",
+         doc="gated short convolution (LFM2): out(c ⊙ conv(b ⊙ h)), cache = conv tail")
+register("Z", "mixers_zamba:_zamba", token=True, validate="mixers_zamba:_validate_zamba", residual=False,
+         check="mixers_zamba:_check_feeds",
+         doc="Zamba2 shared transformer over concat(stream, embeddings), output fed to the next letter's input")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from ..errors import ConfigError
-from ..models.config import ModelConfig
+from ..models.config import RENAMED, ModelConfig, renamed
 from ..models.sizing import count_parameters, fit_params, parse_count
 
 if sys.version_info >= (3, 11):
@@ -198,10 +198,11 @@ def parse_recipe(raw: dict, name: str, path: str = "") -> Recipe:
         raise ConfigError(f"{where}: size_by must be 'width' or 'depth', got {budget['size_by']!r}")
     if isinstance(budget["seeds"], int):
         budget["seeds"] = [budget["seeds"]]
-    model = dict(raw.get("model", {}))
+    model = renamed(raw.get("model", {}), f"{where} [model]")    # old field names (RENAMED) still read
     _check_keys(f"{where} [model]", model, MODEL_FIELDS - {"layout", "vocab_size"})
     configs, seen = [], set()
     for i, c in enumerate(raw["config"]):
+        c = renamed(c, f"{where}, configuration {i + 1}")
         cname = c.get("name")
         if not cname:
             raise ConfigError(f"{where}: configuration {i + 1} has no name")
@@ -221,6 +222,8 @@ def parse_recipe(raw: dict, name: str, path: str = "") -> Recipe:
     claims = raw.get("claim", [])
     for cl in claims:
         _check_keys(f"{where} [[claim]]", cl, CLAIM_KEYS)
+        if "varies" in cl:
+            cl["varies"] = [RENAMED.get(v, v) for v in cl["varies"]]
         if cl.get("pairing", "isolated") not in ("isolated", "paper"):
             raise ConfigError(f"{where}: claim {cl.get('text', '')!r}: pairing must be 'isolated' or 'paper'")
         if cl.get("at") is not None and cl["at"] not in (budget.get("eval_seq_lens") or []):
