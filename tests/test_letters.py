@@ -145,7 +145,7 @@ def test_old_field_names_still_load(tmp_path):
     with pytest.raises(ConfigError, match="wm_moe_topk.*moe_topk"):
         ModelConfig.from_dict(dict(base, wm_moe_topk=1, moe_topk=2))
     # a checkpoint whose config.json has the old names loads as the new config, weights included
-    from hybridlm.train.checkpoint import load_checkpoint, load_config, save_checkpoint
+    from hybridlm.checkpoint import load_checkpoint, load_config, save_checkpoint
     model = CausalLM(want)
     path = save_checkpoint(str(tmp_path), model)
     with open(os.path.join(path, "config.json")) as f:
@@ -153,7 +153,7 @@ def test_old_field_names_still_load(tmp_path):
     d["hybridlm"] = old
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(d, f)
-    from hybridlm.train.checkpoint import write_manifest
+    from hybridlm.checkpoint import write_manifest
     write_manifest(path)
     assert load_config(path) == want
     loaded, _ = load_checkpoint(path)
