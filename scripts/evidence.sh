@@ -16,8 +16,8 @@ for part in "${parts[@]}"; do
   echo "== $part ($(date -u +%H:%M:%S))"
   case "$part" in
     mqar) "$PY" -m hybridlm mqar --jobs "$JOBS" --out "$RESULTS/mqar" ;;
-    rope) "$PY" -m hybridlm mqar --jobs "$JOBS" --d-models 64 --seq-lens 64 --lr 1e-3 3e-3 \
-            --layouts 'learned=A:pos_embedding="learned",rope=A,rope-4heads=A:n_heads=4,rope-base100=A:rope_base=100.0,nope=A:pos_embedding="none"' \
+    rope) "$PY" -m hybridlm mqar --jobs "$JOBS" --d-models 64 --seq-lens 64 \
+            --layouts 'learned=A:pos_embedding="learned",rope=A,rope-4heads=A:n_heads=4,rope-base100=A:rope_base=100.0,rope-half=A:rope_dim=32,nope=A:pos_embedding="none"' \
             --out "$RESULTS/mqar-rope" ;;
     ablate:*) "$PY" -m hybridlm ablate "${part#ablate:}" --threads 1 --no-checkpoints --no-progress \
             --out "$RESULTS/ablate/${part#ablate:}" ;;

@@ -72,7 +72,7 @@ def test_mqar_quick_cli(tmp_path, capsys):
     assert {r["name"] for r in rows} == {"attention", "mamba2"} and len(data["meta"]["trials"]) == 4
     for r in rows:
         assert set(r) == {"name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "accuracy_min",
-                          "accuracy_max", "seeds", "params", "state_bytes", "lr", "steps"}
+                          "accuracy_max", "seeds", "params", "state_bytes", "lr", "steps", "rising"}
         assert 0 <= r["accuracy"] <= 1 and r["params"] > 0 and r["state_bytes"] > 0 and r["lr"] in (3e-3, 1e-2)
     assert rows[0]["layout"] == "(AM)*2"
     assert all(t["curve"] and t["curve"][-1][0] == t["steps"] for t in data["meta"]["trials"])
@@ -164,3 +164,11 @@ def test_layout_specs():
     assert cfgs[2].rodimus_d_state == 8 and cfgs[1].n_heads == 1 and cfgs[0].ssd_headdim == 32
     with pytest.raises(InputError, match="twice"):
         parse_layouts("a=A,a=S", layers=2)
+
+
+def test_still_rising_marks_runs_cut_by_the_budget():
+    from hybridlm.commands.mqar import still_rising
+    assert still_rising([[250, 0.3], [750, 0.5], [1000, 0.6]], 1000)           # +0.1 over the last quarter
+    assert not still_rising([[250, 0.3], [750, 0.6], [1000, 0.605]], 1000)     # flat at the end
+    assert not still_rising([[250, 0.5], [500, 0.995]], 1000)                  # stopped early at the target
+    assert not still_rising([], 1000)
