@@ -37,12 +37,28 @@ def model_config(args, vocab_size: int, seq_len: int | None = None):
         if getattr(args, flag, None) is not None:
             over[flag] = getattr(args, flag)
     over.setdefault("vocab_size", vocab_size)
-    cfg = presets.get(args.preset, **over)
+    if getattr(args, "params", None):
+        cfg = sized_config(args.preset, args.params, over)
+    else:
+        cfg = presets.get(args.preset, **over)
     if seq_len is not None and "max_seq_len" not in over:
         if cfg.pos_embedding == "learned":
             cfg = cfg.replace(max_seq_len=seq_len)
         elif cfg.max_seq_len < seq_len:
             cfg = cfg.replace(max_seq_len=seq_len)
+    return cfg
+
+
+def sized_config(preset: str, params: str, over: dict):
+    """The preset at the d_model (a multiple of 64) whose parameter count is nearest `params` ("1B", "350M"),
+    within 10%, at the depth it has (or --n-layers)."""
+    from ..errors import InputError
+    from ..models import presets
+    from ..models.sizing import fit_params, parse_count
+    if "d_model" in over:
+        raise InputError("give --params or --d-model, not both (--params sizes d_model)")
+    cfg, _ = fit_params(lambda d: presets.get(preset, **over, d_model=d), parse_count(params), range(64, 16385, 64),
+                        what="d_model")
     return cfg
 
 
@@ -69,6 +85,8 @@ def add_model_args(p, preset_default: str | None = "mamba2-attention"):
                    help=f"named model configuration (default: {preset_default}); see `hybridlm info --list`")
     p.add_argument("--n-layers", type=int, help="depth in units of the preset's repeating block")
     p.add_argument("--d-model", type=int, help="model width")
+    p.add_argument("--params", metavar="N", help="size d_model (a multiple of 64) to about N parameters, e.g. 1B or "
+                   "350M, at the preset's depth or --n-layers")
     p.add_argument("--n-heads", type=int, help="attention heads (query heads)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any ModelConfig field; VALUE is JSON-parsed (repeatable), e.g. --set layout='(AM)*2'")
