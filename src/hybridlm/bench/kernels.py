@@ -8,13 +8,13 @@ the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`
     hybridlm bench --kernels --shapes 8x4096 --repeats 20
 """
 import os
-import statistics
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import measure as ms
 
 SHAPES = [(8, 2048), (8, 8192), (8, 16384)]
 QUICK_SHAPES = [(8, 2048)]
@@ -23,29 +23,14 @@ GLA_HEADS = dict(h=16, k=128, v=128)           # 16 heads of 128 (FLA's GLA benc
 CDMOE = dict(d_model=1024, experts=16384, k=64)
 
 
-def _cuda_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn` over `repeats` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _measure(fn: Callable[[], tuple], grads: tuple, repeats: int) -> dict:
     """fn() -> (output, ...); forward and forward+backward (output gradient `grads[0]`) medians in ms."""
-    def fwd_bwd():
-        fn()[0].backward(grads[0])
-    try:
+    def fwd():
         with torch.no_grad():
-            fwd = _cuda_ms(fn, repeats)
-        return {"fwd_ms": fwd, "fwd_bwd_ms": _cuda_ms(fwd_bwd, repeats)}
+            fn()
+    try:
+        t = ms.clock({"fwd_ms": fwd, "fwd_bwd_ms": lambda: fn()[0].backward(grads[0])}, repeats, warmup=3)
+        return {k: 1e3 * ms.median(v) for k, v in t.items()}
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"error": "out of memory"}
@@ -196,7 +181,7 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
         raise ConfigError("bench --kernels needs triton: pip install 'hybridlm[gpu]'")
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     repeats = min(repeats, 3) if quick else repeats
-    log("times in ms (median, CUDA events): forward, forward+backward")
+    log("times in ms (medians of interleaved repeats, synchronised): forward, forward+backward")
     rows = []
     for b, T in shapes:
         rows.append(bench_ssd(b, T, repeats, log))
