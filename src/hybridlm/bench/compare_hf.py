@@ -1,14 +1,11 @@
-"""Side-by-side measurements against the transformers implementation of the same model, in one run.
+"""`hybridlm bench --compare-hf`: ours against the transformers implementation of the same model, in one run.
 
-For each architecture (`transformer++` vs `LlamaForCausalLM`, `mamba2` vs `Mamba2ForCausalLM`) the
-transformers model is built at the same config from our preset, given random weights, and converted with
-`from_transformers`, so both compute the same function. Then, alternating ours / transformers in every
-repeat and taking medians:
-  - forward+backward tokens/s (training step without optimizer) per batch shape;
-  - greedy decode tokens/s: our `stream` vs transformers `generate()` (use_cache), timed from the first
-    to the last new token on both sides (prefill excluded; end-to-end time reported too);
-  - our Mamba-2 per-token decode latency after a short and a long context (interleaved steps).
-transformers is imported here only.
+For each architecture (`transformer++` vs `LlamaForCausalLM`, `mamba2` vs `Mamba2ForCausalLM`) the transformers
+model is built from our preset's config by hf/native.py's mapping, given random weights and converted with
+`from_transformers`, so both compute the same function. Timed by the one clock (interleaved, medians):
+forward+backward tokens/s per batch shape; greedy decode tokens/s, our `stream` vs transformers `generate()`,
+from the first to the last new token (prefill excluded; end-to-end time too); our Mamba-2 per-token decode
+latency after a short and a long context.
 """
 import torch
 
@@ -29,10 +26,6 @@ def build_pair(arch: str, *, d_model: int, n_layers: int, vocab_size: int, max_s
     hf = AutoModelForCausalLM.from_config(hf_cfg).eval()
     ours = from_transformers(hf, max_seq_len=max_seq_len)
     return ours.config, hf, ours
-
-
-def _sample_ids(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def train_rows(arch, hf, ours, shapes, repeats, peak_gflops, log=print) -> list[dict]:
@@ -72,7 +65,7 @@ def decode_rows(arch, hf, ours, context, new_tokens, repeats, compile=True, log=
     """Greedy decode tokens/s of our `stream` (eager, and with the torch.compile'd decode step when `compile`)
     vs transformers `generate()` (eager, its default), interleaved by the clock; tokens/s from the first to the
     last new token (prefill excluded), end-to-end time from the clock."""
-    ids = _sample_ids(ours.config.vocab_size, 1, context, seed=context)
+    ids = torch.randint(0, ours.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
     runs = {}
 
     def ours_run(name, compiled=False):
@@ -105,7 +98,8 @@ def decode_rows(arch, hf, ours, context, new_tokens, repeats, compile=True, log=
     msg = (f"  decode {arch:7s} ctx {context}: ours {row['ours_tokens_per_s']:7.1f} tok/s  "
            f"hf {row['hf_tokens_per_s']:7.1f} tok/s  ratio {row['ratio']:.2f}")
     if compile:
-        row.update(ours_compiled_tokens_per_s=steps / med["ours_compiled"], ratio_compiled=med["hf"] / med["ours_compiled"],
+        row.update(ours_compiled_tokens_per_s=steps / med["ours_compiled"],
+                   ratio_compiled=med["hf"] / med["ours_compiled"],
                    ours_compiled_ms_per_token=1e3 * med["ours_compiled"] / steps,
                    ours_compiled_decode_s=dec["ours_compiled"])
         msg += f"  | compiled {row['ours_compiled_tokens_per_s']:7.1f} tok/s  ratio {row['ratio_compiled']:.2f}"

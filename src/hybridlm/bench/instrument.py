@@ -1,14 +1,14 @@
 """`hybridlm bench --presets ...`: the measuring instrument for any presets at one stated size.
 
-Presets are compared at the same number of token-mixer layers (`--layers N`: attention, SSD, Rodimus, ...
-layers; MLP/MoE letters are not counted) and either the same width (`--d-model`) or the same parameter count
-(`--params 10M`: the width is sized to it, within 10%). For every training shape B×T, all presets are timed
-interleaved in one loop (so ratios see the same machine load): forward+backward tokens/s and MFU against the
-best matmul peak of the same device and dtype measured in the same run (at the start, before each shape and at
-the end; on a known GPU also against the datasheet peak), forward tokens/s, eager and (with `--compile`)
-torch.compile'd; peak memory of one step in a fresh process (`step_memory`, measure.peak_memory). Then per-token decode latency and
-inference-state bytes against context length. `--device cuda --dtype bfloat16`: models are built in float32,
-moved to the GPU, and every step runs under autocast (float32 master weights, as mixed-precision training).
+Presets are compared at the same number of token-mixer layers (`--layers N`: attention, SSD, Rodimus, ... layers;
+MLP/MoE letters are not counted) and either the same width (`--d-model`) or the same parameter count (`--params 10M`:
+the width is sized to it, within 10%). For every training shape B×T, all presets are timed interleaved in one loop (so
+ratios see the same machine load): forward+backward tokens/s and MFU against the best matmul peak of the same device
+and dtype measured in the same run (at the start, before each shape and at the end; on a known GPU also against the
+datasheet peak), forward tokens/s, eager and (with `--compile`) torch.compile'd; peak memory of one step in a fresh
+process (`step_memory`, measure.peak_memory). Then per-token decode latency and inference-state bytes against context
+length. `--device cuda --dtype bfloat16`: models are built in float32, moved to the GPU, and every step runs under
+autocast (float32 master weights, as mixed-precision training).
 """
 import torch
 

@@ -36,6 +36,18 @@ def _measure(fn: Callable[[], tuple], grads: tuple, repeats: int) -> dict:
         return {"error": "out of memory"}
 
 
+def _pytorch(fn, *args, **kw):
+    """fn(*args, **kw) on our PyTorch ops (the Triton dispatch off)."""
+    def run():
+        os.environ["HYBRIDLM_TRITON"] = "0"
+        try:
+            out = fn(*args, **kw)
+            return out if isinstance(out, tuple) else (out,)
+        finally:
+            del os.environ["HYBRIDLM_TRITON"]
+    return run
+
+
 def _leaves(*ts):
     return [t.detach().requires_grad_() for t in ts]
 
@@ -55,14 +67,7 @@ def bench_ssd(b: int, T: int, repeats: int, log=print) -> dict:
     ours = lambda: ssd_chunked_triton(x_, dt_, A_, B_, C_, chunk_size=64)
     row["ours"] = _measure(ours, (gy,), repeats)
     y_ours = ours()[0].detach()
-
-    def torch_path():
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
-            return ssd_chunked(x_, dt_, A_, B_, C_, chunk_size=64)
-        finally:
-            del os.environ["HYBRIDLM_TRITON"]
-    row["pytorch"] = _measure(torch_path, (gy,), max(2, repeats // 4))
+    row["pytorch"] = _measure(_pytorch(ssd_chunked, x_, dt_, A_, B_, C_, chunk_size=64), (gy,), max(2, repeats // 4))
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except ImportError:
@@ -90,14 +95,7 @@ def bench_gla(b: int, T: int, repeats: int, log=print) -> dict:
     ours = lambda: gla_chunked_triton(q_, k_, v_, w_, chunk_size=64)
     row["ours"] = _measure(ours, (go,), repeats)
     o_ours = ours()[0].detach()
-
-    def torch_path():
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
-            return gla_chunked(q_, k_, v_, w_, chunk_size=64)
-        finally:
-            del os.environ["HYBRIDLM_TRITON"]
-    row["pytorch"] = _measure(torch_path, (go,), max(2, repeats // 4))
+    row["pytorch"] = _measure(_pytorch(gla_chunked, q_, k_, v_, w_, chunk_size=64), (go,), max(2, repeats // 4))
     try:
         from fla.ops.gla import chunk_gla
     except ImportError:
@@ -130,14 +128,7 @@ def bench_cdmoe(b: int, T: int, repeats: int, log=print) -> dict:
     row = {"op": "cdmoe", "batch": b, "seq_len": T, **CDMOE, "mlp_hidden": f, "dtype": "bf16"}
     x_, down_, up_, gates_, w_gu_, w_d_ = _leaves(x, down, up, gates, w_gu, w_d)
     row["ours"] = _measure(lambda: (expert_neurons_triton(x_, down_, up_, ids, gates_),), (gy,), repeats)
-
-    def torch_path():
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
-            return (expert_neurons(x_, down_, up_, ids, gates_),)
-        finally:
-            del os.environ["HYBRIDLM_TRITON"]
-    row["pytorch"] = _measure(torch_path, (gy,), max(2, repeats // 4))
+    row["pytorch"] = _measure(_pytorch(expert_neurons, x_, down_, up_, ids, gates_), (gy,), max(2, repeats // 4))
 
     def mlp():
         g, u = (x_ @ w_gu_).chunk(2, -1)

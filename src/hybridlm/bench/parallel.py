@@ -32,7 +32,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compile", action="store_true")
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and steps: a smoke test in seconds")
     args = p.parse_args(argv)
+    if args.quick:
+        vars(args).update(d_model=64, n_layers=2, vocab_size=512, batch=2, seq_len=64, steps=2, warmup_steps=1)
 
     from ..models import CausalLM, presets
     from ..train.optim import make_optimizer

@@ -75,7 +75,7 @@ def _measured(fn) -> dict:
 
 def convert_job(src: str, out: str) -> dict:
     from ..hf.rodimus_format import convert_rodimus_dir
-    return _measured(lambda: {"seconds": ms.clock({"convert": lambda: convert_rodimus_dir(src, out)}, 1, 0)["convert"][0]})
+    return _measured(lambda: {"seconds": ms.clock({"c": lambda: convert_rodimus_dir(src, out)}, 1, 0)["c"][0]})
 
 
 def _transformer_like(params: int, size: dict):

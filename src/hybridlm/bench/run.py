@@ -217,9 +217,9 @@ def main(args) -> int:
     if args.suite:
         write_results(args.out, {"suite": args.suite, **SUITES[args.suite][0](quick=args.quick)}, _meta(args))
         return 0
+    from ..errors import ConfigError
     if args.compare_hf and (args.params or args.compile or args.memory or args.device != "cpu"
                             or args.dtype not in ("auto", "float32")):
-        from ..errors import ConfigError
         raise ConfigError("--params, --compile, --memory, --device and --dtype apply to the preset instrument, "
                           "not to --compare-hf")
     settings = _settings(args)
@@ -229,13 +229,11 @@ def main(args) -> int:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            from ..errors import ConfigError
             raise ConfigError("--compare-hf needs transformers: pip install 'hybridlm[hf]'") from None
         from .compare_hf import run_compare
         archs = [a.strip() for a in args.archs.split(",") if a.strip()]
         bad = [a for a in archs if a not in ("llama", "mamba2")]
         if bad or not archs:
-            from ..errors import ConfigError
             raise ConfigError(f"--archs must name llama and/or mamba2, got {args.archs!r}")
         res = dict(run_compare(settings, archs=archs, log=log), mode="compare-hf")
         draw, table = (lambda stem: [plot(res, stem + ".png")]), format_table

@@ -24,7 +24,8 @@ def _op_inputs(T, H, K, V, kind: str, B: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, n, generator=g) for n in (K, K, V))
     if kind == "gla":
-        return [x.requires_grad_() for x in (q, k * K ** -0.5, v, -F.softplus(torch.randn(B, T, H, K, generator=g) - 2))]
+        decay = -F.softplus(torch.randn(B, T, H, K, generator=g) - 2)        # Rodimus-like, mostly mild
+        return [x.requires_grad_() for x in (q, k * K ** -0.5, v, decay)]
     beta = torch.rand(B, T, H, generator=g)
     decay = -F.softplus(torch.randn(B, T, H, *([K] if kind == "delta-kda" else []), generator=g) - 2.0)
     return [x.requires_grad_() for x in (q, F.normalize(k, dim=-1), v, beta, decay)]
@@ -64,8 +65,9 @@ def delta_suite(quick=False, log=print) -> dict:
 
 def cdmoe_case(d_model=256, num_experts=16384, top_k=64, shared_hidden=None, tokens=2048, breakdown=False) -> ms.Case:
     """CDMoE (Doge form) vs gated MLPs of its active parameters, forward + backward on x [tokens, d_model].
-    Active: CDMoE 3·d·shared_hidden + 2·d·top_k (+ the router's 2·√N·d); "mlp" matches it without the router (the
-    stricter figure), "mlp_r" with it. `breakdown`: also the layer's parts (shared MLP, routing, experts on fixed ids)."""
+    Active: CDMoE 3·d·shared_hidden + 2·d·top_k (+ the router's 2·√N·d); "mlp" matches it without the router
+    (the stricter figure), "mlp_r" with it. `breakdown`: also the layer's parts (shared MLP, routing, experts
+    on fixed ids)."""
     from ..layers.cdmoe import CDMoE
     from ..layers.init import initialised
     from ..layers.mlp import MLP
@@ -99,7 +101,8 @@ def cdmoe_case(d_model=256, num_experts=16384, top_k=64, shared_hidden=None, tok
                "mlp_r": step(MLP(d_model, info["mlp_hidden_router_counted"]))}
         if breakdown:
             fns["shared"] = step(moe, lambda: moe.shared(xf).backward(gyf))
-            fns["routing"] = step(moe, lambda: torch.softmax(moe.retrieve(xf)[0].float(), -1).flatten(1).backward(g_gates))
+            fns["routing"] = step(moe, lambda: torch.softmax(moe.retrieve(xf)[0].float(), -1).flatten(1)
+                                  .backward(g_gates))
             fns["experts"] = step(moe, lambda: expert_neurons(xf, moe.down_embed.weight, moe.up_embed.weight,
                                                               ids.flatten(1), gates, act=moe.act).backward(gyf))
         return fns
@@ -160,11 +163,13 @@ def wm_suite(quick=False, log=print) -> dict:
             f"(router counted: {cw['ratio_router_counted']:.2f})")
     log(f"CDMoE {cd['num_experts']} experts, {cd['top_k']}/token, d_model {cd['d_model']}, {cd['tokens']} tokens: "
         f"{cd['cdmoe_tokens_per_s']:.0f} tok/s vs gated MLP (hidden {cd['mlp_hidden']}, same active params) "
-        f"{cd['mlp_tokens_per_s']:.0f} tok/s: ratio {cd['ratio']:.2f} (target >= 0.5: {'met' if cd['met'] else 'MISSED'}); "
+        f"{cd['mlp_tokens_per_s']:.0f} tok/s: ratio {cd['ratio']:.2f} "
+        f"(target >= 0.5: {'met' if cd['met'] else 'MISSED'}); "
         f"router counted as active (MLP hidden {cd['mlp_hidden_router_counted']}): {cd['ratio_router_counted']:.2f}")
     log(f"doge vs transformers DogeForCausalLM (is_moe, {dg['attn_implementation']}), d_model {dg['d_model']}, "
         f"{dg['n_layers']} layers, {dg['batch']}x{dg['seq_len']}: ours {dg['ours_tokens_per_s']:.0f} tok/s, "
-        f"hf {dg['hf_tokens_per_s']:.0f} tok/s: ratio {dg['ratio']:.2f} (target >= 2: {'met' if dg['met'] else 'MISSED'})")
+        f"hf {dg['hf_tokens_per_s']:.0f} tok/s: ratio {dg['ratio']:.2f} "
+        f"(target >= 2: {'met' if dg['met'] else 'MISSED'})")
     return {"cdmoe_vs_mlp": cd, "doge_vs_hf": dg, **({} if quick else {"cdmoe_vs_mlp_doge_width": cw})}
 
 
@@ -198,7 +203,8 @@ def attention_suite(quick=False, log=print) -> dict:
            "flash_fwd": fn(flash, False, q, k, v), "explicit_fwdbwd": fn(lambda *x: explicit_attention(*x, mask), True,
                                                                         q, k, v),
            "flash_fwdbwd": fn(flash, True, q, k, v), "flash_long_fwd": fn(flash, False, ql, kl, vl)}
-    res = dict(T=T, H=H, D=D, block_size=bs, long_T=2 * T, scores_bytes=H * T * T * 4, long_scores_bytes=4 * H * T * T * 4)
+    res = dict(T=T, H=H, D=D, block_size=bs, long_T=2 * T, scores_bytes=H * T * T * 4,
+               long_scores_bytes=4 * H * T * T * 4)
     for name, f in fns.items():
         res[name + "_peak"] = ms.peak_memory(f, what="tensors")["peak_bytes"]
     times = ms.clock(fns, repeats=1, warmup=0)
@@ -208,7 +214,8 @@ def attention_suite(quick=False, log=print) -> dict:
     for name in fns:
         log(f"  {name:16s} peak {res[name + '_peak'] / 2**20:9.1f} MiB  {res[name + '_s']:6.2f} s")
     log(f"one [H, T, T] score matrix at T={T}: {res['scores_bytes'] / 2**20:.1f} MiB; fwd peak ratio explicit/flash "
-        f"{res['explicit_fwd_peak'] / max(1, res['flash_fwd_peak']):.1f}x; max |explicit - flash| {res['max_abs_diff']:.2e}")
+        f"{res['explicit_fwd_peak'] / max(1, res['flash_fwd_peak']):.1f}x; "
+        f"max |explicit - flash| {res['max_abs_diff']:.2e}")
     return res
 
 
@@ -218,12 +225,13 @@ def mla_suite(quick=False, log=print) -> dict:
     paths against a Transformer++ of the same width, after prefilling each context, all interleaved."""
     from ..layers.mla import MLA
     from ..models.mixers_deepseek import mla_sizes
-    d, heads, layers, contexts, steps, V = (128, 4, 2, (64, 256), 4, 257) if quick else (256, 8, 4, (512, 4096), 16, 257)
+    d, heads, layers, contexts, steps, V = (128, 4, 2, (64, 256), 4, 257) if quick else \
+        (256, 8, 4, (512, 4096), 16, 257)
     kw = dict(n_layers=layers, d_model=d, n_heads=heads, vocab_size=V, max_seq_len=max(contexts) + 2 * steps + 8)
     models = {"mla": _model("deepseek-mla", **kw), "transformer++": _model("transformer++", **kw)}
     s = mla_sizes(models["mla"].config)
-    r = dict(d_model=d, n_heads=heads, n_layers=layers, **s, mla_bytes_per_token_layer=(s["kv_lora_rank"] + s["rope_dim"]) * 4,
-             kv_bytes_per_token_layer=2 * d * 4)
+    r = dict(d_model=d, n_heads=heads, n_layers=layers, **s, kv_bytes_per_token_layer=2 * d * 4,
+             mla_bytes_per_token_layer=(s["kv_lora_rank"] + s["rope_dim"]) * 4)
     r["formula_ratio"] = r["kv_bytes_per_token_layer"] / r["mla_bytes_per_token_layer"]
     for name, m in models.items():                                  # measured from a real cache
         _, cache = ms.prefilled(m, 64)
@@ -242,8 +250,8 @@ def mla_suite(quick=False, log=print) -> dict:
             fns[ctx, label] = lambda m=models[name], v=value, step=step: (mode(m, v), step())
     times = ms.clock(fns, steps, warmup=1)
     mode(models["mla"], "auto")
-    r["decode_ms_per_token"] = [dict(context=ctx, **{lab: 1e3 * ms.median(t) for (c, lab), t in times.items() if c == ctx})
-                                for ctx in contexts]
+    r["decode_ms_per_token"] = [dict(context=ctx, **{lab: 1e3 * ms.median(t) for (c, lab), t in times.items()
+                                                     if c == ctx}) for ctx in contexts]
     log(f"MLA cache: (kv_lora {r['kv_lora_rank']} + rope {r['rope_dim']}) x 4 B = {r['mla_bytes_per_token_layer']} "
         f"B/token/layer vs K/V 2 x {d} x 4 B = {r['kv_bytes_per_token_layer']}: {r['formula_ratio']:.2f}x smaller "
         f"(measured {r['transformer++_measured_bytes_per_token']:.0f} vs {r['mla_measured_bytes_per_token']:.0f} "
@@ -302,15 +310,17 @@ def rodimus_suite(quick=False, log=print) -> dict:
         for r in rows:
             log(f"{name:10s} context {r['context']:>6}: cache {r['cache_bytes']:>9} B, decode {r['median_ms']:.2f} "
                 f"ms/token (min {r['min_ms']:.2f})")
-        log(f"{name:10s} latency ratio {contexts[-1]} / {contexts[0]}: {rows[-1]['median_ms'] / rows[0]['median_ms']:.2f}")
+        log(f"{name:10s} latency ratio {contexts[-1]} / {contexts[0]}: "
+            f"{rows[-1]['median_ms'] / rows[0]['median_ms']:.2f}")
     d, V, B, L, reps = (64, 512, 2, 64, 2) if quick else (256, 8192, 4, 512, 5)
     common = dict(d_model=d, vocab_size=V, max_seq_len=L)
     models = {"rodimus": _model("rodimus", n_layers=6, **common), "mamba2": _model("mamba2", n_layers=7, **common),
               "rodimus++": _model("rodimus++", n_layers=2, **common)}
     rows = ms.run_cases(train_cases(models, B, L, V), reps)
     tr = res["train_vs_mamba2"] = {"batch": B, "seq_len": L, "d_model": d, "vocab_size": V, "rows": {
-        n: {"parameters": m.num_parameters(), "layout": m.config.layout, "tokens_per_s": ms.pick(rows, n, "train")["per_s"],
-            "median_s": ms.pick(rows, n, "train")["median_s"]} for n, m in models.items()}}
+        n: {"parameters": m.num_parameters(), "layout": m.config.layout,
+            "tokens_per_s": ms.pick(rows, n, "train")["per_s"], "median_s": ms.pick(rows, n, "train")["median_s"]}
+        for n, m in models.items()}}
     tr["mamba2_over_rodimus"] = tr["rows"]["mamba2"]["tokens_per_s"] / tr["rows"]["rodimus"]["tokens_per_s"]
     for name, r in tr["rows"].items():
         log(f"train {name:10s} {r['layout']:10s} {r['parameters'] / 1e6:6.2f}M params: {r['tokens_per_s']:8.0f} tok/s")
@@ -385,14 +395,14 @@ def twins_suite(quick=False, log=print) -> dict:
 
 # name -> (suite, what it measures): `hybridlm bench --suite NAME`
 SUITES = {
-    "wm": (wm_suite, "CDMoE vs gated MLP; doge vs transformers Doge-MoE"),
+    "wm": (wm_suite, "CDMoE vs gated MLP, doge vs transformers Doge-MoE"),
     "moe": (moe_suite, "CDMoE layer vs gated MLP with a breakdown of its time"),
-    "mla": (mla_suite, "MLA latent cache size; absorbed vs expanded decode"),
-    "rodimus": (rodimus_suite, "GLA op speed, Rodimus cache/latency vs context, vs Mamba-2"),
-    "gla": (gla_suite, "gated linear attention: chunked vs token loop"),
-    "delta": (delta_suite, "gated delta rule: chunked WY form vs token loop"),
-    "attention": (attention_suite, "explicit softmax attention vs flash_attention: peak memory"),
-    "decode": (decode_suite, "decode ms/token, growing vs static step (vs CUDA graph)"),
+    "mla": (mla_suite, "MLA latent cache size, absorbed vs expanded decode"),
+    "rodimus": (rodimus_suite, "GLA op speed, Rodimus cache and latency vs context and vs Mamba-2"),
+    "gla": (gla_suite, "gated linear attention, chunked vs token loop"),
+    "delta": (delta_suite, "gated delta rule, chunked WY form vs token loop"),
+    "attention": (attention_suite, "peak memory of explicit softmax attention vs flash_attention"),
+    "decode": (decode_suite, "decode ms/token, growing vs static step vs CUDA graph"),
     "hf": (hf_suite, "transformers generate() through HybridLMForCausalLM vs ours"),
     "twins": (twins_suite, "every public-hybrid preset vs its transformers twin, training"),
 }

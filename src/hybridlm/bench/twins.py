@@ -57,8 +57,10 @@ def build_twin(name: str, *, d_model: int, n_layers: int, vocab_size: int, max_s
 
 def train_cases(pairs: dict, batch: int, seq_len: int, vocab_size: int, dtype=None) -> list:
     """One case per pair {name: (transformers model, ours)}: a training step of each on the same random batch."""
-    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(batch * 7919 + seq_len))
-    return [ms.Case(name, lambda hf=hf, ours=ours: {"ours": ms.train_step(ours, ids, dtype), "hf": ms.train_step(hf, ids, dtype)},
+    g = torch.Generator().manual_seed(batch * 7919 + seq_len)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
+    return [ms.Case(name, lambda hf=hf, ours=ours: {"ours": ms.train_step(ours, ids, dtype),
+                                                    "hf": ms.train_step(hf, ids, dtype)},
                     work=batch * seq_len, unit="tokens", info=dict(batch=batch, seq_len=seq_len))
             for name, (hf, ours) in pairs.items()]
 
