@@ -198,7 +198,8 @@ def peak_memory(fn: Callable[[], object], device="cpu", what: str = "resident") 
 
 def fresh(fn: Callable[..., dict], **kwargs) -> dict:
     """fn(**kwargs) (a module-level function returning a JSON-able dict) in a fresh Python process."""
-    job = json.dumps({"module": fn.__module__, "name": fn.__qualname__, "kwargs": kwargs,
+    module = fn.__module__ if fn.__module__ != "__main__" else sys.modules["__main__"].__spec__.name   # python -m
+    job = json.dumps({"module": module, "name": fn.__qualname__, "kwargs": kwargs,
                       "threads": torch.get_num_threads()})
     proc = subprocess.run([sys.executable, "-m", "hybridlm.bench.measure"], input=job, capture_output=True, text=True,
                           env=dict(os.environ))
