@@ -114,9 +114,7 @@ def _settings(args) -> dict:
     if not args.compare_hf:
         s["layers"] = s.pop("n_layers", None) or s["layers"]
         s.pop("context", None), s.pop("new_tokens", None)
-        s["compile"] = args.compile
-        s["params"] = args.params
-        s["device"], s["dtype"] = args.device, args.dtype
+        s.update(compile=args.compile, params=args.params, device=args.device, dtype=args.dtype)
         if args.dtype == "auto":
             from ..dtypes import resolve_dtype
             s["dtype"], label = resolve_dtype("auto", args.device)
@@ -130,13 +128,11 @@ def _settings(args) -> dict:
 
 def _meta(args) -> dict:
     from ..train.ablate import machine_meta
-    meta = dict(machine_meta(), quick=bool(args.quick))
     try:
         import transformers
-        meta["transformers"] = transformers.__version__
     except ImportError:
-        meta["transformers"] = None
-    return meta
+        transformers = None
+    return dict(machine_meta(), quick=bool(args.quick), transformers=transformers and transformers.__version__)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,8 +140,7 @@ def _meta(args) -> dict:
 
 def format_table(res: dict) -> str:
     """The --compare-hf table (the instrument's own is instrument.format_table)."""
-    lines = []
-    lines.append("training (forward+backward), tokens/s, medians of interleaved repeats")
+    lines = ["training (forward+backward), tokens/s, medians of interleaved repeats"]
     lines.append(f"{'arch':8s} {'batch':>9s} {'ours':>9s} {'hf':>9s} {'ratio':>6s} {'MFU ours':>9s} {'MFU hf':>7s}")
     for r in res["train"]:
         lines.append(f"{r['arch']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>9s} "
