@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridlm.bench import run
-from hybridlm.bench import throughput as tp
+from hybridlm.bench import measure as tp
 from hybridlm.errors import ConfigError
 
 

@@ -3,9 +3,9 @@ the fresh-process memory probe, and `hybridlm report`'s verdicts."""
 import json
 
 
-from hybridlm.bench.instrument import preset_config
-from hybridlm.bench.memory import step_peak_bytes
-from hybridlm.bench.report import NOT_COMPARABLE, NOT_REPRODUCED, REPRODUCED, ablation_verdict, bench_claims, render
+from hybridlm.bench.instrument import preset_config, step_memory
+from hybridlm.bench.measure import fresh
+from hybridlm.commands.report import NOT_COMPARABLE, NOT_REPRODUCED, REPRODUCED, ablation_verdict, bench_claims, render
 from hybridlm.cli import main
 from hybridlm.models.sizing import count_parameters, token_mixers
 
@@ -45,7 +45,7 @@ def test_bench_quick_writes_results_and_three_plots(tmp_path, capsys):
 def test_memory_probe_measures_the_step_in_a_fresh_process():
     cfg = preset_config("mamba2", layers=1, d_model=64, params=None, vocab_size=512, max_seq_len=2048,
                         overrides=dict(ssd_d_state=16, ssd_headdim=32))
-    r = step_peak_bytes(cfg, 1, 2048)
+    r = fresh(step_memory, config=cfg.to_dict(), batch=1, seq_len=2048)
     # logits alone are 2048 x 512 x 4 B = 4 MiB, and backward keeps a few such tensors; weights are not counted
     assert 4 * 2**20 < r["peak_bytes"] < 512 * 2**20 and r["method"].startswith("VmHWM")
 
@@ -92,7 +92,7 @@ def test_report_verdicts_and_page(tmp_path):
 
 
 def test_mqar_claims_on_a_sweep():
-    from hybridlm.bench.report import mqar_claims
+    from hybridlm.commands.report import mqar_claims
 
     def row(name, d, acc, state):
         return dict(name=name, layout="x", d_model=d, seq_len=64, num_pairs=4, accuracy=acc, state_bytes=state)

@@ -132,6 +132,6 @@ def test_bad_inputs():
 
 
 def test_bench_runs():
-    from hybridlm.bench.delta_speed import bench_delta
-    res = bench_delta(T=40, H=2, K=8, V=8, repeats=1, per_channel=True)
+    from hybridlm.bench.suites import op_case, op_speedups
+    res = op_speedups([op_case("delta-kda", T=40, H=2, K=8, V=8)], repeats=1, log=lambda *a: None)["delta-kda T=40"]
     assert res["recurrent_s"] > 0 and res["chunked_s"] > 0

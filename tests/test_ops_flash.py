@@ -260,12 +260,12 @@ def test_fully_hidden_key_blocks_are_skipped():
 
 
 def test_forward_memory_is_tiled():
-    from hybridlm.bench.attention_memory import peak_allocated_bytes
+    from hybridlm.bench.measure import peak_memory
 
     T, H, D, bs = 1024, 2, 16, 64
     q, k, v = (torch.randn(1, T, H, D) for _ in range(3))
     with torch.no_grad():
-        peak = peak_allocated_bytes(lambda: flash_attention(q, k, v, block_size=bs))
+        peak = peak_memory(lambda: flash_attention(q, k, v, block_size=bs), what="tensors")["peak_bytes"]
     full_scores = H * T * T * 4
     assert peak < full_scores / 8, (peak, full_scores)
 

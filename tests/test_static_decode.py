@@ -120,11 +120,10 @@ def test_cuda_graph_decode(name):
 
 def test_decode_bench_suite_quick(monkeypatch):
     """`hybridlm bench --suite decode --quick`: a row per preset and mode, sizes taken from the environment."""
-    from hybridlm.bench import decode_static
-    from hybridlm.bench.run import SUITES
-    assert SUITES["decode"] == "hybridlm.bench.decode_static:run_suite"
+    from hybridlm.bench.suites import SUITES, decode_suite
+    assert SUITES["decode"][0] is decode_suite
     monkeypatch.setenv("HYBRIDLM_DECODE_BENCH", "presets=mamba2;steps=3;repeats=1")
-    out = decode_static.run_suite(quick=True, log=lambda *a: None)
+    out = decode_suite(quick=True, log=lambda *a: None)
     assert out["settings"]["steps"] == 3
     row = out["ms_per_token"]["mamba2"]
     assert set(row) == {"growing", "static"} | ({"static+graph"} if CUDA else set()) and min(row.values()) > 0

@@ -1,26 +1,26 @@
 """`hybridlm bench --presets ...`: the measuring instrument for any presets at one stated size.
 
-Presets are compared at the same number of token-mixer layers (`--layers N`: attention, SSD, Rodimus, ...
-layers; MLP/MoE letters are not counted) and either the same width (`--d-model`) or the same parameter count
-(`--params 10M`: the width is sized to it, within 10%). For every training shape B×T, all presets are timed
-interleaved in one loop (so ratios see the same machine load): forward+backward tokens/s and MFU against the
-best matmul peak of the same device and dtype measured in the same run (at the start, before each shape and at
-the end; on a known GPU also against the datasheet peak), forward tokens/s, eager and (with `--compile`)
-torch.compile'd; peak memory of one step in a fresh process (bench/memory.py). Then per-token decode latency and
-inference-state bytes against context length. `--device cuda --dtype bfloat16`: models are built in float32,
-moved to the GPU, and every step runs under autocast (float32 master weights, as mixed-precision training).
+Presets are compared at the same number of token-mixer layers (`--layers N`: attention, SSD, Rodimus, ... layers;
+MLP/MoE letters are not counted) and either the same width (`--d-model`) or the same parameter count (`--params 10M`:
+the width is sized to it, within 10%). For every training shape B×T, all presets are timed interleaved in one loop (so
+ratios see the same machine load): forward+backward tokens/s and MFU against the best matmul peak of the same device
+and dtype measured in the same run (at the start, before each shape and at the end; on a known GPU also against the
+datasheet peak), forward tokens/s, eager and (with `--compile`) torch.compile'd; peak memory of one step in a fresh
+process (`step_memory`, measure.peak_memory). Then per-token decode latency and inference-state bytes against context
+length. `--device cuda --dtype bfloat16`: models are built in float32, moved to the GPU, and every step runs under
+autocast (float32 master weights, as mixed-precision training).
 """
 import torch
 
 from ..errors import ConfigError
 from ..models.config import ModelConfig
-from . import throughput as tp
+from . import measure as ms
 
 
 def preset_config(name: str, *, layers: int, d_model: int | None, params: int | None, vocab_size: int,
                   max_seq_len: int, overrides: dict | None = None) -> ModelConfig:
     """Preset `name` with at least `layers` token-mixer layers, at width d_model or sized to `params`."""
-    from .. import presets
+    from ..models import presets
     from ..models.sizing import depth_for_mixers, fit_params
     base = dict(vocab_size=vocab_size, max_seq_len=max_seq_len, **(overrides or {}))
 
@@ -35,8 +35,8 @@ def preset_config(name: str, *, layers: int, d_model: int | None, params: int | 
 
 def device_dtype(s: dict) -> tuple[torch.device, torch.dtype]:
     """Settings' "device" (cpu | cuda | cuda:N) and "dtype" (float32 | bfloat16 | float16), checked."""
-    if s.get("dtype", "float32") not in tp.DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(tp.DTYPES)}, got {s['dtype']!r}")
+    if s.get("dtype", "float32") not in ms.DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(ms.DTYPES)}, got {s['dtype']!r}")
     try:
         device = torch.device(s.get("device", "cpu"))
     except RuntimeError:
@@ -46,40 +46,60 @@ def device_dtype(s: dict) -> tuple[torch.device, torch.dtype]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {s['device']}: CUDA is not available here (torch {torch.__version__}, "
                           f"{torch.cuda.device_count()} GPUs visible)")
-    return device, tp.DTYPES[s.get("dtype", "float32")]
+    return device, ms.DTYPES[s.get("dtype", "float32")]
 
 
 def _peak(device: torch.device, dtype: torch.dtype) -> float:
     """One matmul peak reading, GFLOP/s, in the dtype the steps compute in."""
     if device.type == "cuda":               # 1024³ matmuls leave an H100 partly idle and are launch-bound
-        return tp.matmul_peak_gflops(4096, dtype=dtype, device=device, calls=10)
-    return tp.matmul_peak_gflops(1024, dtype=dtype)
+        return ms.matmul_peak_gflops(4096, dtype=dtype, device=device, calls=10)
+    return ms.matmul_peak_gflops(1024, dtype=dtype)
 
 
 def _timed_rows(models: dict, ids: torch.Tensor, repeats: int, dtype: torch.dtype, peak: float,
                 nominal: float | None, mode: str, log) -> list[dict]:
     """All models timed interleaved on ids [B, T] (on their device); `nominal`: the datasheet peak, TFLOP/s."""
     B, T = ids.shape
-    for m in models.values():
-        m.train()
-    train = tp.interleaved({n: tp.train_step(m, ids, dtype) for n, m in models.items()}, repeats)
-    for m in models.values():
-        m.eval()
-    fwd = tp.interleaved({n: tp.forward_step(m, ids, dtype) for n, m in models.items()}, repeats)
-    rows = []
+    rows = {}
+    for variant, train in (("train", True), ("forward", False)):
+        for m in models.values():
+            m.train(train)
+        step = ms.train_step if train else ms.forward_step
+        cases = [ms.Case(n, lambda m=m: {variant: step(m, ids, dtype)}, work=B * T, unit="tokens")
+                 for n, m in models.items()]
+        rows.update({(r["case"], variant): r for r in ms.run_cases(cases, repeats)})
+    out = []
     for n, m in models.items():
-        tr, fw = tp.summary(train[n], B * T), tp.summary(fwd[n], B * T)
-        flops = tp.train_flops_per_token(getattr(m, "_orig_mod", m), T)
-        rows.append(dict(preset=n, mode=mode, batch=B, seq_len=T, train_tokens_per_s=tr["per_s"],
-                         forward_tokens_per_s=fw["per_s"], train_mfu=tr["per_s"] * flops / (peak * 1e9),
-                         forward_mfu=fw["per_s"] * flops / 3 / (peak * 1e9),
-                         train_mfu_nominal=tr["per_s"] * flops / (nominal * 1e12) if nominal else None,
-                         forward_mfu_nominal=fw["per_s"] * flops / 3 / (nominal * 1e12) if nominal else None,
-                         flops_per_token=flops, train_times_s=train[n], forward_times_s=fwd[n]))
-        nom = f", {rows[-1]['train_mfu_nominal']:.2f} of nominal" if nominal else ""
-        log(f"  {n:16s} {mode:8s} {B}x{T}: fwd+bwd {tr['per_s']:9.0f} tok/s (MFU {rows[-1]['train_mfu']:.2f}{nom})"
+        tr, fw = rows[n, "train"], rows[n, "forward"]
+        flops = ms.train_flops_per_token(getattr(m, "_orig_mod", m), T)
+        out.append(dict(preset=n, mode=mode, batch=B, seq_len=T, train_tokens_per_s=tr["per_s"],
+                        forward_tokens_per_s=fw["per_s"], train_mfu=tr["per_s"] * flops / (peak * 1e9),
+                        forward_mfu=fw["per_s"] * flops / 3 / (peak * 1e9),
+                        train_mfu_nominal=tr["per_s"] * flops / (nominal * 1e12) if nominal else None,
+                        forward_mfu_nominal=fw["per_s"] * flops / 3 / (nominal * 1e12) if nominal else None,
+                        flops_per_token=flops, train_times_s=tr["times_s"], forward_times_s=fw["times_s"]))
+        nom = f", {out[-1]['train_mfu_nominal']:.2f} of nominal" if nominal else ""
+        log(f"  {n:16s} {mode:8s} {B}x{T}: fwd+bwd {tr['per_s']:9.0f} tok/s (MFU {out[-1]['train_mfu']:.2f}{nom})"
             f"  fwd {fw['per_s']:9.0f} tok/s")
-    return rows
+    return out
+
+
+def step_memory(config: dict, batch: int, seq_len: int, step: str = "train", device: str = "cpu",
+                dtype: str = "float32") -> dict:
+    """Peak bytes of one step of the model `config` (measure.peak_memory; run it in a fresh process: `fresh`).
+    step: "train", "train-full-logits" ([tokens, vocab] logits materialised: the unfused head + loss) or
+    "forward". The warm-up is full size on CUDA (the caching allocator keeps it), 8 tokens on a CPU (one-time
+    set-up with next to no memory: a full-size one would leave its freed memory resident and hide the peak)."""
+    from ..models import CausalLM
+    cfg = ModelConfig.from_dict(config)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).to(device).train(step != "forward")
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+    make = (lambda x: ms.forward_step(model, x, ms.DTYPES[dtype], logits_to_keep=1)) if step == "forward" else \
+        (lambda x: ms.train_step(model, x, ms.DTYPES[dtype], full_logits=step == "train-full-logits"))
+    make(ids if device.startswith("cuda") else ids[:1, :8])()
+    r = ms.peak_memory(make(ids), device)
+    return {"peak_bytes": r["peak_bytes"], "method": r["method"]}
 
 
 def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
@@ -88,12 +108,11 @@ def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
     "device"}."""
     from ..models.causal_lm import CausalLM
     from ..models.sizing import token_mixers
-    from .memory import step_peak_bytes
     device, dtype = device_dtype(s)
-    if device.type == "cuda":           # throughput.now() and the memory probe read the current device
+    if device.type == "cuda":           # the clock synchronises the current device
         torch.cuda.set_device(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    nominal = tp.nominal_peak_tflops(device, dtype)
+    nominal = ms.nominal_peak_tflops(device, dtype)
     peak = _peak(device, dtype)
     log(f"matmul peak ({s.get('dtype', 'float32')}, {where}): {peak:.1f} GFLOP/s"
         + (f"; datasheet dense peak {nominal:.0f} TFLOP/s" if nominal else ""))
@@ -122,16 +141,15 @@ def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
             # "train-full-logits": the same step with [tokens, vocab] logits materialised (the unfused LM head)
             for n, cfg in cfgs.items():
                 for step in ("train", "train-full-logits", "forward"):
-                    r = step_peak_bytes(cfg, B, T, train=step != "forward", full_logits=step == "train-full-logits",
-                                        device=str(device), dtype=s.get("dtype", "float32"))
+                    r = ms.fresh(step_memory, config=cfg.to_dict(), batch=B, seq_len=T, step=step,
+                                 device=str(device), dtype=s.get("dtype", "float32"))
                     out["memory"].append(dict(preset=n, batch=B, seq_len=T, step=step, **r))
                     log(f"  {n:16s} {B}x{T} {step:17s} peak {r['peak_bytes'] / 2**20:9.1f} MiB")
     for n, m in models.items():
-        m.eval()
-        for ctx in s["latency_contexts"]:
-            r = tp.decode_latency(m, ctx, steps=s["latency_steps"], dtype=dtype)
+        for r in ms.decode_latency(m.eval(), s["latency_contexts"], s["latency_steps"], dtype=dtype):
             out["latency"].append(dict(preset=n, **r))
-            log(f"  {n:16s} decode after {ctx:6d} tokens: {r['median_ms']:.2f} ms/token, state {r['state_bytes']:,} B")
+            log(f"  {n:16s} decode after {r['context']:6d} tokens: {r['median_ms']:.2f} ms/token, "
+                f"state {r['state_bytes']:,} B")
     peaks.append(_peak(device, dtype))
     for r in out["train"]:            # a loaded machine makes single peak readings low: MFU against the best one
         r["train_mfu"] *= peak / max(peaks)

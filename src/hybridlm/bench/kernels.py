@@ -8,13 +8,13 @@ the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`
     hybridlm bench --kernels --shapes 8x4096 --repeats 20
 """
 import os
-import statistics
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import measure as ms
 
 SHAPES = [(8, 2048), (8, 8192), (8, 16384)]
 QUICK_SHAPES = [(8, 2048)]
@@ -23,32 +23,29 @@ GLA_HEADS = dict(h=16, k=128, v=128)           # 16 heads of 128 (FLA's GLA benc
 CDMOE = dict(d_model=1024, experts=16384, k=64)
 
 
-def _cuda_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn` over `repeats` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _measure(fn: Callable[[], tuple], grads: tuple, repeats: int) -> dict:
     """fn() -> (output, ...); forward and forward+backward (output gradient `grads[0]`) medians in ms."""
-    def fwd_bwd():
-        fn()[0].backward(grads[0])
-    try:
+    def fwd():
         with torch.no_grad():
-            fwd = _cuda_ms(fn, repeats)
-        return {"fwd_ms": fwd, "fwd_bwd_ms": _cuda_ms(fwd_bwd, repeats)}
+            fn()
+    try:
+        t = ms.clock({"fwd_ms": fwd, "fwd_bwd_ms": lambda: fn()[0].backward(grads[0])}, repeats, warmup=3)
+        return {k: 1e3 * ms.median(v) for k, v in t.items()}
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"error": "out of memory"}
+
+
+def _pytorch(fn, *args, **kw):
+    """fn(*args, **kw) on our PyTorch ops (the Triton dispatch off)."""
+    def run():
+        os.environ["HYBRIDLM_TRITON"] = "0"
+        try:
+            out = fn(*args, **kw)
+            return out if isinstance(out, tuple) else (out,)
+        finally:
+            del os.environ["HYBRIDLM_TRITON"]
+    return run
 
 
 def _leaves(*ts):
@@ -70,14 +67,7 @@ def bench_ssd(b: int, T: int, repeats: int, log=print) -> dict:
     ours = lambda: ssd_chunked_triton(x_, dt_, A_, B_, C_, chunk_size=64)
     row["ours"] = _measure(ours, (gy,), repeats)
     y_ours = ours()[0].detach()
-
-    def torch_path():
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
-            return ssd_chunked(x_, dt_, A_, B_, C_, chunk_size=64)
-        finally:
-            del os.environ["HYBRIDLM_TRITON"]
-    row["pytorch"] = _measure(torch_path, (gy,), max(2, repeats // 4))
+    row["pytorch"] = _measure(_pytorch(ssd_chunked, x_, dt_, A_, B_, C_, chunk_size=64), (gy,), max(2, repeats // 4))
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except ImportError:
@@ -105,14 +95,7 @@ def bench_gla(b: int, T: int, repeats: int, log=print) -> dict:
     ours = lambda: gla_chunked_triton(q_, k_, v_, w_, chunk_size=64)
     row["ours"] = _measure(ours, (go,), repeats)
     o_ours = ours()[0].detach()
-
-    def torch_path():
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
-            return gla_chunked(q_, k_, v_, w_, chunk_size=64)
-        finally:
-            del os.environ["HYBRIDLM_TRITON"]
-    row["pytorch"] = _measure(torch_path, (go,), max(2, repeats // 4))
+    row["pytorch"] = _measure(_pytorch(gla_chunked, q_, k_, v_, w_, chunk_size=64), (go,), max(2, repeats // 4))
     try:
         from fla.ops.gla import chunk_gla
     except ImportError:
@@ -145,14 +128,7 @@ def bench_cdmoe(b: int, T: int, repeats: int, log=print) -> dict:
     row = {"op": "cdmoe", "batch": b, "seq_len": T, **CDMOE, "mlp_hidden": f, "dtype": "bf16"}
     x_, down_, up_, gates_, w_gu_, w_d_ = _leaves(x, down, up, gates, w_gu, w_d)
     row["ours"] = _measure(lambda: (expert_neurons_triton(x_, down_, up_, ids, gates_),), (gy,), repeats)
-
-    def torch_path():
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
-            return (expert_neurons(x_, down_, up_, ids, gates_),)
-        finally:
-            del os.environ["HYBRIDLM_TRITON"]
-    row["pytorch"] = _measure(torch_path, (gy,), max(2, repeats // 4))
+    row["pytorch"] = _measure(_pytorch(expert_neurons, x_, down_, up_, ids, gates_), (gy,), max(2, repeats // 4))
 
     def mlp():
         g, u = (x_ @ w_gu_).chunk(2, -1)
@@ -196,7 +172,7 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
         raise ConfigError("bench --kernels needs triton: pip install 'hybridlm[gpu]'")
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     repeats = min(repeats, 3) if quick else repeats
-    log("times in ms (median, CUDA events): forward, forward+backward")
+    log("times in ms (medians of interleaved repeats, synchronised): forward, forward+backward")
     rows = []
     for b, T in shapes:
         rows.append(bench_ssd(b, T, repeats, log))

@@ -4,47 +4,18 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m hybridlm.bench.parallel --parallel fsdp
 
 `--batch` is the global batch (split over the ranks), so every run does the same work per step. Prints one
-JSON line on rank 0: median tokens/s over the timed steps, and per rank the peak resident memory (CPU:
-ru_maxrss) or peak allocated CUDA memory, the peak of the training steps alone (after the model was built and
-sharded; CPU: VmHWM reset through /proc/self/clear_refs), and the memory in use before the model was built.
+JSON line on rank 0: median tokens/s over the timed steps (measure.clock), and per rank (measure.peak_memory) the
+process's peak resident memory (CPU) or peak allocated CUDA memory, the peak of the training steps alone (after
+the model was built and sharded), and the peak before the model was built.
 """
 import argparse
 import json
-import resource
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def _peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # Linux: KiB
-
-
-def _reset_peak(device: torch.device):
-    """Start a new peak (CUDA: the allocator's; Linux CPU: VmHWM, through /proc/self/clear_refs)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _peak_since_reset_mb(device: torch.device) -> float | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-    except (OSError, StopIteration):
-        return None
+from . import measure as ms
 
 
 def main(argv=None) -> int:
@@ -61,7 +32,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compile", action="store_true")
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and steps: a smoke test in seconds")
     args = p.parse_args(argv)
+    if args.quick:
+        vars(args).update(d_model=64, n_layers=2, vocab_size=512, batch=2, seq_len=64, steps=2, warmup_steps=1)
 
     from ..models import CausalLM, presets
     from ..optim import make_optimizer
@@ -71,7 +45,7 @@ def main(argv=None) -> int:
     if args.batch % world:
         print(f"--batch {args.batch} must be divisible by the {world} ranks", file=sys.stderr)
         return 2
-    before = _peak_mb(device)
+    before = ms.peak_memory(lambda: None, device)["process_peak_bytes"] / 2 ** 20
     torch.manual_seed(0)
     cfg = presets.get(args.preset, n_layers=args.n_layers, d_model=args.d_model, vocab_size=args.vocab_size,
                       max_seq_len=max(args.seq_len, 2048))
@@ -83,26 +57,26 @@ def main(argv=None) -> int:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=args.dtype == "bfloat16" and not par.mixed_precision)
     g = torch.Generator().manual_seed(rank)
-    # the training peak is measured from here on
-    _reset_peak(device)
-    times = []
-    for step in range(args.warmup_steps + args.steps):
+
+    def batch():                    # untimed: the batch, and every rank at the start line
         ids = torch.randint(0, cfg.vocab_size, (args.batch // world, args.seq_len), generator=g).to(device)
         if world > 1:
             dist.barrier()
-        t0 = time.perf_counter()
+        return ids
+
+    def step(ids):
         with autocast:
             loss = par.module(ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         if world > 1:
             dist.barrier()
-        if step >= args.warmup_steps:
-            times.append(time.perf_counter() - t0)
-    mine = (before, _peak_mb(device), _peak_since_reset_mb(device))
+    times = {}
+    mem = ms.peak_memory(lambda: times.update(ms.clock({"step": (batch, step)}, args.steps, args.warmup_steps)),
+                         device)             # the training peak: from here on
+    mine = (before, mem["process_peak_bytes"] / 2 ** 20, (mem["before_bytes"] + mem["peak_bytes"]) / 2 ** 20)
+    times = times["step"]
     peaks = [mine]
     if world > 1:
         peaks = [None] * world
@@ -112,7 +86,7 @@ def main(argv=None) -> int:
         print(json.dumps({"preset": args.preset, "d_model": args.d_model, "n_layers": args.n_layers,
                           "params": model.num_parameters(), "world": world, "parallel": par.mode,
                           "compile": args.compile, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
-                          "tokens_per_s": round(args.batch * args.seq_len / statistics.median(times)),
+                          "tokens_per_s": round(args.batch * args.seq_len / ms.median(times)),
                           "step_s": [round(t, 3) for t in times],
                           "peak_mb_per_rank": [round(b) for _, b, _ in peaks],
                           "train_peak_mb_per_rank": [c and round(c) for _, _, c in peaks],

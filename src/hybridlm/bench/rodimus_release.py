@@ -2,7 +2,7 @@
 format at the largest Rodimus+ size of the paper's tables (Rodimus++-1.6B: d 2048, 24 blocks, their 126,340-token
 vocabulary, bfloat16 shards), convert it (time, peak RSS), then decode it and a Transformer++ of about the same
 parameter count at two context lengths (tokens/s, inference-cache bytes, peak RSS). Each measurement runs in a
-process of its own, so each peak RSS is its own.
+process of its own (measure.fresh), so each peak RSS is its own (measure.peak_memory).
 
     python -m hybridlm.bench.rodimus_release --dir /tmp/rodimus-release [--quick]
     hybridlm generate --checkpoint /tmp/rodimus-release/run --chat --prompt hi --max-new-tokens 8 [--dtype float32]
@@ -10,13 +10,11 @@ process of its own, so each peak RSS is its own.
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
-import threading
-import time
 
 import torch
+
+from . import measure as ms
 
 SIZES = {"full": dict(d_model=2048, n_layer=24, vocab_size=126340, window_size=2048),
          "quick": dict(d_model=256, n_layer=2, vocab_size=4096, window_size=64)}
@@ -68,36 +66,21 @@ def _write_tokenizer(directory: str):
         json.dump({"eos_token": tok.eos_token, "chat_template": template}, f)
 
 
-def _peak_rss_mib() -> float:
-    """Peak resident set: anonymous memory plus the touched pages of memory-mapped files (clean, reclaimable)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _measured(fn) -> dict:
+    """fn() -> dict, with the process's peak RSS and the peak of its anonymous memory (measure.peak_memory)."""
+    out = {}
+    mem = ms.peak_memory(lambda: out.update(fn()), what="resident+anon")
+    return dict(out, peak_rss_mib=mem["process_peak_bytes"] / 2 ** 20, peak_anon_mib=mem["anon_peak_bytes"] / 2 ** 20)
 
 
-class _AnonPeak(threading.Thread):
-    """Samples /proc/self/status RssAnon (memory the process owns, without file-backed mmap pages) every 20 ms."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak_kib = 0
-
-    def run(self):
-        while True:
-            with open("/proc/self/status") as f:
-                kib = next((int(line.split()[1]) for line in f if line.startswith("RssAnon:")), 0)
-            self.peak_kib = max(self.peak_kib, kib)
-            time.sleep(0.02)
-
-
-def _convert(src: str, out: str) -> dict:
+def convert_job(src: str, out: str) -> dict:
     from ..hf.rodimus_format import convert_rodimus_dir
-    t0 = time.perf_counter()
-    convert_rodimus_dir(src, out)
-    return {"seconds": time.perf_counter() - t0, "peak_rss_mib": _peak_rss_mib()}
+    return _measured(lambda: {"seconds": ms.clock({"c": lambda: convert_rodimus_dir(src, out)}, 1, 0)["c"][0]})
 
 
 def _transformer_like(params: int, size: dict):
     """Transformer++ (heads of 128, SwiGLU 8/3·d) with the depth that comes closest to `params`, bf16, random."""
-    from .. import presets
+    from ..models import presets
     from ..models import CausalLM
     d, V = size["d_model"], size["vocab_size"]
     with torch.device("meta"):  # sizes only: no memory until to_empty
@@ -115,8 +98,12 @@ def _transformer_like(params: int, size: dict):
     return model.eval()
 
 
-def _decode(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict:
+def decode_job(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict:
     """Prefill `context` random tokens (chunks of 512), then time `steps` greedy one-token decode steps."""
+    return _measured(lambda: _decode(which, ckpt, context, steps, size))
+
+
+def _decode(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict:
     from ..models import CausalLM
     from ..checkpoint import load_checkpoint, load_config
     if which == "transformer++":
@@ -125,33 +112,14 @@ def _decode(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict
         model = _transformer_like(params, size)
     else:
         model = load_checkpoint(ckpt)[0].eval()
-    model.config.max_seq_len = max(model.config.max_seq_len, context + steps)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=g)
-    cache = model.make_cache(1, max_tokens=context + steps)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        for i in range(0, context, 512):
-            logits = model(ids[:, i:i + 512], cache=cache, logits_to_keep=1).logits[:, -1]
-        prefill = time.perf_counter() - t0
-        nxt = logits.argmax(-1, keepdim=True)
-        model._decode_step(nxt, cache)                      # warm-up step
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            nxt = model._decode_step(nxt, cache).argmax(-1, keepdim=True)
-        dt = time.perf_counter() - t0
+    model.config.max_seq_len = max(model.config.max_seq_len, context + steps + 1)
+    built = {}
+    prefill = ms.clock({"prefill": lambda: built.update(d=ms.prefilled(
+        model, context, chunk=512, max_tokens=context + steps + 1, step_fn=model._decode_step))}, 1, 0)["prefill"][0]
+    step, cache = built["d"]
+    dt = sum(ms.clock({"decode": step}, steps, warmup=1)["decode"])
     return {"model": which, "layout": model.config.layout, "parameters": model.num_parameters(), "context": context,
-            "prefill_s": prefill, "decode_tokens_per_s": steps / dt, "cache_mib": cache.nbytes / 2 ** 20,
-            "peak_rss_mib": _peak_rss_mib()}
-
-
-def _child(args: list[str]) -> dict:
-    """Run one measurement in a fresh interpreter; it prints one JSON line."""
-    res = subprocess.run([sys.executable, "-m", "hybridlm.bench.rodimus_release", "--child", *args],
-                         capture_output=True, text=True, check=False)
-    if res.returncode:
-        raise RuntimeError(res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "child failed")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+            "prefill_s": prefill, "decode_tokens_per_s": steps / dt, "cache_mib": cache.nbytes / 2 ** 20}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,28 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 4096])
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per measurement")
     p.add_argument("--skip-write", action="store_true", help="reuse the release directory already in --dir")
-    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = SIZES["quick" if a.quick else "full"]
-    if a.child:
-        kind, *rest = a.child
-        anon = _AnonPeak()
-        anon.start()
-        out = _convert(*rest) if kind == "convert" else _decode(kind, rest[0], int(rest[1]), a.steps, size)
-        print(json.dumps(dict(out, peak_anon_mib=anon.peak_kib / 1024)))
-        return 0
     src, run = os.path.join(a.dir, "release"), os.path.join(a.dir, "run")
     if not a.skip_write:
-        t0 = time.perf_counter()
-        write_release(src, size)
-        print(f"wrote {src} in {time.perf_counter() - t0:.0f} s", flush=True)
-    conv = _child(["convert", src, run] + (["--quick"] if a.quick else []))
+        t = ms.clock({"write": lambda: write_release(src, size)}, 1, 0)["write"][0]
+        print(f"wrote {src} in {t:.0f} s", flush=True)
+    conv = ms.fresh(convert_job, src=src, out=run)
     print(f"convert: {conv['seconds']:.1f} s, peak RSS {conv['peak_rss_mib']:.0f} MiB (of which anonymous "
           f"{conv.get('peak_anon_mib', 0):.0f} MiB; the rest are mapped source pages)", flush=True)
     rows = []
     for ctx in a.contexts:
         for which in ("rodimus+", "transformer++"):
-            rows.append(_child([which, os.path.join(run, "checkpoint"), str(ctx)] + (["--quick"] if a.quick else [])))
+            rows.append(ms.fresh(decode_job, which=which, ckpt=os.path.join(run, "checkpoint"), context=ctx,
+                                 steps=a.steps, size=size))
             r = rows[-1]
             print(f"{r['model']:<14} {r['layout']:<10} {r['parameters'] / 1e9:.2f}B  context {ctx:>5}: "
                   f"{r['decode_tokens_per_s']:6.2f} tok/s, cache {r['cache_mib']:7.1f} MiB, peak RSS "

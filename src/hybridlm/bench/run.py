@@ -10,21 +10,14 @@ Results go to stdout as a table and to a JSON file, with PNG plots next to it.
     hybridlm bench --kernels                    # our Triton SSD / GLA kernels vs mamba_ssm / FLA (CUDA)
 """
 import argparse
-import json
 import os
 
 import torch
 
-DEFAULT_OUT = os.path.join("runs", "bench", "results.json")
+from .measure import write_results
+from .suites import SUITES
 
-# named extra suites (`--suite NAME`): "module:function", function(quick: bool, log) -> JSON-able dict
-SUITES = {"wm": "hybridlm.bench.wm_speed:run_suite"}   # CDMoE vs gated MLP; doge vs transformers Doge-MoE
-SUITES["mla"] = "hybridlm.bench.mla_decode:run_suite"  # MLA latent cache size and absorbed vs expanded decode
-SUITES["rodimus"] = "hybridlm.bench.rodimus:run_suite"  # GLA op speed, cache/latency vs context, vs Mamba-2
-SUITES["hf"] = "hybridlm.bench.hf_wrapper:run_suite"  # transformers generate() through HybridLMForCausalLM vs ours
-SUITES["twins"] = "hybridlm.bench.twins:run_suite"  # every public-hybrid preset vs its transformers twin, training
-SUITES["delta"] = "hybridlm.bench.delta_speed:run_suite"  # gated delta rule: chunked WY form vs token loop
-SUITES["decode"] = "hybridlm.bench.decode_static:run_suite"  # decode ms/token, growing vs static step
+DEFAULT_OUT = os.path.join("runs", "bench", "results.json")
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -98,8 +91,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="time our Triton SSD and GLA chunk kernels, forward and forward+backward, against "
                         "mamba_ssm / flash-linear-attention when installed (needs CUDA and triton; --shapes, "
                         "--repeats and --quick apply)")
-    p.add_argument("--suite", choices=sorted(SUITES), default=None,
-                   help="run a named suite instead (wm: CDMoE vs MLP and doge vs transformers Doge-MoE)")
+    p.add_argument("--suite", choices=sorted(SUITES), default=None, metavar="NAME",
+                   help="run a named suite instead (--quick applies): "
+                        + "; ".join(f"{n}: {what}" for n, (_, what) in SUITES.items()))
 
 
 def _settings(args) -> dict:
@@ -120,9 +114,7 @@ def _settings(args) -> dict:
     if not args.compare_hf:
         s["layers"] = s.pop("n_layers", None) or s["layers"]
         s.pop("context", None), s.pop("new_tokens", None)
-        s["compile"] = args.compile
-        s["params"] = args.params
-        s["device"], s["dtype"] = args.device, args.dtype
+        s.update(compile=args.compile, params=args.params, device=args.device, dtype=args.dtype)
         if args.dtype == "auto":
             from ..dtypes import resolve_dtype
             s["dtype"], label = resolve_dtype("auto", args.device)
@@ -136,13 +128,11 @@ def _settings(args) -> dict:
 
 def _meta(args) -> dict:
     from ..train.ablate import machine_meta
-    meta = dict(machine_meta(), quick=bool(args.quick))
     try:
         import transformers
-        meta["transformers"] = transformers.__version__
     except ImportError:
-        meta["transformers"] = None
-    return meta
+        transformers = None
+    return dict(machine_meta(), quick=bool(args.quick), transformers=transformers and transformers.__version__)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -150,8 +140,7 @@ def _meta(args) -> dict:
 
 def format_table(res: dict) -> str:
     """The --compare-hf table (the instrument's own is instrument.format_table)."""
-    lines = []
-    lines.append("training (forward+backward), tokens/s, medians of interleaved repeats")
+    lines = ["training (forward+backward), tokens/s, medians of interleaved repeats"]
     lines.append(f"{'arch':8s} {'batch':>9s} {'ours':>9s} {'hf':>9s} {'ratio':>6s} {'MFU ours':>9s} {'MFU hf':>7s}")
     for r in res["train"]:
         lines.append(f"{r['arch']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>9s} "
@@ -183,8 +172,8 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: str) -> str | None:
-    """Write a PNG."""
+def plot(res: dict, path: str) -> str:
+    """The --compare-hf PNG: speed ratios vs transformers and our decode latency vs context. -> its path."""
     from ..plots import pyplot
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -209,7 +198,7 @@ def plot(res: dict, path: str) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return None
+    return path
 
 
 def main(args) -> int:
@@ -217,67 +206,47 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     if args.kernels:
         from .kernels import run_kernels
-        res = {"mode": "kernels", **run_kernels(args.shapes, repeats=args.repeats or 10, quick=args.quick),
-               "meta": _meta(args)}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, default=str)
-        print(f"results: {args.out}")
+        write_results(args.out, {"mode": "kernels", **run_kernels(args.shapes, repeats=args.repeats or 10,
+                                                                  quick=args.quick)}, _meta(args))
         return 0
     if args.suite:
-        import importlib
-        mod, fn = SUITES[args.suite].split(":")
-        res = {"suite": args.suite, **getattr(importlib.import_module(mod), fn)(quick=args.quick), "meta": _meta(args)}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2, default=str)
-        print(f"results: {args.out}")
+        write_results(args.out, {"suite": args.suite, **SUITES[args.suite][0](quick=args.quick)}, _meta(args))
         return 0
+    from ..errors import ConfigError
     if args.compare_hf and (args.params or args.compile or args.memory or args.device != "cpu"
                             or args.dtype not in ("auto", "float32")):
-        from ..errors import ConfigError
         raise ConfigError("--params, --compile, --memory, --device and --dtype apply to the preset instrument, "
                           "not to --compare-hf")
     settings = _settings(args)
     log = print
+    from . import instrument
     if args.compare_hf:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            from ..errors import ConfigError
             raise ConfigError("--compare-hf needs transformers: pip install 'hybridlm[hf]'") from None
         from .compare_hf import run_compare
         archs = [a.strip() for a in args.archs.split(",") if a.strip()]
         bad = [a for a in archs if a not in ("llama", "mamba2")]
         if bad or not archs:
-            from ..errors import ConfigError
             raise ConfigError(f"--archs must name llama and/or mamba2, got {args.archs!r}")
-        res = run_compare(settings, archs=archs, log=log)
-        res["mode"] = "compare-hf"
+        res = dict(run_compare(settings, archs=archs, log=log), mode="compare-hf")
+        draw, table = (lambda stem: [plot(res, stem + ".png")]), format_table
     else:
-        from . import instrument
         names = [n.strip() for n in args.presets.split(",") if n.strip()]
-        res = instrument.run_instrument(settings, names, log=log)
-        res["mode"] = "ours"
-        res["settings"] = settings
-    res["meta"] = _meta(args)
+        res = dict(instrument.run_instrument(settings, names, log=log), mode="ours", settings=settings)
+        draw, table = (lambda stem: instrument.plot(res, stem)), instrument.format_table
     print()
-    print(format_table(res) if res["mode"] == "compare-hf" else instrument.format_table(res))
+    print(table(res))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    stem = os.path.splitext(args.out)[0]
-    if res["mode"] == "compare-hf":
-        note = "plot skipped (--no-plot)" if args.no_plot else plot(res, stem + ".png")
-        res["plot"] = None if note else stem + ".png"
-    else:
-        note = "plot skipped (--no-plot)" if args.no_plot else None
-        res["plots"] = [] if note else instrument.plot(res, stem)
-        res["plot"] = res["plots"][0] if res["plots"] else None
-    if note:
-        res["plot_note"] = note
-        print(note)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2, default=str)
-    print(f"results: {args.out}" + (f", plots: {', '.join(res.get('plots') or [res['plot']])}" if res["plot"] else ""))
+    res["plots"] = [] if args.no_plot else draw(os.path.splitext(args.out)[0])
+    res["plot"] = res["plots"][0] if res["plots"] else None
+    if args.no_plot:
+        res["plot_note"] = "plot skipped (--no-plot)"
+        print(res["plot_note"])
+    write_results(args.out, res, _meta(args))
+    if res["plots"]:
+        print(f"plots: {', '.join(res['plots'])}")
     return 0
 
 

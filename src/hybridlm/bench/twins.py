@@ -10,23 +10,31 @@ forward+backward steps (no optimizer) alternate ours / transformers, every prese
 others', and medians are reported as tokens/s and the ratio ours / transformers.
 """
 import argparse
-import json
 import os
 
 import torch
 
-from . import throughput as tp
+from . import measure as ms
+
+NATIVE = ("transformer++", "mamba2")         # exactly transformers' Llama / Mamba-2 (hf/native.py)
+
+
+def native_twin(preset: str, d: int, n: int, v: int, L: int, **overrides):
+    """The transformers LlamaConfig / Mamba2Config of presets.get(preset, ...), by hf.native's mapping."""
+    from ..models import presets
+    from ..hf.native import native_config
+    if preset == "mamba2":          # no attention: the preset's default rope acts on nothing; Mamba2Config has none
+        overrides = dict(overrides, pos_embedding="none")
+    cfg = presets.get(preset, n_layers=n, d_model=d, vocab_size=v, max_seq_len=L, **overrides)
+    return native_config(cfg, eos_token_id=None, pad_token_id=None)
 
 
 def twins() -> dict:
     """hf.common.TWINS (filled by the converters) plus the two pairs `--compare-hf` has always measured."""
-    from .. import presets
     from ..hf import convert  # noqa: F401  (importing the converters registers their twins)
     from ..hf.common import TWINS
-    from .compare_hf import ARCHS, hf_config
-    for arch, preset in ARCHS.items():
-        TWINS.setdefault(preset, lambda d, n, v, L, arch=arch, preset=preset: hf_config(
-            presets.get(preset, n_layers=n, d_model=d, vocab_size=v, max_seq_len=L), arch))
+    for preset in NATIVE:
+        TWINS.setdefault(preset, lambda d, n, v, L, preset=preset: native_twin(preset, d, n, v, L))
     return TWINS
 
 
@@ -47,6 +55,16 @@ def build_twin(name: str, *, d_model: int, n_layers: int, vocab_size: int, max_s
     return hf.train(), ours.train()
 
 
+def train_cases(pairs: dict, batch: int, seq_len: int, vocab_size: int, dtype=None) -> list:
+    """One case per pair {name: (transformers model, ours)}: a training step of each on the same random batch."""
+    g = torch.Generator().manual_seed(batch * 7919 + seq_len)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
+    return [ms.Case(name, lambda hf=hf, ours=ours: {"ours": ms.train_step(ours, ids, dtype),
+                                                    "hf": ms.train_step(hf, ids, dtype)},
+                    work=batch * seq_len, unit="tokens", info=dict(batch=batch, seq_len=seq_len))
+            for name, (hf, ours) in pairs.items()]
+
+
 def run(presets: list[str], *, d_model: int = 256, n_layers: int = 4, vocab_size: int = 8192,
         shapes=((4, 512),), repeats: int = 5, log=print) -> dict:
     pairs = {}
@@ -55,13 +73,9 @@ def run(presets: list[str], *, d_model: int = 256, n_layers: int = 4, vocab_size
         pairs[name] = build_twin(name, d_model=d_model, n_layers=n_layers, vocab_size=vocab_size, max_seq_len=max_len)
     rows = []
     for B, T in shapes:
-        ids = torch.randint(0, vocab_size, (B, T), generator=torch.Generator().manual_seed(B * 7919 + T))
-        fns = {}
+        timed = ms.run_cases(train_cases(pairs, B, T, vocab_size), repeats)
         for name, (hf, ours) in pairs.items():
-            fns[f"{name}/ours"], fns[f"{name}/hf"] = tp.train_step(ours, ids), tp.train_step(hf, ids)
-        times = tp.interleaved(fns, repeats=repeats)
-        for name, (hf, ours) in pairs.items():
-            o, h = tp.summary(times[f"{name}/ours"], B * T), tp.summary(times[f"{name}/hf"], B * T)
+            o, h = ms.pick(timed, name, "ours"), ms.pick(timed, name, "hf")
             row = dict(preset=name, hf_class=type(hf).__name__, layout=ours.config.layout, batch=B, seq_len=T,
                        parameters=ours.num_parameters(), ours_tokens_per_s=o["per_s"], hf_tokens_per_s=h["per_s"],
                        ratio=o["per_s"] / h["per_s"])
@@ -88,12 +102,6 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_suite(quick: bool = False) -> dict:
-    if quick:
-        return run(sorted(twins()), d_model=64, n_layers=2, vocab_size=256, shapes=((1, 32),), repeats=1)
-    return run(sorted(twins()))
-
-
 def main(argv=None) -> int:
     from .run import _shapes
     TWINS = twins()
@@ -113,8 +121,7 @@ def main(argv=None) -> int:
     res = run(names, d_model=a.d_model, n_layers=a.layers, vocab_size=a.vocab_size, shapes=a.shapes,
               repeats=a.repeats)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+        ms.write_results(a.out, res)
         with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
             f.write(to_markdown(res))
     return 0

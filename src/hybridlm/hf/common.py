@@ -36,7 +36,7 @@ def convert_weights(hf_config, sd, cfg: ModelConfig) -> dict[str, Tensor]:
 
 # preset name -> twin(d_model, n_layers, vocab_size, max_seq_len) -> the transformers config of the same model:
 # `presets.get(name, d_model=..., n_layers=...)` is what converting that config gives (tests check it), so
-# `hybridlm bench --twins` times both on the same weights
+# `hybridlm bench --suite twins` times both on the same weights
 TWINS: dict[str, Callable[..., Any]] = {}
 
 

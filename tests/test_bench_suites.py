@@ -1,0 +1,54 @@
+"""Every `hybridlm bench --suite NAME --quick` and `python -m hybridlm.bench.parallel --quick` of the README runs
+and writes its JSON through the one writer (hf, decode, twins and the instrument have their own tests)."""
+import json
+
+import pytest
+
+from hybridlm.bench.measure import Case, clock, peak_memory, run_cases
+from hybridlm.bench.suites import SUITES
+from hybridlm.cli import main
+
+
+@pytest.mark.parametrize("name", ["mla", "rodimus", "delta", "gla", "moe", "attention",
+                                  "wm"])
+def test_suite_quick(name, tmp_path):
+    import torch
+    if name == "wm":
+        pytest.importorskip("transformers")
+    out, threads = tmp_path / f"{name}.json", torch.get_num_threads()
+    try:                # one thread: the token-loop references are thousands of tiny ops
+        assert main(["bench", "--suite", name, "--quick", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads(out.read_text())
+    assert res["suite"] == name and "meta" in res
+
+
+def test_suite_help_lists_every_suite(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{n}: " in text for n in SUITES)
+
+
+def test_clock_interleaves_and_cases_give_one_row_schema():
+    calls = []
+    times = clock({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"] and all(len(t) == 3 for t in times.values())
+    rows = run_cases([Case("x", lambda: {"one": lambda: None, "two": lambda: None}, work=8, unit="tokens")], 2)
+    assert [(r["case"], r["variant"], r["unit"], r["repeats"]) for r in rows] == [("x", "one", "tokens", 2),
+                                                                                  ("x", "two", "tokens", 2)]
+    assert all(r["per_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows)
+
+
+def test_memory_probe_sees_an_allocation():
+    import torch
+    r = peak_memory(lambda: torch.ones(4 * 2**20).add_(1), what="tensors")
+    assert r["peak_bytes"] >= 16 * 2**20
+
+
+def test_parallel_quick(capsys):
+    from hybridlm.bench.parallel import main as parallel
+    assert parallel(["--quick"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["world"] == 1 and res["tokens_per_s"] > 0 and res["train_peak_mb_per_rank"][0] > 0
