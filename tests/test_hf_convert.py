@@ -94,6 +94,23 @@ def test_as_native_refuses_what_is_not_exactly_llama_or_mamba2(tmp_path):
         export_to_hf(str(tmp_path), str(tmp_path / "x"), native=True)
 
 
+def test_as_native_takes_the_mamba2_preset(tmp_path):
+    """The `mamba2` preset keeps the library's default pos_embedding "rope", which no S layer reads: it is exactly a
+    Mamba2ForCausalLM and exports as one."""
+    from hybridlm import CausalLM, presets
+    from hybridlm.train import save_checkpoint
+    torch.manual_seed(0)
+    m = CausalLM(presets.get("mamba2", n_layers=2, d_model=32, vocab_size=50, ssd_headdim=16)).eval()
+    assert m.config.pos_embedding == "rope"
+    save_checkpoint(str(tmp_path / "run"), m)
+    export_to_hf(str(tmp_path / "run"), str(tmp_path / "native"), native=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
+    assert type(hf).__name__ == "Mamba2ForCausalLM"
+    ids = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        assert max_diff(hf(ids).logits, m(ids).logits) < 1e-4
+
+
 # --- tokenizers ----------------------------------------------------------------------------------------------
 TEXT = "héllo wörld 🚀 <b>\t\n  two  spaces \x00 done\r\n漢字"
 

@@ -57,6 +57,8 @@ def native_config(cfg: ModelConfig, **special):
         hf = _llama(cfg, len(letters) // 2, **special)
     elif letters and set(letters) == {"S"}:
         hf = _mamba2(cfg, len(letters), **special)
+        if cfg.pos_embedding == "rope":   # RoPE reaches attention only: an S-only model computes the same without
+            cfg = cfg.replace(pos_embedding="none")
     else:
         raise ConfigError(f"--as-native: layout {cfg.layout!r} is neither a Llama '(AM)*n' nor a Mamba-2 'S*n'; "
                           "export without --as-native")
