@@ -2,8 +2,11 @@
 
     OMP_NUM_THREADS=1 python -m hybridlm.bench.parallel                            # one process
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m hybridlm.bench.parallel --parallel fsdp
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m hybridlm.bench.parallel --context-parallel --batch 1 --seq-len 16384
 
-`--batch` is the global batch (split over the ranks), so every run does the same work per step. Prints one
+`--batch` is the global batch (split over the ranks), so every run does the same work per step; with
+`--context-parallel` every rank reads the whole batch and runs its 1/world of each sequence (train/context_parallel.py),
+so the peak per rank at a sequence length, against one process's, is what bounds the longest trainable sequence. Prints one
 JSON line on rank 0: median tokens/s over the timed steps (measure.clock), and per rank (measure.peak_memory) the
 process's peak resident memory (CPU) or peak allocated CUDA memory, the peak of the training steps alone (after
 the model was built and sharded), and the peak before the model was built.
@@ -32,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compile", action="store_true")
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="split each sequence over all ranks instead of splitting the batch")
     p.add_argument("--quick", action="store_true", help="tiny sizes and steps: a smoke test in seconds")
     args = p.parse_args(argv)
     if args.quick:
@@ -39,10 +44,12 @@ def main(argv=None) -> int:
 
     from ..models import CausalLM, presets
     from ..optim import make_optimizer
+    from ..train.context_parallel import all_reduce_grads, context_parallel_forward
     from ..train.parallel import parallelize
     from ..train.trainer import _setup_distributed
     rank, world, device, _ = _setup_distributed("auto")
-    if args.batch % world:
+    cp = args.context_parallel and world > 1
+    if args.batch % world and not cp:
         print(f"--batch {args.batch} must be divisible by the {world} ranks", file=sys.stderr)
         return 2
     before = ms.peak_memory(lambda: None, device)["process_peak_bytes"] / 2 ** 20
@@ -51,23 +58,29 @@ def main(argv=None) -> int:
                       max_seq_len=max(args.seq_len, 2048))
     with torch.device("meta"):      # allocated and initialised by parallelize (under FSDP2: shards only)
         model = CausalLM(cfg)
-    par = parallelize(model, args.parallel, world=world, device=device, dtype=args.dtype, compile=args.compile,
-                      checkpointing=args.grad_checkpointing)
+    par = parallelize(model, args.parallel, world=1 if cp else world, device=device, dtype=args.dtype,
+                      compile=args.compile, checkpointing=args.grad_checkpointing)
     opt = make_optimizer(model, 1e-4)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=args.dtype == "bfloat16" and not par.mixed_precision)
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(0 if cp else rank)      # context parallel: one batch on every rank
 
     def batch():                    # untimed: the batch, and every rank at the start line
-        ids = torch.randint(0, cfg.vocab_size, (args.batch // world, args.seq_len), generator=g).to(device)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch if cp else args.batch // world, args.seq_len),
+                            generator=g).to(device)
         if world > 1:
             dist.barrier()
         return ids
 
     def step(ids):
         with autocast:
-            loss = par.module(ids, labels=ids).loss
+            loss = (context_parallel_forward(model, ids, labels=ids) if cp else par.module(ids, labels=ids)).loss
         loss.backward()
+        if cp:                      # every rank reduces the same tensors (as the trainer does)
+            for q in model.parameters():
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+            all_reduce_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if world > 1:
@@ -84,7 +97,8 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
     if rank == 0:
         print(json.dumps({"preset": args.preset, "d_model": args.d_model, "n_layers": args.n_layers,
-                          "params": model.num_parameters(), "world": world, "parallel": par.mode,
+                          "params": model.num_parameters(), "world": world,
+                          "parallel": "context" if cp else par.mode,
                           "compile": args.compile, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
                           "tokens_per_s": round(args.batch * args.seq_len / ms.median(times)),
                           "step_s": [round(t, 3) for t in times],
