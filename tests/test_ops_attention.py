@@ -27,7 +27,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(c) or "causal")
-@pytest.mark.parametrize("T,S,Hk", [(1, 1, 4), (13, 13, 2), (5, 21, 1), (1, 9, 2)])
+@pytest.mark.parametrize("T,S,Hk", [(1, 1, 4), (13, 13, 2), (5, 21, 1), (1, 9, 2), (11, 16, 2)])
 def test_sdpa_equals_reference_fwd_bwd(case, T, S, Hk):
     q, k, v = qkv(T=T, S=S, Hk=Hk)
     kw = dict(causal=case.get("causal", True), window=case.get("window"))
@@ -52,6 +52,22 @@ def test_sdpa_equals_reference_fwd_bwd(case, T, S, Hk):
     g1 = torch.autograd.grad((ref * w).sum(), [q, k, v])
     g2 = torch.autograd.grad((out * w).sum(), [q, k, v])
     for a, b in zip(g2, g1):
+        assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,S", [(11, 16), (8, 16), (5, 21)])
+def test_bottom_right_causal_without_a_mask_tensor(monkeypatch, T, S):
+    """The CPU forms of a bottom-right causal (a cache, a context-parallel rank) that build no [T, S] mask: zero
+    queries in front (2T >= S) and the online-softmax form (2T < S, a mask over MASK_BYTES) equal the reference."""
+    import hybridlm.ops.attention as A
+    q, k, v = qkv(T=T, S=S, Hk=2)
+    ref = A.attention_ref(q, k, v)
+    monkeypatch.setattr(A, "MASK_BYTES", 0)
+    monkeypatch.setattr(A, "attention_mask", lambda *a, **k: pytest.fail("built a mask"))
+    out = A.attention(q, k, v)
+    assert_close(out, ref)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), [q, k, v]), torch.autograd.grad((ref * w).sum(), [q, k, v])):
         assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

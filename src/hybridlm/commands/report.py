@@ -230,8 +230,11 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
                     [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['accuracy']:.3f}",
                       f"{r.get('accuracy_min', r['accuracy']):.3f}..{r.get('accuracy_max', r['accuracy']):.3f}",
                       f"{r['params']:,}", f"{r['state_bytes']:,}" if r.get("state_bytes") else "-", f"{r['lr']:g}",
-                      f"{r['steps']:,}"] for r in rows])
+                      f"{r['steps']:,}" + (" ↑" if r.get("rising") else "")] for r in rows])
         L.append("")
+    if any(r.get("rising") for r in mq["rows"]):
+        L += ["↑: still gaining at the end of the budget (more than 0.02 over its last quarter): the budget, not the "
+              "model, set that figure.", ""]
     for png, what in (("mqar.png", "accuracy against d_model"), ("mqar-state.png", "accuracy against state bytes"),
                       ("mqar-curves.png", "held-out accuracy against steps")):
         if os.path.exists(os.path.join(out_dir, png)):

@@ -10,7 +10,11 @@ Rows with no visible key return 0.
 `attention` runs SDPA for the unmasked and the plain causal (T == S) cases, whose flash / memory-efficient kernels
 need no mask tensor at all; every other mask over more than one query goes through flex_attention on CUDA
 (`ops/flex.py`: block masks, no [T, S] tensor; HYBRIDLM_FLEX=0 turns that off) and through SDPA with an explicit
-boolean mask on the CPU (and for one query row, where the mask is [B, 1, 1, S] anyway).
+boolean mask on the CPU (and for one query row, where the mask is [B, 1, 1, S] anyway). The CPU kernel keeps that
+mask, as float32, for the backward: T*S*4 bytes per layer (0.5 GB at 8K queries over 16K keys, a context-parallel
+rank's share), so the plain bottom-right causal case avoids it. With 2T >= S, zero queries stand in for the first
+S - T positions and the square causal kernel runs (S²/2 scores: no more than the masked kernel's T*S); with
+2T < S and a mask over MASK_BYTES, the online-softmax form of ops/flash.py runs (O(block²) memory).
 """
 
 import torch
@@ -18,6 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import flex
+from .flash import flash_attention
+
+MASK_BYTES = 64 << 20   # above this a CPU bottom-right causal mask is not built (see the module docstring)
 
 
 def attention_mask(T: int, S: int, *, causal: bool = True, window: int | None = None,
@@ -83,6 +90,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_mask:
     if plain_causal and T == S:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         return out.transpose(1, 2)
+    if plain_causal and q.device.type == "cpu" and 2 * T >= S:    # bottom-right causal as a square one
+        qp = torch.cat((qt.new_zeros(B, Hq, S - T, D), qt), dim=2)
+        out = F.scaled_dot_product_attention(qp, kt, vt, is_causal=True, scale=scale)[:, :, S - T:]
+        return out.transpose(1, 2)
+    if plain_causal and q.device.type == "cpu" and T * S * 4 > MASK_BYTES:
+        return flash_attention(q, k, v, causal=True, scale=scale, block_size=512)
     mask = attention_mask(T, S, causal=causal, window=window, key_mask=key_mask, segment_ids=segment_ids,
                           device=q.device)
     valid = None
