@@ -175,7 +175,7 @@ def _context_parallel(rank, preset_names):
         out.loss.backward()
         want = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        cp = context_parallel_forward(model, ids, labels=ids)
+        cp = context_parallel_forward(model, ids, labels=ids, return_logits=True)
         cp.loss.backward()
         all_reduce_grads(model)
         total = cp.loss.detach().clone()

@@ -359,8 +359,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: InferenceCache | None = None,
                 labels: Tensor | None = None, *, resets: Tensor | None = None,
                 logits_to_keep: int | None = None, aux_loss_weight: float = 0.01,
-                return_logits: bool | None = None) -> CausalLMOutput:
+                return_logits: bool | None = None, shift_labels: Tensor | None = None) -> CausalLMOutput:
         self._check_input(input_ids, attention_mask, cache)
+        if shift_labels is not None:    # targets already aligned with positions (a chunk whose last target is not in
+            labels = shift_labels       # input_ids: context parallelism), transformers' name
         x = self._hidden(input_ids, self._context(input_ids, attention_mask, cache, resets), cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
@@ -372,7 +374,7 @@ class CausalLM(nn.Module):
         loss = None
         if labels is not None:
             # shift the labels, not the logits: slicing [B, T, V] logits would copy them (and their gradient)
-            shifted = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+            shifted = (shift_labels if shift_labels is not None else F.pad(labels[:, 1:], (0, 1), value=-100)).flatten()
             if logits is not None:
                 loss = cross_entropy(logits.flatten(0, 1).float(), shifted, ignore_index=-100)
             else:

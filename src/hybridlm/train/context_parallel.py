@@ -38,7 +38,6 @@ from torch import Tensor, nn
 
 from ..cache import IndexerCache, InferenceCache, KVCache, LatentCache, RecurrentCache, WindowKVCache
 from ..errors import ConfigError, InputError
-from ..ops.loss import cross_entropy
 
 # letter -> why context parallelism cannot run it
 UNSUPPORTED = {
@@ -269,16 +268,18 @@ class ContextParallelCache(InferenceCache):
 
 @dataclass
 class ContextParallelOutput:
-    logits: Tensor            # [B, T/W, V]: this rank's positions
+    logits: Tensor | None     # [B, T/W, V]: this rank's positions (None when the loss was fused with the head)
     loss: Tensor | None       # this rank's share: the sum over ranks is the mean next-token loss of the sequence
     start: int                # first position of this rank's chunk
 
 
 def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor | None = None, *,
-                             resets: Tensor | None = None, group=None) -> ContextParallelOutput:
+                             resets: Tensor | None = None, group=None,
+                             return_logits: bool | None = None) -> ContextParallelOutput:
     """Run `model` on this rank's chunk of input_ids [B, T] (the same full sequence on every rank of `group`).
     labels [B, T] are aligned with input_ids as in `CausalLM.forward` (-100 ignored); resets [B, T] bool mark
-    document starts (packed documents), as in `CausalLM.forward`."""
+    document starts (packed documents), as in `CausalLM.forward`. With labels the loss is fused with the LM head
+    (no [B, T/W, vocab] logits) unless return_logits."""
     check_layout(model.config)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     B, T = input_ids.shape
@@ -298,14 +299,15 @@ def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor
         cache.segments = resets.long().cumsum(1)[:, :start]
         cache.next_pos = pos[:, start - 1] + 1 if start else torch.zeros_like(cache.next_pos)
         chunk_resets = resets[:, start: start + t]
-    logits = model(input_ids[:, start: start + t], cache=cache, resets=chunk_resets).logits
-    loss = None
-    if labels is not None:
-        # position i predicts labels[i + 1]; the chunk's last position predicts the next chunk's first label
+    target = None
+    if labels is not None:  # position i predicts labels[i + 1]; the chunk's last predicts the next chunk's first
         target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)[:, start: start + t]
+    out = model(input_ids[:, start: start + t], cache=cache, resets=chunk_resets, shift_labels=target,
+                return_logits=return_logits, aux_loss_weight=0.0)
+    logits, loss = out.logits, None
+    if labels is not None:
         n_local, n_all = (target != -100).sum(), (labels[:, 1:] != -100).sum().clamp(min=1)
-        loss = cross_entropy(logits.flatten(0, 1).float(), target.flatten()) * (n_local / n_all)
-        loss = loss + cache.token       # zero: ties the message chain into backward
+        loss = out.loss * (n_local / n_all) + cache.token     # zero token: ties the message chain into backward
     elif cache.token.requires_grad:
         logits = logits + cache.token
     return ContextParallelOutput(logits=logits, loss=loss, start=start)
