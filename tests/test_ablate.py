@@ -216,3 +216,19 @@ worse = "frozen"
     assert "captured attention mass" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="unknown measure 'recall'"):
         load_recipe(str(_tiny(tmp_path, text.replace('"captured_mass"', '"recall"'))))
+
+
+def test_params_flag_sizes_d_model():
+    """`--params N` (train, info): the preset at the width, a multiple of 64, nearest N parameters within 10%."""
+    import argparse
+    from hybridlm.commands.common import model_config
+    from hybridlm.models import presets
+    from hybridlm.errors import InputError
+    args = argparse.Namespace(preset="mamba2", set=[], n_layers=2, d_model=None, n_heads=None, params="3M")
+    cfg = model_config(args, vocab_size=257)
+    n = count_parameters(cfg)
+    assert cfg.d_model % 64 == 0 and cfg.layout == presets.get("mamba2", n_layers=2).layout and abs(n - 3e6) <= 3e5
+    with pytest.raises(InputError, match="--params or --d-model"):
+        model_config(argparse.Namespace(**{**vars(args), "d_model": 128}), vocab_size=257)
+    with pytest.raises(ConfigError, match="parameter count"):
+        model_config(argparse.Namespace(**{**vars(args), "params": "lots"}), vocab_size=257)
