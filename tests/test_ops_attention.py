@@ -55,16 +55,17 @@ def test_sdpa_equals_reference_fwd_bwd(case, T, S, Hk):
         assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("T,S", [(11, 16), (8, 16), (5, 21)])
-def test_bottom_right_causal_without_a_mask_tensor(monkeypatch, T, S):
-    """The CPU forms of a bottom-right causal (a cache, a context-parallel rank) that build no [T, S] mask: zero
-    queries in front (2T >= S) and the online-softmax form (2T < S, a mask over MASK_BYTES) equal the reference."""
+@pytest.mark.parametrize("T,S,window", [(11, 16, None), (8, 16, None), (5, 21, None), (13, 13, 4), (5, 21, 6)])
+def test_bottom_right_causal_without_a_mask_tensor(monkeypatch, T, S, window):
+    """The CPU forms of a bottom-right causal (a cache, a context-parallel rank) and of a sliding window that build
+    no [T, S] mask: zero queries in front (2T >= S) and the online-softmax form (2T < S or a window, with a mask
+    over MASK_BYTES) equal the reference."""
     import hybridlm.ops.attention as A
     q, k, v = qkv(T=T, S=S, Hk=2)
-    ref = A.attention_ref(q, k, v)
+    ref = A.attention_ref(q, k, v, window=window)
     monkeypatch.setattr(A, "MASK_BYTES", 0)
     monkeypatch.setattr(A, "attention_mask", lambda *a, **k: pytest.fail("built a mask"))
-    out = A.attention(q, k, v)
+    out = A.attention(q, k, v, window=window)
     assert_close(out, ref)
     w = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad((out * w).sum(), [q, k, v]), torch.autograd.grad((ref * w).sum(), [q, k, v])):

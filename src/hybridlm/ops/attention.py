@@ -14,7 +14,8 @@ boolean mask on the CPU (and for one query row, where the mask is [B, 1, 1, S] a
 mask, as float32, for the backward: T*S*4 bytes per layer (0.5 GB at 8K queries over 16K keys, a context-parallel
 rank's share), so the plain bottom-right causal case avoids it. With 2T >= S, zero queries stand in for the first
 S - T positions and the square causal kernel runs (S²/2 scores: no more than the masked kernel's T*S); with
-2T < S and a mask over MASK_BYTES, the online-softmax form of ops/flash.py runs (O(block²) memory).
+2T < S, or a sliding window, and a mask over MASK_BYTES, the online-softmax form of ops/flash.py runs (O(block²)
+memory; a window's cost is O(T * window), where the masked kernel computes all T*S scores).
 """
 
 import torch
@@ -94,8 +95,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_mask:
         qp = torch.cat((qt.new_zeros(B, Hq, S - T, D), qt), dim=2)
         out = F.scaled_dot_product_attention(qp, kt, vt, is_causal=True, scale=scale)[:, :, S - T:]
         return out.transpose(1, 2)
-    if plain_causal and q.device.type == "cpu" and T * S * 4 > MASK_BYTES:
-        return flash_attention(q, k, v, causal=True, scale=scale, block_size=512)
+    banded = causal and key_mask is None and segment_ids is None and bias is None    # plain causal or a window
+    if banded and q.device.type == "cpu" and T * S * 4 > MASK_BYTES:  # a window's tiles outside the band are skipped
+        return flash_attention(q, k, v, causal=True, window=window, scale=scale, block_size=512)
     mask = attention_mask(T, S, causal=causal, window=window, key_mask=key_mask, segment_ids=segment_ids,
                           device=q.device)
     valid = None
