@@ -31,7 +31,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW, fused on CPU and CUDA (one pass per tensor, no temporaries: on a CPU 7x faster than the multi-tensor
+    """AdamW, fused on CPU and CUDA (one pass per tensor, no temporaries: on a CPU several times faster than the multi-tensor
     form, which holds another copy of the parameters' size during the step), multi-tensor elsewhere."""
     device = next(model.parameters()).device
     kw = {"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}
