@@ -76,10 +76,7 @@ def main(argv=None) -> int:
         with autocast:
             loss = (context_parallel_forward(model, ids, labels=ids) if cp else par.module(ids, labels=ids)).loss
         loss.backward()
-        if cp:                      # every rank reduces the same tensors (as the trainer does)
-            for q in model.parameters():
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
+        if cp:
             all_reduce_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)

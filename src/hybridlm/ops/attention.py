@@ -84,6 +84,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_mask:
     if not (unmasked or (plain_causal and T == S)) and flex.use_flex(q, k, v, bias):
         return flex.flex_attention(q, k, v, causal=causal, key_mask=key_mask, window=window, bias=bias,
                                    scale=scale, segment_ids=segment_ids)
+    banded = causal and key_mask is None and segment_ids is None and bias is None    # plain causal or a window
+    if banded and q.device.type == "cpu" and T * S * 4 > MASK_BYTES and (window is not None or 2 * T < S):
+        # a window's tiles outside the band are skipped; GQA is a broadcast inside (no expanded k/v)
+        return flash_attention(q, k, v, causal=True, window=window, scale=scale, block_size=512)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if Hq != Hk:  # SDPA's enable_gqa falls back to the math kernel on CPU; expanding is faster
         kt = kt.repeat_interleave(Hq // Hk, dim=1)
@@ -95,9 +99,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_mask:
         qp = torch.cat((qt.new_zeros(B, Hq, S - T, D), qt), dim=2)
         out = F.scaled_dot_product_attention(qp, kt, vt, is_causal=True, scale=scale)[:, :, S - T:]
         return out.transpose(1, 2)
-    banded = causal and key_mask is None and segment_ids is None and bias is None    # plain causal or a window
-    if banded and q.device.type == "cpu" and T * S * 4 > MASK_BYTES:  # a window's tiles outside the band are skipped
-        return flash_attention(q, k, v, causal=True, window=window, scale=scale, block_size=512)
     mask = attention_mask(T, S, causal=causal, window=window, key_mask=key_mask, segment_ids=segment_ids,
                           device=q.device)
     valid = None

@@ -314,7 +314,9 @@ def context_parallel_forward(model: nn.Module, input_ids: Tensor, labels: Tensor
 
 
 def all_reduce_grads(model: nn.Module, group=None):
-    """Sum parameter gradients over the ranks of a context-parallel group (each rank's loss is a share)."""
+    """Sum parameter gradients over the ranks of a context-parallel group (each rank's loss is a share). A parameter
+    this rank's chunk did not reach gets a zero gradient first, so every rank reduces the same tensors in order."""
     for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)

@@ -303,9 +303,6 @@ def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device,
                 kl_sum = res.indexer_kl.detach().float() + (kl_sum if kl_sum is not None else 0)
         loss_avg = loss_sum / A
         if cp_group is not None:   # sum the shares within a group, average the groups
-            for p in model.parameters():
-                if p.grad is None:      # every rank must reduce the same tensors
-                    p.grad = torch.zeros_like(p)
             all_reduce_grads(model)
             for p in model.parameters():
                 p.grad.div_(dp_world)
