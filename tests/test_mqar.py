@@ -130,6 +130,24 @@ def test_lr_sweep_stops_once_one_reaches_the_target(tmp_path, monkeypatch, capsy
     assert row["lr"] == 3e-3 and row["accuracy"] == 0.995
 
 
+def test_lr_sweep_skips_smaller_lrs_after_a_rising_run(tmp_path, monkeypatch):
+    """A run still rising when its budget ends was cut by the budget: a smaller lr learns slower, so it is not
+    tried; a run that plateaued below the target gets the next lr."""
+    import hybridlm.eval.mqar as ev
+    calls = []
+
+    def fake(cfg, task, *, lr, steps, **k):
+        calls.append(lr)
+        curve = [[steps // 2, 0.3], [steps, 0.6 if lr == 3e-3 else 0.3]]    # 3e-3 rises, 1e-2 is flat
+        return {"accuracy": curve[-1][1], "loss": 1.0, "params": 1, "steps": steps, "stopped_early": False,
+                "curve": curve, "wall_s": 0.0}
+    monkeypatch.setattr(ev, "train_mqar", fake)
+    assert cli(["mqar", "--quick", "--lr", "1e-2", "3e-3", "1e-3", "--layouts", "a=A", "--out", str(tmp_path)]) == 0
+    assert calls == [1e-2, 3e-3]
+    trials = json.loads((tmp_path / "mqar.json").read_text())["meta"]["trials"]
+    assert {t["lr"]: t["rising"] for t in trials} == {1e-2: False, 3e-3: True}
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--layouts", "x=bogus"], "neither a preset nor a layout"),
     (["--layouts", "x=A:no_such_field=1"], "no_such_field"),

@@ -3,7 +3,9 @@
 The protocol is zoology's (eval/mqar.py): per point, a fresh 2-layer model trained on a fixed set of 100k examples
 (too many to memorise) with AdamW (weight decay on matrices only), warmup + cosine over a large step budget, early
 stopping once held-out accuracy reaches 0.99, and a learning-rate sweep keeping the best (lrs run in the given
-order; once one reaches the target the rest are skipped: they cannot do better). Why: recall is a phase change after
+order, largest first; once one reaches the target the rest are skipped, as they cannot do better, and so are they
+when the run is still rising at the end of its budget: a smaller lr learns slower still, so only a run that
+plateaued or collapsed below the target gets the next lr). Why: recall is a phase change after
 thousands of steps, so a short budget reports 1/pairs for every architecture; early stopping makes the large budget
 cheap where recall is easy. Attention rows say their position encoding: `attention` (and `inner-fn-dynmask`) use
 zoology's learned absolute positions, the baseline every MQAR paper draws; `attention-rope` is the library's
@@ -73,8 +75,9 @@ def add_arguments(p):
                         "3e-3); a run still gaining at the end is marked `rising`")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, nargs="+", default=[3e-3, 1e-3],
-                   help="peak learning rates, tried in this order; the best held-out accuracy is kept and the rest "
-                        "are skipped once one reaches --target")
+                   help="peak learning rates, tried in this order; the best held-out accuracy is kept, and the rest "
+                        "are skipped once one reaches --target or is still rising when its budget ends (a smaller lr "
+                        "learns slower)")
     p.add_argument("--train-examples", type=int, default=100_000, help="fixed training set size (per stage)")
     p.add_argument("--test-examples", type=int, default=1_000)
     p.add_argument("--eval-every", type=int, default=250, help="held-out accuracy check every N steps")
@@ -163,7 +166,7 @@ def _run_point(job: dict) -> list[dict]:
                         loss=res["loss"], wall_s=res["wall_s"], curve=res["curve"], fields=job["fields"])
             job["report"](prev)
         trials.append(prev)
-        if prev["accuracy"] >= job["target"]:
+        if prev["accuracy"] >= job["target"] or prev.get("rising"):
             break
     return trials
 
