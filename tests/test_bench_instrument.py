@@ -108,3 +108,6 @@ def test_mqar_claims_on_a_sweep():
     assert got["Gated DeltaNet"]["verdict"] == REPRODUCED and "vs mamba2-n16 0.50" in got["Gated DeltaNet"]["here"]
     rows[5]["accuracy"] = 0.1                                       # N 64 below N 16 at d 32
     assert {c["claim"][:12]: c["verdict"] for c in mqar_claims({"rows": rows})}["SSD accuracy"] == NOT_REPRODUCED
+    rows[5]["rising"] = True            # ... but that run was still gaining when its budget ended: the budget decides
+    got = {c["claim"][:12]: c for c in mqar_claims({"rows": rows})}["SSD accuracy"]
+    assert got["verdict"] == NOT_COMPARABLE and "still rising" in got["here"]

@@ -1,4 +1,5 @@
-"""Process-level facts a command needs: how it was typed, and the allocator settings of a command-line process.
+"""Process-level facts a command needs: how it was typed, the machine it ran on, and the allocator settings of a
+command-line process.
 
 Below every package (train, bench and the commands use it), so none of them imports `cli`.
 """
@@ -35,3 +36,20 @@ def command_line() -> str:
     prog = os.path.basename(sys.argv[0])
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
     return f"hybridlm {args}" if prog in ("hybridlm", "__main__.py") else f"python {prog} {args}".rstrip()
+
+
+def machine_meta(threads: int | None = None) -> dict:
+    """What a result file records of its run: time, command, versions, the machine, torch threads per process
+    (`threads`, default this process's) and the load average at writing time, which says whether the machine was
+    quiet (load <= cores: every process had a core) or shared."""
+    import datetime
+
+    import torch
+
+    from . import __version__
+    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command_line(), "python": platform.python_version(), "torch": torch.__version__,
+            "hybridlm": __version__, "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "threads": threads or torch.get_num_threads(),
+            "load_avg": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}

@@ -127,7 +127,7 @@ def _settings(args) -> dict:
 
 
 def _meta(args) -> dict:
-    from ..train.ablate import machine_meta
+    from ..runtime import machine_meta
     try:
         import transformers
     except ImportError:

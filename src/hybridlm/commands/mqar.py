@@ -25,10 +25,9 @@ import csv
 import json
 import math
 import os
-import platform
 import statistics
 
-from ..runtime import command_line
+from ..runtime import machine_meta
 from ..plots import pyplot
 from .common import out, parse_sets
 
@@ -163,7 +162,8 @@ def _run_point(job: dict) -> list[dict]:
                              device=job["device"], progress=job["progress"], desc=f"{job['desc']} lr={lr:g}")
             prev = dict(base, accuracy=res["accuracy"], params=res["params"], state_bytes=state, steps=res["steps"],
                         stopped_early=res["stopped_early"], rising=still_rising(res["curve"], job["steps"]),
-                        loss=res["loss"], wall_s=res["wall_s"], curve=res["curve"], fields=job["fields"])
+                        loss=res["loss"], wall_s=res["wall_s"], curve=res["curve"], fields=job["fields"],
+                        load_avg=round(os.getloadavg()[0], 2))      # > cores: the run shared its core
             job["report"](prev)
         trials.append(prev)
         if prev["accuracy"] >= job["target"] or prev.get("rising"):
@@ -292,7 +292,6 @@ def plot_curves(trials: list[dict], path: str, title: str):
 
 def main(args) -> int:
     import torch
-    from .. import __version__
     from ..data.mqar import check_sizes
     from ..errors import InputError
     from ..eval.mqar import MQARTask
@@ -322,9 +321,7 @@ def main(args) -> int:
                 "schedule": "linear warmup (min(200, steps/50)), cosine to 0 over --steps; early stop at --target",
                 "mlp": "each token mixer X is followed by the gated MLP M: (XM)*layers"}
     done = read_done(args.out, settings)
-    meta = {"machine": " ".join(filter(None, (platform.machine(), platform.processor(), f"{os.cpu_count()} cpus"))),
-            "device": device, "torch": torch.__version__, "hybridlm": __version__, "python": platform.python_version(),
-            "command": command_line(), "settings": settings}
+    meta = dict(machine_meta(threads=1 if args.jobs > 1 else None), device=device, jobs=args.jobs, settings=settings)
     trials = list(done.values())
 
     def report(t):

@@ -12,16 +12,14 @@ Each finished (configuration, seed) run leaves OUT/.../result.json: a rerun into
 reuses it, so an interrupted recipe resumes where it stopped.
 """
 import csv
-import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import time
 
-from ..runtime import command_line
+from ..runtime import machine_meta
 from ..errors import ConfigError
 from .recipes import Recipe, RunConfig
 
@@ -33,16 +31,6 @@ MEASURED = ("indexer_kl", "captured_mass", "captured_mass_init", "captured_oracl
 QUICK = dict(steps=3, batch_size=2, seq_len=32, max_bytes=200_000, eval_every=0, eval_tokens=256, log_every=1)
 QUICK_EVAL_SEQ_LENS = [64]
 
-
-def machine_meta() -> dict:
-    import torch
-
-    from .. import __version__
-    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": command_line(), "python": platform.python_version(), "torch": torch.__version__,
-            "hybridlm": __version__, "machine": platform.machine(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
 
 
 def _train_one(recipe: Recipe, c: RunConfig, cfg, data, tok, seed: int, run_dir: str, device: str, progress: bool,
