@@ -98,6 +98,30 @@ def test_mqar_resumes_finished_runs_and_refuses_another_protocol(tmp_path, capsy
     assert "another protocol" in capsys.readouterr().err
 
 
+def test_sweeps_sharing_an_out_directory_keep_each_others_runs(tmp_path):
+    """Two sweeps over different axes write one mqar.json: each write merges what the other wrote meanwhile, unless
+    the protocol differs."""
+    from hybridlm.commands.mqar import write_results
+
+    def trial(name, d):
+        return dict(name=name, layout="(AM)*2", d_model=d, seq_len=64, num_pairs=4, lr=3e-3, seed=0, accuracy=0.5,
+                    loss=1.0, params=1, state_bytes=1, steps=10, rising=False)
+    settings = {"steps": 10, "layers": 2, "pairs": "T/16", "hard": False, "vocab_size": 64, "curriculum": False,
+                "batch_size": 8, "train_examples": 64, "test_examples": 32, "eval_every": 5, "target": 0.99,
+                "weight_decay": 0.1}
+    write_results(str(tmp_path), {"command": "hybridlm mqar --d-models 32", "settings": settings}, [trial("a", 32)])
+    mine = [trial("b", 64)]                                    # a second sweep that started before the first wrote
+    write_results(str(tmp_path), {"command": "hybridlm mqar --d-models 64", "settings": settings}, mine)
+    res = json.loads((tmp_path / "mqar.json").read_text())
+    assert [(t["name"], t["d_model"]) for t in res["meta"]["trials"]] == [("a", 32), ("b", 64)] == \
+        [(t["name"], t["d_model"]) for t in mine]
+    assert res["meta"]["commands"] == ["hybridlm mqar --d-models 32", "hybridlm mqar --d-models 64"]
+    assert len(res["rows"]) == 2 and not list(tmp_path.glob("*.tmp"))
+    other = dict(settings, steps=20)                           # another protocol: nothing of the file is merged
+    write_results(str(tmp_path), {"command": "x", "settings": other}, [trial("c", 32)])
+    assert [t["name"] for t in json.loads((tmp_path / "mqar.json").read_text())["meta"]["trials"]] == ["c"]
+
+
 def test_early_stopping_stops_at_the_threshold(monkeypatch):
     """Held-out accuracy is checked every eval_every steps; the run stops at the first check >= target, and a
     target above 1 uses the whole budget. Once an lr reaches the target the sweep skips the others."""

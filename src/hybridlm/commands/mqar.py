@@ -201,11 +201,22 @@ def best_rows(trials: list[dict]) -> list[dict]:
 
 
 def write_results(out_dir: str, meta: dict, trials: list[dict]):
+    """Write mqar.json / mqar.csv. Trials that another sweep of the same protocol wrote to out_dir meanwhile are
+    merged into `trials` (in place) first, so two sweeps over different axes may share one --out; meta["commands"]
+    lists every command behind the file."""
+    disk = _read_json(out_dir)
+    commands = [meta["command"]]
+    if disk is not None and not _protocol_diff(disk["meta"].get("settings", {}), meta["settings"]):
+        ours = {_trial_key(t) for t in trials}
+        trials += [t for t in disk["meta"].get("trials", []) if "seed" in t and _trial_key(t) not in ours]
+        commands = disk["meta"].get("commands") or [disk["meta"].get("command", "")]
+        commands += [meta["command"]] * (meta["command"] not in commands)
+    trials.sort(key=lambda t: (t["seq_len"], t["d_model"]))          # stable: a sweep's own order within a point
     rows = best_rows(trials)
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, "mqar.json.tmp")
+    tmp = os.path.join(out_dir, f"mqar.json.{os.getpid()}.tmp")     # per process: sweeps may share out_dir
     with open(tmp, "w") as f:
-        json.dump({"meta": {**meta, "trials": trials}, "rows": rows}, f, indent=1)
+        json.dump({"meta": {**meta, "commands": commands, "trials": trials}, "rows": rows}, f, indent=1)
     os.replace(tmp, os.path.join(out_dir, "mqar.json"))
     with open(os.path.join(out_dir, "mqar.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROW_KEYS)
@@ -214,21 +225,34 @@ def write_results(out_dir: str, meta: dict, trials: list[dict]):
     return rows
 
 
-def read_done(out_dir: str, settings: dict) -> dict:
-    """Trials of an earlier sweep in out_dir with the same protocol, by key (empty when there is none)."""
+def _read_json(out_dir: str) -> dict | None:
     from ..errors import InputError
     path = os.path.join(out_dir, "mqar.json")
     if not os.path.exists(path):
-        return {}
+        return None
     try:
         with open(path) as f:
-            meta = json.load(f)["meta"]
-    except (OSError, ValueError, KeyError) as e:
+            res = json.load(f)
+        res["meta"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path} is not a readable mqar.json ({e}); remove it or pick another --out") from None
-    old = meta.get("settings", {})
-    diff = [f"{k}: {old.get(k)!r} there, {settings[k]!r} here" for k in PROTOCOL_KEYS if old.get(k) != settings[k]]
+    return res
+
+
+def _protocol_diff(old: dict, new: dict) -> list[str]:
+    return [f"{k}: {old.get(k)!r} there, {new[k]!r} here" for k in PROTOCOL_KEYS if old.get(k) != new[k]]
+
+
+def read_done(out_dir: str, settings: dict) -> dict:
+    """Trials of an earlier sweep in out_dir with the same protocol, by key (empty when there is none)."""
+    from ..errors import InputError
+    disk = _read_json(out_dir)
+    if disk is None:
+        return {}
+    meta = disk["meta"]
+    diff = _protocol_diff(meta.get("settings", {}), settings)
     if diff:
-        raise InputError(f"{path} was written with another protocol ({'; '.join(diff)}); "
+        raise InputError(f"{os.path.join(out_dir, 'mqar.json')} was written with another protocol ({'; '.join(diff)}); "
                          f"pick another --out to start a new sweep")
     return {_trial_key(t): t for t in meta.get("trials", []) if "seed" in t}
 
@@ -361,7 +385,7 @@ def main(args) -> int:
                     if _trial_key(t) not in done:
                         report(t)
     order = {name: i for i, (name, _, _) in enumerate(specs)}
-    trials.sort(key=lambda t: (t["seq_len"], t["d_model"], order.get(t["name"], len(order)), t["seed"], t["lr"]))
+    trials.sort(key=lambda t: (order.get(t["name"], len(order)), t["seed"], t["lr"]))
     rows = write_results(args.out, meta, trials)
     title = (f"MQAR ({'hard' if args.hard else 'zoology'}), vocab {args.vocab_size}, {args.layers} layers, "
              f"<= {args.steps} steps, early stop {args.target}")

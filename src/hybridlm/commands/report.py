@@ -232,14 +232,23 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
     st, meta = mq["meta"].get("settings", {}), mq["meta"]
     trials = meta.get("trials", [])
     L = [] if main else [f"### {os.path.basename(out_dir)}", ""]
-    L += [f"Command: `{meta.get('command', '')}`  ",
+    cmds = meta.get("commands") or [meta.get("command", "")]
+    L += [f"Command{'s' * (len(cmds) > 1)}: " + ", ".join(f"`{c}`" for c in cmds) + "  ",
           f"Machine: {_meta_line(meta, [t.get('load_avg') for t in trials])}.", ""]
+    if not main and "target" in st:                     # a study: which settings reached the target, which did not
+        done = [r for r in mq["rows"] if r["accuracy"] >= st["target"]]
+        miss = [r for r in mq["rows"] if r["accuracy"] < st["target"]]
+        L += ["Reached " + str(st["target"]) + ": " + (", ".join(f"{r['name']} (d {r['d_model']}, T {r['seq_len']}, "
+                                                               f"{r['steps']:,} steps)" for r in done) or "none")
+              + ". Did not: " + (", ".join(f"{r['name']} {r['accuracy']:.3f}" + "↑" * bool(r.get("rising"))
+                                           for r in miss) or "none") + ".", ""]
     if "target" in st:
         L += [f"Protocol (zoology's): vocab {st['vocab_size']}, {st['pairs']} key-value pairs, {st['layers']} layers of "
               f"mixer + gated MLP, a fixed set of {st['train_examples']:,} training examples, batch {st['batch_size']}, "
               f"{st['optimizer']}, weight decay {st['weight_decay']}, {st['schedule']} (budget {st['steps']:,} steps, "
               f"held-out accuracy on {st['test_examples']:,} examples every {st['eval_every']} steps, stop at "
-              f"{st['target']}), lrs {st['lr']} tried in order (the rest skipped once one reaches the target), seeds "
+              f"{st['target']}), lrs {st['lr']} tried in order (the rest skipped once one reaches the target or is still "
+              f"rising when its budget ends, since a smaller lr learns slower), seeds "
               f"{st['seeds']}. Accuracy is the mean over seeds of each seed's best lr; `steps` is the first seed's "
               f"steps to stop. {len(trials)} runs, {sum(t.get('wall_s', 0) for t in trials) / 3600:.1f} CPU-hours "
               "(one thread each).", ""]
