@@ -1,27 +1,50 @@
 #!/usr/bin/env bash
 # The evidence run behind docs/results.md: the MQAR sweep, the RoPE-attention study and every ablation recipe,
-# then the page. Each part is resumable (rerun the script: finished runs are kept), one torch thread per
-# process, PARTS run in order; `JOBS=2 bash scripts/evidence.sh` runs two MQAR points at once on 2 cores.
-#   bash scripts/evidence.sh                 # everything (about 6 CPU-hours on a 2-core machine)
-#   bash scripts/evidence.sh mqar rope       # some parts: mqar rope ablate:<recipe>... report
+# then the page. Every part is resumable (rerun the script: finished runs are kept) and runs one torch thread per
+# process. With JOBS=2 (the default on a machine with 2+ cores) two lanes run side by side: the MQAR sweep parts
+# in one, the RoPE study and the recipes in the other; the page is written when both are done.
+#   bash scripts/evidence.sh                  # everything
+#   bash scripts/evidence.sh mqar rope        # some parts: mqar mqar-t128 rope ablate:<recipe>... report
+# Parts: mqar = T 64 x d_model 32/64/128 x the ten default layouts; mqar-t128 = T 128 (8 pairs) at d_model 64 and
+# 128; rope = RoPE attention at T 64 / d 64 with 4 heads, rope base 100, half rotary dims and no positions
+# (lr 3e-3, 4,000 steps); one ablate:<recipe> per shipped recipe (3 seeds each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-JOBS=${JOBS:-1}
+JOBS=${JOBS:-$( [ "$(nproc)" -ge 2 ] && echo 2 || echo 1 )}
 RESULTS=${RESULTS:-docs/results}
 export OMP_NUM_THREADS=1
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(mqar rope $("$PY" -c "from hybridlm.train.recipes import list_recipes; print(' '.join('ablate:' + n for n in list_recipes()))") report)
-for part in "${parts[@]}"; do
-  echo "== $part ($(date -u +%H:%M:%S))"
-  case "$part" in
-    mqar) "$PY" -m hybridlm mqar --jobs "$JOBS" --out "$RESULTS/mqar" ;;
-    rope) "$PY" -m hybridlm mqar --jobs "$JOBS" --d-models 64 --seq-lens 64 \
-            --layouts 'learned=A:pos_embedding="learned",rope=A,rope-4heads=A:n_heads=4,rope-base100=A:rope_base=100.0,rope-half=A:rope_dim=32,nope=A:pos_embedding="none"' \
+[ ${#parts[@]} -eq 0 ] && parts=(mqar mqar-t128 rope $("$PY" -c "from hybridlm.train.recipes import list_recipes; print(' '.join('ablate:' + n for n in list_recipes()))") report)
+
+run_part() {
+  echo "== $1 ($(date -u +%H:%M:%S))"
+  case "$1" in
+    mqar) "$PY" -m hybridlm mqar --seq-lens 64 --out "$RESULTS/mqar" ;;
+    mqar-t128) "$PY" -m hybridlm mqar --seq-lens 128 --d-models 64 128 --out "$RESULTS/mqar" ;;
+    rope) "$PY" -m hybridlm mqar --d-models 64 --seq-lens 64 --lr 3e-3 --steps 4000 \
+            --layouts 'rope=A,rope-4heads=A:n_heads=4,rope-base100=A:rope_base=100.0,rope-half=A:rope_dim=32,nope=A:pos_embedding="none"' \
             --out "$RESULTS/mqar-rope" ;;
-    ablate:*) "$PY" -m hybridlm ablate "${part#ablate:}" --threads 1 --no-checkpoints --no-progress \
-            --out "$RESULTS/ablate/${part#ablate:}" ;;
+    ablate:*) "$PY" -m hybridlm ablate "${1#ablate:}" --threads 1 --no-checkpoints --no-progress \
+            --out "$RESULTS/ablate/${1#ablate:}" ;;
     report) "$PY" -m hybridlm report --results "$RESULTS" --out docs/results.md ;;
-    *) echo "unknown part $part (mqar, rope, ablate:<recipe>, report)" >&2; exit 2 ;;
+    *) echo "unknown part $1 (mqar, mqar-t128, rope, ablate:<recipe>, report)" >&2; return 2 ;;
+  esac
+}
+
+lane_a=() lane_b=() last=()
+for part in "${parts[@]}"; do
+  case "$part" in
+    mqar|mqar-t128) lane_a+=("$part") ;;
+    report) last+=("$part") ;;
+    *) lane_b+=("$part") ;;
   esac
 done
+if [ "$JOBS" -ge 2 ]; then      # two single-thread lanes; sweeps sharing an --out merge each other's runs
+  ( for p in "${lane_a[@]}"; do run_part "$p"; done ) & a=$!
+  ( for p in "${lane_b[@]}"; do run_part "$p"; done ) & b=$!
+  wait $a; wait $b
+else
+  for p in "${lane_a[@]}" "${lane_b[@]}"; do run_part "$p"; done
+fi
+for p in "${last[@]}"; do run_part "$p"; done

@@ -1,0 +1,28 @@
+"""scripts/evidence.sh dispatches its parts (checked with a stand-in python that only logs its arguments)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_evidence_parts_and_lanes(tmp_path, jobs):
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {log}\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), JOBS=jobs, RESULTS=str(tmp_path / "res"))
+    run = subprocess.run(["bash", "scripts/evidence.sh", "report", "ablate:wm-moe", "mqar", "rope", "mqar-t128"],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 5 and calls[-1].startswith("-m hybridlm report")       # the page comes after both lanes
+    assert calls.index(next(c for c in calls if "--seq-lens 64 --out" in c)) < \
+        calls.index(next(c for c in calls if "--seq-lens 128" in c))               # a lane keeps its order
+    assert any("ablate wm-moe --threads 1" in c for c in calls) and any("mqar-rope" in c for c in calls)
+    bad = subprocess.run(["bash", "scripts/evidence.sh", "nonsense"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown part nonsense" in bad.stderr
