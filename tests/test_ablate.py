@@ -59,6 +59,15 @@ def test_shipped_recipes_parse_and_size_within_tolerance():
                 assert abs(got - target) <= r.budget["tolerance"] * target, (name, c.name, got)
 
 
+def test_shipped_recipes_meet_the_evidence_budget():
+    """Every shipped recipe trains >= 0.5M tokens per model (5x the first recipes) with >= 3 seeds, so its noise
+    margin is a measured seed spread."""
+    for name in list_recipes():
+        b = load_recipe(name).budget
+        assert b["steps"] * b["batch_size"] * b["seq_len"] >= 500_000, name
+        assert len(b["seeds"]) >= 3, name
+
+
 def test_parse_count_and_fit_params():
     assert parse_count("2M") == 2_000_000 and parse_count("500K") == 500_000 and parse_count(1.5e6) == 1_500_000
     with pytest.raises(ConfigError, match="parameter count"):
