@@ -26,6 +26,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 
 from ..runtime import machine_meta
 from ..plots import pyplot
@@ -189,7 +190,7 @@ def best_rows(trials: list[dict]) -> list[dict]:
         if key not in best or (t["accuracy"], -t["loss"]) > (best[key]["accuracy"], -best[key]["loss"]):
             best[key] = t
     points = {}
-    for (name, d, T, _), t in sorted(best.items(), key=lambda kv: kv[0]):
+    for (name, d, T, _), t in sorted(best.items(), key=lambda kv: kv[0][3]):     # seeds in order; points as run
         points.setdefault((name, d, T), []).append(t)
     rows = []
     for runs in points.values():
@@ -280,7 +281,7 @@ def plot(rows: list[dict], path: str, title: str, x: str = "d_model"):
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, int(13 * 4.4 * len(seq_lens))), fontsize=9)   # wrapped: never clipped
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -308,7 +309,7 @@ def plot_curves(trials: list[dict], path: str, title: str):
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out accuracy")
     axes[0][-1].legend(fontsize=6, loc="lower right")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, int(13 * 4.4 * len(seq_lens))), fontsize=9)   # wrapped: never clipped
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
