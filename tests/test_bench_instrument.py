@@ -111,3 +111,9 @@ def test_mqar_claims_on_a_sweep():
     rows[5]["rising"] = True            # ... but that run was still gaining when its budget ended: the budget decides
     got = {c["claim"][:12]: c for c in mqar_claims({"rows": rows})}["SSD accuracy"]
     assert got["verdict"] == NOT_COMPARABLE and "still rising" in got["here"]
+    rows[5]["rising"] = False           # ... or an lr of the protocol has not run for it yet (an interrupted sweep)
+    sweep = {"rows": rows, "meta": {"settings": {"target": 0.99, "lr": [3e-3, 1e-3]},
+                                    "trials": [dict(r, lr=3e-3, seed=0) for r in rows]}}
+    assert {c["claim"][:12]: c["verdict"] for c in mqar_claims(sweep)}["SSD accuracy"] == NOT_COMPARABLE
+    sweep["meta"]["trials"] += [dict(rows[5], lr=1e-3, seed=0)]
+    assert {c["claim"][:12]: c["verdict"] for c in mqar_claims(sweep)}["SSD accuracy"] == NOT_REPRODUCED

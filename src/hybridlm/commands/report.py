@@ -83,11 +83,22 @@ def ablation_verdict(claim: dict, rows: dict, margin: float, recipe: dict | None
 _ATTN, _SSD, _ROD = "attention", ("mamba2-n16", "mamba2-n64"), ("rodimus-n16", "rodimus-n64")
 
 
+def pending_rows(mq: dict):
+    """-> row -> bool: below the target and not rising, with an lr of the protocol not run yet (an interrupted
+    sweep): the figure may still rise."""
+    st = mq.get("meta", {}).get("settings", {})
+    tried = {}
+    for t in mq.get("meta", {}).get("trials", []):
+        tried.setdefault((t["name"], t["d_model"], t["seq_len"]), set()).add(t["lr"])
+    return lambda r: r["accuracy"] < st.get("target", 0) and not r.get("rising") and \
+        bool(set(st.get("lr", [])) - tried.get((r["name"], r["d_model"], r["seq_len"]), set()))
+
+
 def mqar_claims(mqar: dict, tol: float = 0.02) -> list[dict]:
     """The papers' recall claims checked on the default sweep's rows (by their names; `tol` accuracy is noise). A
     claim that fails only through runs still rising when their budget ended (`rising`) is not resolvable at this
-    budget rather than not reproduced."""
-    rows = mqar["rows"]
+    budget rather than not reproduced, and so is one that fails through runs whose next lr has not run yet."""
+    rows, pending = mqar["rows"], pending_rows(mqar)
     by = {}
     for r in rows:
         by.setdefault(r["name"], []).append(r)
@@ -95,10 +106,11 @@ def mqar_claims(mqar: dict, tol: float = 0.02) -> list[dict]:
 
     def add(claim, source, losers, here):
         """losers: the rows that fail the claim (none: reproduced)."""
-        cut = bool(losers) and all(r.get("rising") for r in losers)
+        cut = bool(losers) and all(r.get("rising") or pending(r) for r in losers)
         verdict = REPRODUCED if not losers else NOT_COMPARABLE if cut else NOT_REPRODUCED
         out.append(dict(claim=claim, source=source, verdict=verdict, here=here + (
-            "; the failing runs were still rising when the step budget ended (↑)" if cut else "")))
+            "; the failing runs were still rising when the step budget ended (↑) or have an lr of the protocol "
+            "still to run (*)" if cut else "")))
 
     att = by.get(_ATTN, [])
     if att:
@@ -252,6 +264,7 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
               f"{st['seeds']}. Accuracy is the mean over seeds of each seed's best lr; `steps` is the first seed's "
               f"steps to stop. {len(trials)} runs, {sum(t.get('wall_s', 0) for t in trials) / 3600:.1f} CPU-hours "
               "(one thread each).", ""]
+    pending = pending_rows(mq)
     for T in sorted({r["seq_len"] for r in mq["rows"]}):
         rows = [r for r in mq["rows"] if r["seq_len"] == T]
         L += [f"T = {T}, {rows[0]['num_pairs']} pairs:", ""]
@@ -259,11 +272,15 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
                     [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['accuracy']:.3f}",
                       f"{r.get('accuracy_min', r['accuracy']):.3f}..{r.get('accuracy_max', r['accuracy']):.3f}",
                       f"{r['params']:,}", f"{r['state_bytes']:,}" if r.get("state_bytes") else "-", f"{r['lr']:g}",
-                      f"{r['steps']:,}" + (" ↑" if r.get("rising") else "")] for r in rows])
+                      f"{r['steps']:,}" + (" ↑" if r.get("rising") else "") + (" *" if pending(r) else "")]
+                     for r in rows])
         L.append("")
     if any(r.get("rising") for r in mq["rows"]):
         L += ["↑: still gaining at the end of the budget (more than 0.02 over its last quarter): the budget, not the "
               "model, set that figure.", ""]
+    if any(pending(r) for r in mq["rows"]):
+        L += ["*: below the target and not rising, but the protocol's next lr has not run yet (the sweep was "
+              "interrupted; rerunning its command runs it): the figure may still rise.", ""]
     for png, what in (("mqar.png", "accuracy against d_model"), ("mqar-state.png", "accuracy against state bytes"),
                       ("mqar-curves.png", "held-out accuracy against steps")):
         if os.path.exists(os.path.join(out_dir, png)):
