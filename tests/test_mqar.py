@@ -170,6 +170,9 @@ def test_lr_sweep_skips_smaller_lrs_after_a_rising_run(tmp_path, monkeypatch):
     assert calls == [1e-2, 3e-3]
     trials = json.loads((tmp_path / "mqar.json").read_text())["meta"]["trials"]
     assert {t["lr"]: t["rising"] for t in trials} == {1e-2: False, 3e-3: True}
+    calls.clear()                                           # ascending: a larger lr than the rising one still runs
+    assert cli(["mqar", "--quick", "--lr", "3e-3", "1e-2", "1e-3", "--layouts", "a=A", "--out", str(tmp_path / "b")]) == 0
+    assert calls == [3e-3, 1e-2]
 
 
 @pytest.mark.parametrize("argv, needle", [

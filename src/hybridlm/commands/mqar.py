@@ -3,9 +3,9 @@
 The protocol is zoology's (eval/mqar.py): per point, a fresh 2-layer model trained on a fixed set of 100k examples
 (too many to memorise) with AdamW (weight decay on matrices only), warmup + cosine over a large step budget, early
 stopping once held-out accuracy reaches 0.99, and a learning-rate sweep keeping the best (lrs run in the given
-order, largest first; once one reaches the target the rest are skipped, as they cannot do better, and so are they
-when the run is still rising at the end of its budget: a smaller lr learns slower still, so only a run that
-plateaued or collapsed below the target gets the next lr). Why: recall is a phase change after
+order; once one reaches the target the rest are skipped, as they cannot do better, and once a run is still rising
+at the end of its budget the smaller lrs are skipped: they learn slower still, so only a run that plateaued or
+collapsed below the target gets a smaller lr). Why: recall is a phase change after
 thousands of steps, so a short budget reports 1/pairs for every architecture; early stopping makes the large budget
 cheap where recall is easy. Attention rows say their position encoding: `attention` (and `inner-fn-dynmask`) use
 zoology's learned absolute positions, the baseline every MQAR paper draws; `attention-rope` is the library's
@@ -76,8 +76,8 @@ def add_arguments(p):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, nargs="+", default=[3e-3, 1e-3],
                    help="peak learning rates, tried in this order; the best held-out accuracy is kept, and the rest "
-                        "are skipped once one reaches --target or is still rising when its budget ends (a smaller lr "
-                        "learns slower)")
+                        "are skipped once one reaches --target; smaller lrs than one still rising when its budget ends "
+                        "are skipped (they learn slower)")
     p.add_argument("--train-examples", type=int, default=100_000, help="fixed training set size (per stage)")
     p.add_argument("--test-examples", type=int, default=1_000)
     p.add_argument("--eval-every", type=int, default=250, help="held-out accuracy check every N steps")
@@ -152,8 +152,10 @@ def _run_point(job: dict) -> list[dict]:
         torch.set_num_threads(job["threads"])
     cfg, task = job["cfg"], job["task"]
     state = cache_bytes(cfg, [task.seq_len])[0]
-    trials = []
+    trials, rising_at = [], 0.0
     for lr in job["lrs"]:
+        if lr < rising_at:                 # smaller than an lr still rising at its budget's end: slower still
+            continue
         base = {"name": job["name"], "layout": cfg.layout, "d_model": cfg.d_model, "seq_len": task.seq_len,
                 "num_pairs": task.num_pairs, "lr": lr, "seed": job["seed"]}
         prev = job["done"].get(_trial_key(base))
@@ -167,8 +169,10 @@ def _run_point(job: dict) -> list[dict]:
                         load_avg=round(os.getloadavg()[0], 2))      # > cores: the run shared its core
             job["report"](prev)
         trials.append(prev)
-        if prev["accuracy"] >= job["target"] or prev.get("rising"):
+        if prev["accuracy"] >= job["target"]:
             break
+        if prev.get("rising"):
+            rising_at = max(rising_at, lr)
     return trials
 
 

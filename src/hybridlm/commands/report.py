@@ -259,8 +259,8 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
               f"mixer + gated MLP, a fixed set of {st['train_examples']:,} training examples, batch {st['batch_size']}, "
               f"{st['optimizer']}, weight decay {st['weight_decay']}, {st['schedule']} (budget {st['steps']:,} steps, "
               f"held-out accuracy on {st['test_examples']:,} examples every {st['eval_every']} steps, stop at "
-              f"{st['target']}), lrs {st['lr']} tried in order (the rest skipped once one reaches the target or is still "
-              f"rising when its budget ends, since a smaller lr learns slower), seeds "
+              f"{st['target']}), lrs {st['lr']} tried in order (the rest skipped once one reaches the target, and smaller "
+              f"ones after a run still rising when its budget ends, since they learn slower), seeds "
               f"{st['seeds']}. Accuracy is the mean over seeds of each seed's best lr; `steps` is the first seed's "
               f"steps to stop. {len(trials)} runs, {sum(t.get('wall_s', 0) for t in trials) / 3600:.1f} CPU-hours "
               "(one thread each).", ""]
