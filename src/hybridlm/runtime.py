@@ -38,6 +38,11 @@ def command_line() -> str:
     return f"hybridlm {args}" if prog in ("hybridlm", "__main__.py") else f"python {prog} {args}".rstrip()
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): above the core count, processes shared cores."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def machine_meta(threads: int | None = None) -> dict:
     """What a result file records of its run: time, command, versions, the machine, torch threads per process
     (`threads`, default this process's) and the load average at writing time, which says whether the machine was
@@ -51,5 +56,5 @@ def machine_meta(threads: int | None = None) -> dict:
             "command": command_line(), "python": platform.python_version(), "torch": torch.__version__,
             "hybridlm": __version__, "machine": platform.machine(), "processor": platform.processor(),
             "cpu_count": os.cpu_count(), "threads": threads or torch.get_num_threads(),
-            "load_avg": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+            "load_avg": load_average(),
             "device": "cuda" if torch.cuda.is_available() else "cpu"}

@@ -28,7 +28,7 @@ import os
 import statistics
 import textwrap
 
-from ..runtime import machine_meta
+from ..runtime import load_average, machine_meta
 from ..plots import pyplot
 from .common import out, parse_sets
 
@@ -166,7 +166,7 @@ def _run_point(job: dict) -> list[dict]:
             prev = dict(base, accuracy=res["accuracy"], params=res["params"], state_bytes=state, steps=res["steps"],
                         stopped_early=res["stopped_early"], rising=still_rising(res["curve"], job["steps"]),
                         loss=res["loss"], wall_s=res["wall_s"], curve=res["curve"], fields=job["fields"],
-                        load_avg=round(os.getloadavg()[0], 2))      # > cores: the run shared its core
+                        load_avg=load_average())      # > cores: the run shared its core
             job["report"](prev)
         trials.append(prev)
         if prev["accuracy"] >= job["target"]:
