@@ -96,6 +96,12 @@ def test_mqar_resumes_finished_runs_and_refuses_another_protocol(tmp_path, capsy
     assert json.loads((out / "mqar.json").read_text())["meta"]["trials"] == first
     assert cli(["mqar", "--quick", "--out", str(out), "--weight-decay", "0"]) == 2
     assert "another protocol" in capsys.readouterr().err
+    assert cli(["mqar", "--quick", "--out", str(out), "--warmup", "0"]) == 2    # the schedule is the protocol too
+    assert "warmup: 1 there, 0 here" in capsys.readouterr().err
+    data = json.loads((out / "mqar.json").read_text())                   # a file from before --warmup: the default
+    del data["meta"]["settings"]["warmup"]
+    (out / "mqar.json").write_text(json.dumps(data))
+    assert cli(["mqar", "--quick", "--out", str(out)]) == 0
 
 
 def test_sweeps_sharing_an_out_directory_keep_each_others_runs(tmp_path):
@@ -120,6 +126,22 @@ def test_sweeps_sharing_an_out_directory_keep_each_others_runs(tmp_path):
     other = dict(settings, steps=20)                           # another protocol: nothing of the file is merged
     write_results(str(tmp_path), {"command": "x", "settings": other}, [trial("c", 32)])
     assert [t["name"] for t in json.loads((tmp_path / "mqar.json").read_text())["meta"]["trials"]] == ["c"]
+
+
+def test_warmup_sets_the_schedule(monkeypatch):
+    """--warmup / warmup= replaces the default (2% of the budget, at most 200 steps) and is checked."""
+    import hybridlm.eval.mqar as ev
+    from hybridlm.commands.mqar import build_config
+    assert [ev.default_warmup(s) for s in (6, 4000, 8000, 20000)] == [1, 80, 160, 200]
+    lrs = []
+    real = ev.lr_at
+    monkeypatch.setattr(ev, "lr_at", lambda step, **k: lrs.append((step, k["warmup"])) or real(step, **k))
+    task = ev.MQARTask(seq_len=32, num_pairs=2, vocab_size=64, train_examples=64, test_examples=16)
+    cfg = build_config("(AM)*1", {}, d_model=16, seq_len=32, vocab_size=64, layers=1)
+    ev.train_mqar(cfg, task, steps=4, batch_size=8, lr=1e-3, eval_every=5, warmup=3, target=1.01, progress=False)
+    assert sorted(set(lrs)) == [(0, 3), (1, 3), (2, 3), (3, 3)]     # (once per param group)
+    with pytest.raises(ValueError, match="warmup must be in"):
+        ev.train_mqar(cfg, task, steps=4, batch_size=8, lr=1e-3, warmup=4, progress=False)
 
 
 def test_early_stopping_stops_at_the_threshold(monkeypatch):
@@ -179,6 +201,7 @@ def test_lr_sweep_skips_smaller_lrs_after_a_rising_run(tmp_path, monkeypatch):
     (["--layouts", "x=bogus"], "neither a preset nor a layout"),
     (["--layouts", "x=A:no_such_field=1"], "no_such_field"),
     (["--pairs-div", "2"], "too short for 16 key-value pairs"),
+    (["--warmup", "6"], "--warmup must be in [0, --steps)"),
 ])
 def test_mqar_bad_input(tmp_path, capsys, argv, needle):
     assert cli(["mqar", "--quick", *argv, "--out", str(tmp_path)]) == 2

@@ -48,7 +48,7 @@ ROW_KEYS = ("name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "ac
 RISING = 0.02   # a run that gained more than this over the last quarter of its budget was cut by the budget
 # settings that define the protocol: a resumed sweep must match them (the sweep's axes may grow)
 PROTOCOL_KEYS = ("layers", "pairs", "hard", "vocab_size", "curriculum", "steps", "batch_size", "train_examples",
-                 "test_examples", "eval_every", "target", "weight_decay")
+                 "test_examples", "eval_every", "target", "weight_decay", "warmup")
 
 
 def add_arguments(p):
@@ -73,6 +73,8 @@ def add_arguments(p):
                    help="step budget per run (the cosine schedule spans it); runs stop earlier at --target. 8000 is "
                         "3.5x what 2-layer attention needs at T 64 / d 64 / vocab 8192 (0.99 at 2,250 steps, lr "
                         "3e-3); a run still gaining at the end is marked `rising`")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="linear lr warmup steps (default: 2%% of --steps, at most 200)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, nargs="+", default=[3e-3, 1e-3],
                    help="peak learning rates, tried in this order; the best held-out accuracy is kept, and the rest "
@@ -160,7 +162,8 @@ def _run_point(job: dict) -> list[dict]:
                 "num_pairs": task.num_pairs, "lr": lr, "seed": job["seed"]}
         prev = job["done"].get(_trial_key(base))
         if prev is None:
-            res = train_mqar(cfg, task, steps=job["steps"], batch_size=job["batch_size"], lr=lr, seed=job["seed"],
+            res = train_mqar(cfg, task, steps=job["steps"], warmup=job["warmup"], batch_size=job["batch_size"], lr=lr,
+                             seed=job["seed"],
                              weight_decay=job["weight_decay"], eval_every=job["eval_every"], target=job["target"],
                              device=job["device"], progress=job["progress"], desc=f"{job['desc']} lr={lr:g}")
             prev = dict(base, accuracy=res["accuracy"], params=res["params"], state_bytes=state, steps=res["steps"],
@@ -245,7 +248,10 @@ def _read_json(out_dir: str) -> dict | None:
 
 
 def _protocol_diff(old: dict, new: dict) -> list[str]:
-    return [f"{k}: {old.get(k)!r} there, {new[k]!r} here" for k in PROTOCOL_KEYS if old.get(k) != new[k]]
+    from ..eval.mqar import default_warmup
+    old, new = ({"warmup": default_warmup(s["steps"]), **s} if "steps" in s else s for s in (old, new))
+    # (settings written before --warmup had the default schedule only)
+    return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in PROTOCOL_KEYS if old.get(k) != new.get(k)]
 
 
 def read_done(out_dir: str, settings: dict) -> dict:
@@ -323,7 +329,7 @@ def main(args) -> int:
     import torch
     from ..data.mqar import check_sizes
     from ..errors import InputError
-    from ..eval.mqar import MQARTask
+    from ..eval.mqar import MQARTask, default_warmup
     if args.quick:
         args.layouts = "attention=A,mamba2=S:ssd_d_state=16" if args.layouts == DEFAULT_LAYOUTS else args.layouts
         args.d_models, args.seq_lens, args.vocab_size = [16], [32], 64
@@ -337,17 +343,20 @@ def main(args) -> int:
             raise InputError(f"{flag} must be >= 1, got {v}")
     if min(args.d_models) < 1 or min(args.seq_lens) < 1 or min(args.lr) <= 0:
         raise InputError("--d-models and --seq-lens must be >= 1 and --lr > 0")
+    warmup = default_warmup(args.steps) if args.warmup is None else args.warmup
+    if not 0 <= warmup < args.steps:
+        raise InputError(f"--warmup must be in [0, --steps), got {warmup} with --steps {args.steps}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     div = args.pairs_div or (4 if args.hard else 16)
     curriculum = args.hard if args.curriculum is None else args.curriculum
     specs = parse_layouts(args.layouts, args.layers)
     settings = {"layouts": args.layouts, "layers": args.layers, "d_models": args.d_models, "seq_lens": args.seq_lens,
                 "pairs": f"T/{div}", "hard": args.hard, "vocab_size": args.vocab_size, "curriculum": curriculum,
-                "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+                "steps": args.steps, "warmup": warmup, "batch_size": args.batch_size, "lr": args.lr,
                 "train_examples": args.train_examples, "test_examples": args.test_examples,
                 "eval_every": args.eval_every, "target": args.target, "weight_decay": args.weight_decay,
                 "seeds": args.seeds, "power_a": 0.01, "optimizer": "AdamW (0.9, 0.95), decay on matrices only",
-                "schedule": "linear warmup (min(200, steps/50)), cosine to 0 over --steps; early stop at --target",
+                "schedule": "linear warmup over `warmup` steps, cosine to 0 over --steps; early stop at --target",
                 "mlp": "each token mixer X is followed by the gated MLP M: (XM)*layers"}
     done = read_done(args.out, settings)
     meta = dict(machine_meta(threads=1 if args.jobs > 1 else None), device=device, jobs=args.jobs, settings=settings)
@@ -369,7 +378,7 @@ def main(args) -> int:
                 for name, value, over in specs:
                     cfg = build_config(value, over, d_model=d, seq_len=T, vocab_size=args.vocab_size,
                                        layers=args.layers)
-                    jobs.append(dict(name=name, cfg=cfg, task=task, fields=over, steps=args.steps,
+                    jobs.append(dict(name=name, cfg=cfg, task=task, fields=over, steps=args.steps, warmup=warmup,
                                      batch_size=args.batch_size, lrs=args.lr, seed=seed, device=device,
                                      weight_decay=args.weight_decay, eval_every=args.eval_every, target=args.target,
                                      progress=args.jobs == 1, threads=1 if args.jobs > 1 else 0, done=done,

@@ -59,10 +59,16 @@ def accuracy(model: CausalLM, inputs: Tensor, labels: Tensor, batch_size: int = 
     return correct / max(total, 1)
 
 
+def default_warmup(steps: int) -> int:
+    """The protocol's warmup: 2% of the budget, at most 200 steps."""
+    return min(200, max(1, steps // 50))
+
+
 def train_mqar(cfg: ModelConfig, task: MQARTask, *, steps: int, batch_size: int, lr: float, seed: int = 0,
                weight_decay: float = 0.1, grad_clip: float = 1.0, eval_every: int = 250, target: float = 0.99,
-               device: str = "cpu", progress: bool = True, desc: str = "mqar") -> dict:
-    """Train a fresh `CausalLM(cfg)` for at most `steps` optimizer steps (warmup + cosine to 0 over `steps`; split
+               warmup: int | None = None, device: str = "cpu", progress: bool = True, desc: str = "mqar") -> dict:
+    """Train a fresh `CausalLM(cfg)` for at most `steps` optimizer steps (linear warmup over `warmup` steps,
+    default `default_warmup(steps)`, then cosine to 0 over `steps`; split
     evenly over the curriculum stages), stopping once held-out accuracy >= `target` (checked every `eval_every`
     steps of the last stage; `target` > 1 never stops). Returns {accuracy, loss, params, steps (taken),
     stopped_early, curve [[step, accuracy], ...], wall_s}."""
@@ -77,7 +83,9 @@ def train_mqar(cfg: ModelConfig, task: MQARTask, *, steps: int, batch_size: int,
                 power_a=task.power_a, hard=task.hard)
     g = torch.Generator().manual_seed(seed)
     bounds = [round(steps * (i + 1) / len(stages)) for i in range(len(stages))]  # last step of each stage
-    warmup = min(200, max(1, steps // 50))
+    warmup = default_warmup(steps) if warmup is None else warmup
+    if not 0 <= warmup < steps:
+        raise ValueError(f"warmup must be in [0, steps), got {warmup} for {steps} steps")
     losses: list[float] = []
     curve: list[list] = []
     acc = None
