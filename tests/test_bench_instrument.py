@@ -80,12 +80,13 @@ def test_report_verdicts_and_page(tmp_path):
     # seeds measure the margin; a claim with `at` is judged at the training length and at that length
     seeded = _ablate([("a", 1.50), ("b", 1.52)], [dict(text="a beats b", better="a", worse="b", at=64,
                                                        paper_delta=0.02)])
-    for r, sd in zip(seeded["rows"], (0.01, 0.02)):
-        r.update(val_loss_std=sd, val_losses=[r["val_loss"] - sd, r["val_loss"] + sd], seeds=[0, 1],
+    for r, sd, wall in zip(seeded["rows"], (0.01, 0.02), (10, 20)):
+        r.update(val_loss_std=sd, val_losses=[r["val_loss"] - sd, r["val_loss"] + sd], seeds=[0, 1], wall_s=wall,
                  val_loss_at={"64": r["val_loss"] + 0.5}, val_loss_at_std={"64": sd})
     page = render(dict(res, ablate=[seeded]), str(tmp_path / "results.md"))
     assert page.count("**not resolvable at this scale**") == 2 and "margin 0.040, 2 × seed s.d." in page
     assert "a beats b — at 64 tokens" in page and "`hybridlm ablate r --scale 4`" in page   # (0.04 / 0.02)^2 = 4
+    assert "(≈4.3 CPU-hours as measured here, " in page          # (10 + 20) s x 2 seeds x 4^4 (FLOPs grow as K^4)
     assert "| 2.0000 ± 0.0100 |" in page                                                     # the 4x-length column
     assert "No MQAR results yet" in page and "No instrument results yet" in page
     assert main(["report", "--results", str(tmp_path / "missing")]) == 2

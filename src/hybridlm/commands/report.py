@@ -46,7 +46,7 @@ def _at(row: dict, at) -> tuple[float, float | None]:
 def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float) -> str:
     """The `--scale K` run that would resolve a claim, assuming the seed spread falls as 1/sqrt(tokens): tokens
     must grow by (noise / effect)^2, where the effect is the paper's (`paper_delta`, nats) or, without one, ours;
-    --scale K gives K x the tokens and K^3 x the parameters, so K^4 x the FLOPs of this run."""
+    --scale K gives K x the tokens and K^3 x the parameters, so K^4 x the FLOPs (and the CPU time) of this run."""
     effect = claim.get("paper_delta") or abs(diff)
     if not effect:
         return ""
@@ -59,7 +59,9 @@ def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float) -> str:
     flops = sum(6 * r.get("active_params", r["params"]) * tokens * len(r["seeds"]) for r in rows) * k ** 4
     hours = flops / GPU_FLOPS / 3600
     size = f"`hybridlm ablate {recipe['recipe']} --scale {k}`" if k < 64 else "beyond `--scale 32`"
-    return f"; resolving it needs {size} (≈{hours:.2g} GPU-hours at 40% of an H100's bf16 peak)"
+    here = sum(r["wall_s"] * len(r["seeds"]) for r in rows if r.get("wall_s")) * k ** 4 / 3600
+    cpu = f"≈{here:.2g} CPU-hours as measured here, " if here and k < 64 else ""
+    return f"; resolving it needs {size} ({cpu}≈{hours:.2g} GPU-hours at 40% of an H100's bf16 peak)"
 
 
 def ablation_verdict(claim: dict, rows: dict, margin: float, recipe: dict | None = None) -> tuple[str, str]:
