@@ -16,13 +16,15 @@ def test_evidence_parts_and_lanes(tmp_path, jobs):
     fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {log}\n")
     fake.chmod(0o755)
     env = dict(os.environ, PYTHON=str(fake), JOBS=jobs, RESULTS=str(tmp_path / "res"))
-    run = subprocess.run(["bash", "scripts/evidence.sh", "report", "ablate:wm-moe", "mqar", "rope", "mqar-t128"],
+    run = subprocess.run(["bash", "scripts/evidence.sh", "report", "ablate:wm-moe", "mqar", "rope", "mqar-t128",
+                          "rope-warmup"],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     calls = log.read_text().splitlines()
-    assert len(calls) == 5 and calls[-1].startswith("-m hybridlm report")       # the page comes after both lanes
+    assert len(calls) == 6 and calls[-1].startswith("-m hybridlm report")       # the page comes after both lanes
     assert calls.index(next(c for c in calls if "--seq-lens 64 --out" in c)) < \
         calls.index(next(c for c in calls if "--seq-lens 128" in c))               # a lane keeps its order
-    assert any("ablate wm-moe --threads 1" in c for c in calls) and any("mqar-rope" in c for c in calls)
+    assert any("ablate wm-moe --threads 1" in c for c in calls) and any(c.endswith("mqar-rope") for c in calls)
+    assert any("--steps 8000 --warmup 80" in c and c.endswith("mqar-rope-warmup") for c in calls)
     bad = subprocess.run(["bash", "scripts/evidence.sh", "nonsense"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown part nonsense" in bad.stderr
