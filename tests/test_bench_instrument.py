@@ -87,6 +87,8 @@ def test_report_verdicts_and_page(tmp_path):
     assert page.count("**not resolvable at this scale**") == 2 and "margin 0.040, 2 × seed s.d." in page
     assert "a beats b — at 64 tokens" in page and "`hybridlm ablate r --scale 4`" in page   # (0.04 / 0.02)^2 = 4
     assert "(≈4.3 CPU-hours as measured here, " in page          # (10 + 20) s x 2 seeds x 4^4 (FLOPs grow as K^4)
+    seeded["claims"][0]["paper_delta"] = 0.1     # the paper's effect exceeds our margin: sized for ours, (0.04/0.02)^2
+    assert "`hybridlm ablate r --scale 4`" in render(dict(res, ablate=[seeded]), str(tmp_path / "results.md"))
     assert "| 2.0000 ± 0.0100 |" in page                                                     # the 4x-length column
     assert "No MQAR results yet" in page and "No instrument results yet" in page
     assert main(["report", "--results", str(tmp_path / "missing")]) == 2

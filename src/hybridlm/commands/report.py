@@ -45,9 +45,12 @@ def _at(row: dict, at) -> tuple[float, float | None]:
 
 def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float) -> str:
     """The `--scale K` run that would resolve a claim, assuming the seed spread falls as 1/sqrt(tokens): tokens
-    must grow by (noise / effect)^2, where the effect is the paper's (`paper_delta`, nats) or, without one, ours;
+    must grow by (noise / effect)^2, where the effect is the paper's (`paper_delta`, nats) or ours (without one, or
+    when the paper's exceeds the noise already);
     --scale K gives K x the tokens and K^3 x the parameters, so K^4 x the FLOPs (and the CPU time) of this run."""
-    effect = claim.get("paper_delta") or abs(diff)
+    effect = claim.get("paper_delta")
+    if not effect or effect >= noise:   # the paper's effect would already show here: ours is smaller, size for ours
+        effect = abs(diff)
     if not effect:
         return ""
     k = 1
