@@ -85,6 +85,8 @@ def test_mqar_resumes_finished_runs_and_refuses_another_protocol(tmp_path, capsy
     out = tmp_path / "mq"
     assert cli(["mqar", "--quick", "--out", str(out)]) == 0
     first = json.loads((out / "mqar.json").read_text())["meta"]["trials"]
+    assert json.loads((out / "mqar.json").read_text())["meta"]["settings"]["schedule"].startswith(
+        "linear warmup over 1 steps")                                   # the page states the warmup it ran
     import hybridlm.eval.mqar as ev
 
     def fail(*a, **k):

@@ -356,7 +356,7 @@ def main(args) -> int:
                 "train_examples": args.train_examples, "test_examples": args.test_examples,
                 "eval_every": args.eval_every, "target": args.target, "weight_decay": args.weight_decay,
                 "seeds": args.seeds, "power_a": 0.01, "optimizer": "AdamW (0.9, 0.95), decay on matrices only",
-                "schedule": "linear warmup over `warmup` steps, cosine to 0 over --steps; early stop at --target",
+                "schedule": f"linear warmup over {warmup} steps, cosine to 0 over --steps; early stop at --target",
                 "mlp": "each token mixer X is followed by the gated MLP M: (XM)*layers"}
     done = read_done(args.out, settings)
     meta = dict(machine_meta(threads=1 if args.jobs > 1 else None), device=device, jobs=args.jobs, settings=settings)
