@@ -134,7 +134,7 @@ def test_warmup_sets_the_schedule(monkeypatch):
     """--warmup / warmup= replaces the default (2% of the budget, at most 200 steps) and is checked."""
     import hybridlm.eval.mqar as ev
     from hybridlm.commands.mqar import build_config
-    assert [ev.default_warmup(s) for s in (6, 4000, 8000, 20000)] == [1, 80, 160, 200]
+    assert [ev.warmup_steps(s) for s in (6, 4000, 8000, 20000)] == [1, 80, 160, 200]
     lrs = []
     real = ev.lr_at
     monkeypatch.setattr(ev, "lr_at", lambda step, **k: lrs.append((step, k["warmup"])) or real(step, **k))
@@ -142,7 +142,7 @@ def test_warmup_sets_the_schedule(monkeypatch):
     cfg = build_config("(AM)*1", {}, d_model=16, seq_len=32, vocab_size=64, layers=1)
     ev.train_mqar(cfg, task, steps=4, batch_size=8, lr=1e-3, eval_every=5, warmup=3, target=1.01, progress=False)
     assert sorted(set(lrs)) == [(0, 3), (1, 3), (2, 3), (3, 3)]     # (once per param group)
-    with pytest.raises(ValueError, match="warmup must be in"):
+    with pytest.raises(InputError, match=r"warmup must be in \[0, steps\): got 4 warmup steps for 4 steps"):
         ev.train_mqar(cfg, task, steps=4, batch_size=8, lr=1e-3, warmup=4, progress=False)
 
 
@@ -203,7 +203,7 @@ def test_lr_sweep_skips_smaller_lrs_after_a_rising_run(tmp_path, monkeypatch):
     (["--layouts", "x=bogus"], "neither a preset nor a layout"),
     (["--layouts", "x=A:no_such_field=1"], "no_such_field"),
     (["--pairs-div", "2"], "too short for 16 key-value pairs"),
-    (["--warmup", "6"], "--warmup must be in [0, --steps)"),
+    (["--warmup", "6"], "warmup must be in [0, steps): got 6 warmup steps for 6 steps"),
 ])
 def test_mqar_bad_input(tmp_path, capsys, argv, needle):
     assert cli(["mqar", "--quick", *argv, "--out", str(tmp_path)]) == 2

@@ -163,8 +163,7 @@ def _run_point(job: dict) -> list[dict]:
         prev = job["done"].get(_trial_key(base))
         if prev is None:
             res = train_mqar(cfg, task, steps=job["steps"], warmup=job["warmup"], batch_size=job["batch_size"], lr=lr,
-                             seed=job["seed"],
-                             weight_decay=job["weight_decay"], eval_every=job["eval_every"], target=job["target"],
+                             seed=job["seed"], weight_decay=job["weight_decay"], eval_every=job["eval_every"], target=job["target"],
                              device=job["device"], progress=job["progress"], desc=f"{job['desc']} lr={lr:g}")
             prev = dict(base, accuracy=res["accuracy"], params=res["params"], state_bytes=state, steps=res["steps"],
                         stopped_early=res["stopped_early"], rising=still_rising(res["curve"], job["steps"]),
@@ -248,9 +247,9 @@ def _read_json(out_dir: str) -> dict | None:
 
 
 def _protocol_diff(old: dict, new: dict) -> list[str]:
-    from ..eval.mqar import default_warmup
-    old, new = ({"warmup": default_warmup(s["steps"]), **s} if "steps" in s else s for s in (old, new))
-    # (settings written before --warmup had the default schedule only)
+    from ..eval.mqar import warmup_steps
+    # settings written before --warmup had the default warmup only
+    old, new = ({"warmup": warmup_steps(s["steps"]), **s} if "steps" in s else s for s in (old, new))
     return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in PROTOCOL_KEYS if old.get(k) != new.get(k)]
 
 
@@ -329,7 +328,7 @@ def main(args) -> int:
     import torch
     from ..data.mqar import check_sizes
     from ..errors import InputError
-    from ..eval.mqar import MQARTask, default_warmup
+    from ..eval.mqar import MQARTask, warmup_steps
     if args.quick:
         args.layouts = "attention=A,mamba2=S:ssd_d_state=16" if args.layouts == DEFAULT_LAYOUTS else args.layouts
         args.d_models, args.seq_lens, args.vocab_size = [16], [32], 64
@@ -343,9 +342,7 @@ def main(args) -> int:
             raise InputError(f"{flag} must be >= 1, got {v}")
     if min(args.d_models) < 1 or min(args.seq_lens) < 1 or min(args.lr) <= 0:
         raise InputError("--d-models and --seq-lens must be >= 1 and --lr > 0")
-    warmup = default_warmup(args.steps) if args.warmup is None else args.warmup
-    if not 0 <= warmup < args.steps:
-        raise InputError(f"--warmup must be in [0, --steps), got {warmup} with --steps {args.steps}")
+    warmup = warmup_steps(args.steps, args.warmup)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     div = args.pairs_div or (4 if args.hard else 16)
     curriculum = args.hard if args.curriculum is None else args.curriculum

@@ -46,7 +46,8 @@ def _at(row: dict, at) -> tuple[float, float | None]:
 def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float) -> str:
     """The `--scale K` run that would resolve a claim, assuming the seed spread falls as 1/sqrt(tokens): tokens
     must grow by (noise / effect)^2, where the effect is the paper's (`paper_delta`, nats) or ours (without one, or
-    when the paper's exceeds the noise already); --scale K gives K x the tokens and K^3 x the parameters, so K^4 x the FLOPs (and the CPU time) of this run."""
+    when the paper's exceeds the noise already); --scale K gives K x the tokens and K^3 x the parameters, so K^4 x
+    the FLOPs (and the CPU time) of this run."""
     effect = claim.get("paper_delta")
     if not effect or effect >= noise:   # the paper's effect would already show here: ours is smaller, size for ours
         effect = abs(diff)
@@ -266,8 +267,8 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
               f"{st['target']}), lrs {st['lr']} tried in order (the rest skipped once one reaches the target, and smaller "
               f"ones after a run still rising when its budget ends, since they learn slower), seeds "
               f"{sorted({t['seed'] for t in trials if 'seed' in t}) or st['seeds']}. Accuracy is the mean over seeds "
-              f"of each seed's best lr; `steps` is the first seed's steps to stop. {len(trials)} runs, {sum(t.get('wall_s', 0) for t in trials) / 3600:.1f} CPU-hours "
-              "(one thread each).", ""]
+              f"of each seed's best lr; `steps` is the first seed's steps to stop. {len(trials)} runs, "
+              f"{sum(t.get('wall_s', 0) for t in trials) / 3600:.1f} CPU-hours (one thread each).", ""]
     pending = pending_rows(mq)
     for T in sorted({r["seq_len"] for r in mq["rows"]}):
         rows = [r for r in mq["rows"] if r["seq_len"] == T]

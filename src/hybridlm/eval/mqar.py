@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from ..data.mqar import IGNORE, check_sizes, curriculum, mqar
+from ..errors import InputError
 from ..models import CausalLM, ModelConfig
 from ..optim import lr_at, make_optimizer
 
@@ -59,16 +60,21 @@ def accuracy(model: CausalLM, inputs: Tensor, labels: Tensor, batch_size: int = 
     return correct / max(total, 1)
 
 
-def default_warmup(steps: int) -> int:
-    """The protocol's warmup: 2% of the budget, at most 200 steps."""
-    return min(200, max(1, steps // 50))
+def warmup_steps(steps: int, warmup: int | None = None) -> int:
+    """The lr warmup of a `steps` budget: `warmup`, or by default 2% of the budget, at most 200 steps. One clear
+    error for a warmup no schedule can have (also used by the sweep before it trains anything)."""
+    if warmup is None:
+        return min(200, max(1, steps // 50))
+    if not 0 <= warmup < steps:
+        raise InputError(f"MQAR warmup must be in [0, steps): got {warmup} warmup steps for {steps} steps")
+    return warmup
 
 
 def train_mqar(cfg: ModelConfig, task: MQARTask, *, steps: int, batch_size: int, lr: float, seed: int = 0,
                weight_decay: float = 0.1, grad_clip: float = 1.0, eval_every: int = 250, target: float = 0.99,
                warmup: int | None = None, device: str = "cpu", progress: bool = True, desc: str = "mqar") -> dict:
     """Train a fresh `CausalLM(cfg)` for at most `steps` optimizer steps (linear warmup over `warmup` steps,
-    default `default_warmup(steps)`, then cosine to 0 over `steps`; split
+    default `warmup_steps(steps)`, then cosine to 0 over `steps`; split
     evenly over the curriculum stages), stopping once held-out accuracy >= `target` (checked every `eval_every`
     steps of the last stage; `target` > 1 never stops). Returns {accuracy, loss, params, steps (taken),
     stopped_early, curve [[step, accuracy], ...], wall_s}."""
@@ -83,9 +89,7 @@ def train_mqar(cfg: ModelConfig, task: MQARTask, *, steps: int, batch_size: int,
                 power_a=task.power_a, hard=task.hard)
     g = torch.Generator().manual_seed(seed)
     bounds = [round(steps * (i + 1) / len(stages)) for i in range(len(stages))]  # last step of each stage
-    warmup = default_warmup(steps) if warmup is None else warmup
-    if not 0 <= warmup < steps:
-        raise ValueError(f"warmup must be in [0, steps), got {warmup} for {steps} steps")
+    warmup = warmup_steps(steps, warmup)
     losses: list[float] = []
     curve: list[list] = []
     acc = None
