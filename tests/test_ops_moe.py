@@ -202,6 +202,16 @@ def test_routed_experts_matches_ref(k):
         torch.testing.assert_close(a, b)
 
 
+def test_routed_experts_under_bf16_autocast():
+    """float32 tokens and weights, bf16 autocast (mixed-precision training): bf16 out, the reference's values."""
+    x, w_gate, w_up, w_down, w_router = (t.float() for t in _routed_inputs(k=2))
+    weights, ids, _ = route_topk(x @ w_router, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = routed_experts(x, w_gate, w_up, w_down, ids, weights)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), routed_experts_ref(x, w_gate, w_up, w_down, ids, weights), atol=0.1, rtol=0.05)
+
+
 def test_routed_experts_unbalanced_and_unused_experts():
     x, w_gate, w_up, w_down, _ = _routed_inputs(N=9, E=6, k=2)
     ids = torch.tensor([[0, 3]] * 7 + [[3, 4]] * 2)  # experts 1, 2, 5 unused; expert 3 gets 9

@@ -29,7 +29,8 @@ def _measure(fn: Callable[[], tuple], grads: tuple, repeats: int) -> dict:
         with torch.no_grad():
             fn()
     try:
-        t = ms.clock({"fwd_ms": fwd, "fwd_bwd_ms": lambda: fn()[0].backward(grads[0])}, repeats, warmup=3)
+        t = ms.clock({"fwd_ms": fwd, "fwd_bwd_ms": lambda: fn()[0].backward(grads[0])}, repeats,
+                     warmup=min(3, repeats))
         return {k: 1e3 * ms.median(v) for k, v in t.items()}
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
@@ -52,17 +53,39 @@ def _leaves(*ts):
     return [t.detach().requires_grad_() for t in ts]
 
 
-def bench_ssd(b: int, T: int, repeats: int, log=print) -> dict:
+def _fla(name: str):
+    """flash-linear-attention's op `name` (fla.ops), or None when fla is not installed."""
+    try:
+        import fla.ops
+    except ImportError:
+        return None
+    return getattr(fla.ops, name)
+
+
+def _theirs(row: dict, ref: str, fn, grads: tuple, repeats: int, ours_out: torch.Tensor) -> None:
+    """Time the reference package's op `fn` (None: not installed) into row[ref], with its output's largest
+    difference from ours on the same inputs, and the ours / reference ratio."""
+    if fn is None:
+        row[ref] = {"error": "not installed"}
+    else:
+        row[ref] = _measure(fn, grads, repeats)
+        row[ref]["max_abs_diff"] = (fn()[0].detach().float() - ours_out.float()).abs().max().item()
+    _ratio(row, ref)
+
+
+def bench_ssd(b: int, T: int, repeats: int, log=print, heads: dict = SSD_HEADS, device="cuda") -> dict:
+    """Our Triton SSD against our PyTorch chunked SSD, mamba_ssm's `mamba_chunk_scan_combined` and FLA's
+    `chunk_simple_gla` (SSD is scalar-decay GLA: q = C, k = B, v = dt·x, g = dt·A) when installed."""
     from ..ops.ssd import ssd_chunked
     from ..ops.triton import ssd_chunked_triton
-    h, p, n, g = SSD_HEADS["h"], SSD_HEADS["p"], SSD_HEADS["n"], SSD_HEADS["g"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(b, T, h, p, device="cuda", generator=gen, dtype=torch.bfloat16)
-    dt = F.softplus(torch.randn(b, T, h, device="cuda", generator=gen) - 2)
-    A = -torch.rand(h, device="cuda", generator=gen) * 4 - 0.5
-    B, C = (torch.randn(b, T, g, n, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    h, p, n, g = heads["h"], heads["p"], heads["n"], heads["g"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(b, T, h, p, device=device, generator=gen, dtype=torch.bfloat16)
+    dt = F.softplus(torch.randn(b, T, h, device=device, generator=gen) - 2)
+    A = -torch.rand(h, device=device, generator=gen) * 4 - 0.5
+    B, C = (torch.randn(b, T, g, n, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
     gy = torch.randn_like(x)
-    row = {"op": "ssd", "batch": b, "seq_len": T, **SSD_HEADS, "dtype": "bf16"}
+    row = {"op": "ssd", "batch": b, "seq_len": T, **heads, "dtype": "bf16"}
     x_, dt_, A_, B_, C_ = _leaves(x, dt, A, B, C)
     ours = lambda: ssd_chunked_triton(x_, dt_, A_, B_, C_, chunk_size=64)
     row["ours"] = _measure(ours, (gy,), repeats)
@@ -71,61 +94,87 @@ def bench_ssd(b: int, T: int, repeats: int, log=print) -> dict:
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except ImportError:
-        row["mamba_ssm"] = {"error": "not installed"}
+        row["mamba_ssm"] = {"error": "not installed (a compiled CUDA package: it cannot travel as a pure wheel)"}
     else:
-        theirs = lambda: (mamba_chunk_scan_combined(x_, dt_, A_, B_, C_, chunk_size=256),)
-        row["mamba_ssm"] = _measure(theirs, (gy,), repeats)
-        row["mamba_ssm"]["max_abs_diff_y"] = (theirs()[0].detach().float() - y_ours.float()).abs().max().item()
-    _ratio(row, "mamba_ssm")
+        _theirs(row, "mamba_ssm", lambda: (mamba_chunk_scan_combined(x_, dt_, A_, B_, C_, chunk_size=256),), (gy,),
+                repeats, y_ours)
+    simple_gla = _fla("chunk_simple_gla")
+
+    def fla_ssd():
+        rep = lambda t: t.repeat_interleave(h // g, dim=2)
+        o, s = simple_gla(rep(C_), rep(B_), x_ * dt_[..., None].to(x_.dtype), g=dt_ * A_, scale=1.0,
+                          output_final_state=True)
+        return o, s
+    _theirs(row, "fla", simple_gla and fla_ssd, (gy,), repeats, y_ours)
     log(format_row(row))
     return row
 
 
-def bench_gla(b: int, T: int, repeats: int, log=print) -> dict:
+def bench_gla(b: int, T: int, repeats: int, log=print, heads: dict = GLA_HEADS, device="cuda") -> dict:
+    """Our Triton GLA (Rodimus' recurrence) against our PyTorch chunked GLA and FLA's `chunk_gla`."""
     from ..ops.gla import gla_chunked
     from ..ops.triton import gla_chunked_triton
-    h, k, v = GLA_HEADS["h"], GLA_HEADS["k"], GLA_HEADS["v"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, kk = (torch.randn(b, T, h, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    vv = torch.randn(b, T, h, v, device="cuda", generator=gen, dtype=torch.bfloat16)
-    w = F.logsigmoid(torch.randn(b, T, h, k, device="cuda", generator=gen)) / 16     # as FLA's GLA tests
+    h, k, v = heads["h"], heads["k"], heads["v"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, kk = (torch.randn(b, T, h, k, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    vv = torch.randn(b, T, h, v, device=device, generator=gen, dtype=torch.bfloat16)
+    w = F.logsigmoid(torch.randn(b, T, h, k, device=device, generator=gen)) / 16     # as FLA's GLA tests
     go = torch.randn_like(vv)
-    row = {"op": "gla", "batch": b, "seq_len": T, **GLA_HEADS, "dtype": "bf16"}
+    row = {"op": "gla", "batch": b, "seq_len": T, **heads, "dtype": "bf16"}
     q_, k_, v_, w_ = _leaves(q, kk, vv, w)
     ours = lambda: gla_chunked_triton(q_, k_, v_, w_, chunk_size=64)
     row["ours"] = _measure(ours, (go,), repeats)
     o_ours = ours()[0].detach()
     row["pytorch"] = _measure(_pytorch(gla_chunked, q_, k_, v_, w_, chunk_size=64), (go,), max(2, repeats // 4))
-    try:
-        from fla.ops.gla import chunk_gla
-    except ImportError:
-        row["fla"] = {"error": "not installed"}
-    else:
-        theirs = lambda: chunk_gla(q_, k_, v_, w_, scale=k ** -0.5, output_final_state=True)
-        row["fla"] = _measure(theirs, (go,), repeats)
-        row["fla"]["max_abs_diff_o"] = (theirs()[0].detach().float() - o_ours.float()).abs().max().item()
-    _ratio(row, "fla")
+    chunk_gla = _fla("chunk_gla")
+    _theirs(row, "fla", chunk_gla and (lambda: chunk_gla(q_, k_, v_, w_, scale=k ** -0.5, output_final_state=True)),
+            (go,), repeats, o_ours)
     log(format_row(row))
     return row
 
 
-def bench_cdmoe(b: int, T: int, repeats: int, log=print) -> dict:
+def bench_delta(b: int, T: int, repeats: int, log=print, heads: dict = GLA_HEADS, device="cuda") -> dict:
+    """The gated delta rule (Gated DeltaNet; KDA with a per-channel gate): hybridlm has no Triton kernel for it,
+    so "ours" is the chunked WY form in PyTorch, against FLA's `chunk_gated_delta_rule` when installed."""
+    from ..ops.delta_rule import delta_rule_chunked
+    h, k, v = heads["h"], heads["k"], heads["v"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, T, h, k, device=device, generator=gen, dtype=torch.bfloat16)
+    kk = F.normalize(torch.randn(b, T, h, k, device=device, generator=gen), dim=-1).to(torch.bfloat16)
+    vv = torch.randn(b, T, h, v, device=device, generator=gen, dtype=torch.bfloat16)
+    beta = torch.rand(b, T, h, device=device, generator=gen, dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(b, T, h, device=device, generator=gen)) / 16
+    go = torch.randn_like(vv)
+    row = {"op": "delta", "batch": b, "seq_len": T, **heads, "dtype": "bf16", "note": "ours = PyTorch chunked form"}
+    q_, k_, v_, beta_, g_ = _leaves(q, kk, vv, beta, g)
+    ours = lambda: delta_rule_chunked(q_, k_, v_, beta_, g_, chunk_size=64)
+    row["ours"] = _measure(ours, (go,), repeats)
+    o_ours = ours()[0].detach()
+    row["pytorch"] = row["ours"]
+    gdr = _fla("chunk_gated_delta_rule")
+    _theirs(row, "fla", gdr and (lambda: gdr(q_, k_, v_, g_, beta_, scale=k ** -0.5, output_final_state=True)),
+            (go,), repeats, o_ours)
+    log(format_row(row))
+    return row
+
+
+def bench_cdmoe(b: int, T: int, repeats: int, log=print, sizes: dict = CDMOE, device="cuda") -> dict:
     """Tokens/s of the experts' forward+backward (ids given: product-key retrieval not included) against a
     gated MLP whose 3·d·f weights equal the 2·k·d active expert weights (f = 2k/3)."""
     from ..ops.moe import expert_neurons
     from ..ops.triton import expert_neurons_triton
-    d, E, k = CDMOE["d_model"], CDMOE["experts"], CDMOE["k"]
+    d, E, k = sizes["d_model"], sizes["experts"], sizes["k"]
     N = b * T
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16)
     x = torch.randn(N, d, generator=gen, **bf)
     down, up = torch.randn(E, d, generator=gen, **bf) * d ** -0.5, torch.randn(E, d, generator=gen, **bf)
-    ids = torch.randint(0, E, (N, k), device="cuda", generator=gen)
+    ids = torch.randint(0, E, (N, k), device=device, generator=gen)
     gates = torch.rand(N, k, generator=gen, **bf)
     f = round(2 * k / 3)
     w_gu, w_d = torch.randn(d, 2 * f, generator=gen, **bf) * d ** -0.5, torch.randn(f, d, generator=gen, **bf)
     gy = torch.randn_like(x)
-    row = {"op": "cdmoe", "batch": b, "seq_len": T, **CDMOE, "mlp_hidden": f, "dtype": "bf16"}
+    row = {"op": "cdmoe", "batch": b, "seq_len": T, **sizes, "mlp_hidden": f, "dtype": "bf16"}
     x_, down_, up_, gates_, w_gu_, w_d_ = _leaves(x, down, up, gates, w_gu, w_d)
     row["ours"] = _measure(lambda: (expert_neurons_triton(x_, down_, up_, ids, gates_),), (gy,), repeats)
     row["pytorch"] = _measure(_pytorch(expert_neurons, x_, down_, up_, ids, gates_), (gy,), max(2, repeats // 4))
@@ -142,14 +191,17 @@ def bench_cdmoe(b: int, T: int, repeats: int, log=print) -> dict:
 
 
 def _ratio(row: dict, ref: str) -> None:
-    """ours / reference forward+backward time (the issue's target: <= 1.2), None when either is missing."""
+    """ours / reference forward+backward time (the issue's target: <= 1.2), None when either is missing; the row's
+    own "ratio_fwd_bwd" is the first reference measured."""
     a, b = row["ours"].get("fwd_bwd_ms"), row[ref].get("fwd_bwd_ms")
-    row["ratio_fwd_bwd"] = a / b if a and b else None
+    row[ref]["ours_over_this"] = a / b if a and b else None
+    if row.get("ratio_fwd_bwd") is None:
+        row["ratio_fwd_bwd"], row["ratio_ref"] = row[ref]["ours_over_this"], ref
 
 
 def format_row(r: dict) -> str:
     """One table line: ours, the reference package and our PyTorch ops, forward and forward+backward ms."""
-    ref = "mamba_ssm" if r["op"] == "ssd" else "fla"
+    ref = r.get("ratio_ref") or ("fla" if "fla" in r else "mamba_ssm")
 
     def cell(m: dict, key: str) -> str:
         return f"{m[key]:9.2f}" if key in m else f"{m.get('error', '-')[:9]:>9s}"
@@ -177,6 +229,7 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
     for b, T in shapes:
         rows.append(bench_ssd(b, T, repeats, log))
         rows.append(bench_gla(b, T, repeats, log))
+        rows.append(bench_delta(b, T, repeats, log))
         rows.append(bench_cdmoe(b, T, repeats, log))
     return {"rows": rows, "device": torch.cuda.get_device_name(), "shapes": shapes,
-            "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "cdmoe": CDMOE}, "torch": torch.__version__}
+            "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "delta": GLA_HEADS, "cdmoe": CDMOE}, "torch": torch.__version__}

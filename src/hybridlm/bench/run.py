@@ -8,6 +8,7 @@ Results go to stdout as a table and to a JSON file, with PNG plots next to it.
     hybridlm bench --presets mamba2 --vocab-size 32768 --shapes 1x16384 --memory   # training-step peak memory
     hybridlm bench --presets mamba2,rodimus --params 125M --layers 24 --shapes 8x2048 --device cuda --dtype bfloat16
     hybridlm bench --kernels                    # our Triton SSD / GLA kernels vs mamba_ssm / FLA (CUDA)
+    hybridlm bench --suite gpu [--dry-run]      # every GPU claim in one run (bench/gpu.py; scripts/gpu-check.sh)
 """
 import argparse
 import os
@@ -94,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--suite", choices=sorted(SUITES), default=None, metavar="NAME",
                    help="run a named suite instead (--quick applies): "
                         + "; ".join(f"{n}: {what}" for n, (_, what) in SUITES.items()))
+    p.add_argument("--dry-run", action="store_true",
+                   help="--suite gpu: run every part on the CPU at tiny sizes under Triton's interpreter (~1 minute)")
+    p.add_argument("--parts", default=None, metavar="PART,...",
+                   help="--suite gpu: only these parts (correctness, kernels, training, decode, memory, steps)")
 
 
 def _settings(args) -> dict:
@@ -209,6 +214,14 @@ def main(args) -> int:
         write_results(args.out, {"mode": "kernels", **run_kernels(args.shapes, repeats=args.repeats or 10,
                                                                   quick=args.quick)}, _meta(args))
         return 0
+    if args.suite == "gpu":
+        from .gpu import run_gpu_check, to_markdown, write
+        out = os.path.join("runs", "gpu", "gpu-check.json") if args.out == DEFAULT_OUT else args.out
+        parts = [x.strip() for x in args.parts.split(",") if x.strip()] if args.parts else None
+        res = run_gpu_check(dry_run=args.dry_run or args.quick, parts=parts, write=lambda r: write(r, out))
+        print("\n" + to_markdown(res))
+        print(f"results: {out} and {os.path.splitext(out)[0]}.md")
+        return 1 if (res.get("correctness") or {}).get("failed") else 0
     if args.suite:
         write_results(args.out, {"suite": args.suite, **SUITES[args.suite][0](quick=args.quick)}, _meta(args))
         return 0

@@ -405,4 +405,5 @@ SUITES = {
     "decode": (decode_suite, "decode ms/token, growing vs static step vs CUDA graph"),
     "hf": (hf_suite, "transformers generate() through HybridLMForCausalLM vs ours"),
     "twins": (twins_suite, "every public-hybrid preset vs its transformers twin, training"),
+    "gpu": (None, "the GPU check: correctness, kernels vs FLA, training MFU, decode, memory (--dry-run: on CPU)"),
 }

@@ -417,12 +417,15 @@ class CausalLM(nn.Module):
         pos.add_(1)
         return logits
 
-    def static_decode_step(self, compile: bool = False):
+    def static_decode_step(self, compile: bool = False, graph: bool = False):
         """A decode function step(ids [B, 1], cache) -> logits [B, V] over fixed shapes (`_static_decode_step`).
-        `compile`: torch.compile it, with CUDA graphs (mode "reduce-overhead") on CUDA. The first call switches
-        the cache to static decoding (`InferenceCache.make_static`)."""
+        `compile`: torch.compile it, with CUDA graphs (mode "reduce-overhead") on CUDA. `graph` (CUDA): capture the
+        eager step once as a CUDA graph (`_graphed`) and replay it: one launch per token, no compile time. The first
+        call switches the cache to static decoding (`InferenceCache.make_static`)."""
         fn = partial(CausalLM._static_decode_step, self)
         cuda = self.embed.weight.device.type == "cuda"
+        if graph and not cuda:
+            raise ConfigError("graph=True captures a CUDA graph: the model must be on a CUDA device")
         if compile:
             if not cuda and cxx_compiler() is None:
                 raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile generates C++ "
@@ -432,17 +435,50 @@ class CausalLM(nn.Module):
                 _COMPILED[key] = torch.compile(CausalLM._static_decode_step, dynamic=False,
                                                mode="reduce-overhead" if cuda else None)
             fn = partial(_COMPILED[key], self)
+        graphs = {}
 
         def step(ids: Tensor, cache: InferenceCache) -> Tensor:
             if cache.static_pos is None:
                 cache.make_static()
             if cache.seen >= cache.max_tokens:
                 raise InputError(f"the cache is full: max_tokens {cache.max_tokens}")
-            logits = fn(ids, cache)
+            if graph:
+                if id(cache) not in graphs:
+                    graphs.clear()      # one captured cache at a time: a graph holds its cache's buffers
+                    graphs[id(cache)] = self._graphed(fn, ids, cache)
+                logits = graphs[id(cache)](ids)
+            else:
+                logits = fn(ids, cache)
             cache.advance()
             # a CUDA graph's output buffer is overwritten by its next replay
-            return logits.clone() if compile and cuda else logits
+            return logits.clone() if (compile or graph) and cuda else logits
         return step
+
+    @staticmethod
+    def _graphed(fn, ids: Tensor, cache: InferenceCache):
+        """fn(ids, cache) captured as a CUDA graph over a static ids buffer -> replay(ids) -> logits buffer.
+        Capture needs warm-up runs on a side stream, which write into the cache: its static tensors are saved
+        before and restored after, so capturing leaves the cache as it found it."""
+        saved = [t.clone() for t in cache._static_tensors()]
+        ids_buf = ids.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):
+                fn(ids_buf, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g), torch.inference_mode():
+            out = fn(ids_buf, cache)
+        with torch.inference_mode():
+            for t, v in zip(cache._static_tensors(), saved):
+                t.copy_(v)
+
+        def replay(x: Tensor) -> Tensor:
+            ids_buf.copy_(x)
+            g.replay()
+            return out
+        return replay
 
     def _aux_loss(self) -> Tensor | None:
         """Sum of auxiliary losses that mixers left in `.aux_loss` during this forward."""

@@ -353,7 +353,9 @@ def routed_experts(
     h = _expert_hidden(torch.bmm(buf, w_up), None if w_gate is None else torch.bmm(buf, w_gate), act)  # [E, C, f]
     out = torch.bmm(h, w_down).view(E * C, d)  # [E*C, d]
     y_pairs = out.index_select(0, slot) * weights.reshape(-1)[order, None].to(out.dtype)  # [P, d]
-    return x.new_zeros(N, d).index_add(0, tok, y_pairs)
+    # summed in float32 and returned in the experts' dtype (bf16 under autocast, as a linear layer's output)
+    acc = torch.promote_types(out.dtype, torch.float32)
+    return y_pairs.new_zeros(N, d, dtype=acc).index_add(0, tok, y_pairs.to(acc)).to(out.dtype)
 
 
 def routed_experts_ref(

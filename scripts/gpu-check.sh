@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU check from the source tree, on a bare GPU machine: no install, the machine's own torch and triton
+# (hybridlm's pure-Python needs: safetensors, tokenizers, tqdm, einops, numpy, matplotlib). It measures every GPU
+# claim of hybridlm in one run (~7 minutes on an H100) and writes a JSON and a markdown table:
+#
+#     bash scripts/gpu-check.sh                              # -> runs/gpu/gpu-check.json and .md
+#     bash scripts/gpu-check.sh --out /tmp/gpu.json --parts kernels,decode
+#     bash scripts/gpu-check.sh --dry-run                    # CPU, tiny sizes, Triton's interpreter (~1-2 minutes)
+#
+# flash-linear-attention (`pip install fla-core`, pure Python) is timed beside our kernels when it imports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$PY" -m hybridlm bench --suite gpu "$@"

@@ -1,0 +1,65 @@
+"""The GPU check (`hybridlm bench --suite gpu`, scripts/gpu-check.sh) as a CPU dry run: every part runs at tiny
+sizes under Triton's interpreter and leaves numbers, so the check cannot rot while no GPU is at hand."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from hybridlm.bench import gpu                                      # noqa: E402
+from hybridlm.errors import ConfigError                             # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "gpu-check.json"
+    res = gpu.run_gpu_check(dry_run=True, log=lambda *_: None, write=lambda r: gpu.write(r, str(out)))
+    return res, out
+
+
+def test_dry_run_measures_every_part(dry):
+    res, out = dry
+    on_disk = json.loads(out.read_text())
+    assert set(gpu.PARTS) <= set(on_disk) and on_disk["dry_run"] is True
+    c = res["correctness"]
+    assert c["failed"] == 0, [r for r in c["rows"] if not r["ok"]]
+    assert {r["check"] for r in c["rows"]} >= {"ssd triton", "gla triton", "cdmoe triton", "decode = forward",
+                                                "bf16 train step"}
+    assert all(_finite(r["max_rel_err"]) for r in c["rows"] if "max_rel_err" in r)
+    ops = {r["op"] for r in res["kernels"]["rows"] if _finite(r.get("ours", {}).get("fwd_bwd_ms"))}
+    assert "ssd" in ops and "gla" in ops
+    assert any(_finite(r.get("mfu")) for r in res["training"]["rows"])
+    assert {r["batch"] for r in res["decode"]["rows"] if _finite(r.get("ms_per_token"))} == {1, 4}
+    assert all(_finite(r.get("peak_bytes")) for r in res["memory"]["rows"])
+    assert any(_finite(r.get("ms_per_step")) for r in res["steps"]["rows"])
+    md = out.with_suffix(".md").read_text()
+    assert "### Correctness" in md and "### Decode" in md and "dry run" in md
+
+
+def test_budget_cuts_with_a_note():
+    b = gpu.Budget(0.0)
+    assert not b.fits("the big one", 1.0) and b.cut == ["the big one"]
+    res = gpu.run_gpu_check(dry_run=True, parts=["memory"], log=lambda *_: None)
+    assert res["memory"]["rows"] and res["memory"]["cut"] == []
+
+
+def test_unknown_part_is_one_clear_error():
+    with pytest.raises(ConfigError, match="unknown GPU-check part"):
+        gpu.run_gpu_check(dry_run=True, parts=["kernel"])
+
+
+def test_script_help_runs_from_the_source_tree():
+    """scripts/gpu-check.sh uses the tree's src/ and the `bench` command's flags."""
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu-check.sh"), "--help"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHON=sys.executable))
+    assert p.returncode == 0 and "--dry-run" in p.stdout and "--parts" in p.stdout
