@@ -21,6 +21,8 @@ rot while no GPU is at hand (tests/test_gpu_check.py). scripts/gpu-check.sh runs
     hybridlm bench --suite gpu --dry-run --out /tmp/gpu.json    # anywhere
     hybridlm bench --suite gpu --parts kernels,decode           # only some parts
 """
+import dataclasses
+import functools
 import gc
 import json
 import os
@@ -180,13 +182,18 @@ def kernel_checks(s: dict, device, budget: Budget, log) -> list[dict]:
     return rows
 
 
+@functools.cache
+def _config(name: str, layers: int, d_model, params, vocab_size: int):
+    """Sizing to a parameter count searches widths (seconds): once per preset and size for all parts."""
+    from .instrument import preset_config
+    return preset_config(name, layers=layers, d_model=d_model, params=params, vocab_size=vocab_size, max_seq_len=256)
+
+
 def _build(name: str, device, dtype=None, *, params=None, d_model=None, layers=2, vocab_size=256, max_seq_len=256,
            seed: int = 0):
     """Preset `name` at `layers` mixers, sized to `params` or width d_model, on device (weights in dtype)."""
     from ..models import CausalLM
-    from .instrument import preset_config
-    cfg = preset_config(name, layers=layers, d_model=d_model, params=params, vocab_size=vocab_size,
-                        max_seq_len=max_seq_len)
+    cfg = dataclasses.replace(_config(name, layers, d_model, params, vocab_size), max_seq_len=max_seq_len)
     torch.manual_seed(seed)
     return CausalLM(cfg).to(device=device, dtype=dtype or torch.float32)
 
