@@ -503,14 +503,19 @@ def targets(res: dict) -> list[dict]:
     return out
 
 
-def run_gpu_check(dry_run: bool = False, parts=None, log=print, write: Callable[[dict], None] | None = None) -> dict:
-    """Every part of `parts` (default all) in order, each under its budget; `write(res)` after each part."""
+def run_gpu_check(dry_run: bool = False, parts=None, log=print, write: Callable[[dict], None] | None = None,
+                  time_limit: float | None = None) -> dict:
+    """Every part of `parts` (default all) in order, each under its budget (scaled so that they add up to
+    `time_limit` seconds when given); `write(res)` after each part."""
     parts = list(parts or PARTS)
     bad = [p for p in parts if p not in PART_FNS]
     if bad:
         from ..errors import ConfigError
         raise ConfigError(f"unknown GPU-check part(s) {', '.join(bad)}: choose from {', '.join(PARTS)}")
-    s = DRY if dry_run else FULL
+    s = dict(DRY if dry_run else FULL)
+    if time_limit:
+        total = sum(s["budget_s"][p] for p in parts)
+        s["budget_s"] = {p: s["budget_s"][p] * time_limit / total for p in parts}
     cuda = torch.cuda.is_available() and not dry_run
     if not cuda and not dry_run:
         from ..errors import ConfigError
@@ -522,7 +527,7 @@ def run_gpu_check(dry_run: bool = False, parts=None, log=print, write: Callable[
     log(f"GPU check on {res['env'].get('gpu') or 'cpu (dry run, Triton interpreter)'}: {', '.join(parts)}")
     for part in parts:
         budget, t0 = Budget(s["budget_s"][part]), time.perf_counter()
-        log(f"[{part}] budget {s['budget_s'][part]} s")
+        log(f"[{part}] budget {s['budget_s'][part]:.0f} s")
         try:
             out = PART_FNS[part](s, device, budget, log)
         except Exception as e:                     # noqa: BLE001 - a part that breaks is reported, the run goes on

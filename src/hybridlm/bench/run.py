@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="--suite gpu: run every part on the CPU at tiny sizes under Triton's interpreter (~1 minute)")
     p.add_argument("--parts", default=None, metavar="PART,...",
                    help="--suite gpu: only these parts (correctness, kernels, training, decode, memory, steps)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="--suite gpu: scale the parts' time budgets to add up to this (default ~400 s on a GPU)")
 
 
 def _settings(args) -> dict:
@@ -218,7 +220,8 @@ def main(args) -> int:
         from .gpu import run_gpu_check, to_markdown, write
         out = os.path.join("runs", "gpu", "gpu-check.json") if args.out == DEFAULT_OUT else args.out
         parts = [x.strip() for x in args.parts.split(",") if x.strip()] if args.parts else None
-        res = run_gpu_check(dry_run=args.dry_run or args.quick, parts=parts, write=lambda r: write(r, out))
+        res = run_gpu_check(dry_run=args.dry_run or args.quick, parts=parts, write=lambda r: write(r, out),
+                            time_limit=args.time_limit)
         print("\n" + to_markdown(res))
         print(f"results: {out} and {os.path.splitext(out)[0]}.md")
         return 1 if (res.get("correctness") or {}).get("failed") else 0
