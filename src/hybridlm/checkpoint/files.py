@@ -264,9 +264,10 @@ def _copy_atomic(src: str, dst: str):
 
 def write_run_index(run_dir: str, step_dir: str):
     """Make `run_dir` a transformers directory of the step directory `step_dir`: its config.json, remote-code shim and
-    tokenizer files copied up, and model.safetensors.index.json mapping each stored tensor to `STEP/model.safetensors` (transformers
-    reads an index's file names relative to the directory). A step saved as DCP shards only has no such file: the
-    index is removed until `consolidate` writes one, rather than left naming an older step."""
+    tokenizer files copied up, and model.safetensors.index.json mapping each stored tensor to
+    `STEP/model.safetensors` (transformers reads an index's file names relative to the directory). A step saved as
+    DCP shards only has no such file: the index is removed until `consolidate` writes one, rather than left naming
+    an older step."""
     from ..data.tokenizer import BPE_FILE
     from ..data.tokenizer import CONFIG_FILE as TOK_FILE
     name, weights = os.path.basename(os.path.normpath(step_dir)), os.path.join(step_dir, MODEL_FILE)

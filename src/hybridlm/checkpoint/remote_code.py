@@ -14,8 +14,8 @@ import os
 SHIM_FILE = "modeling_hybridlm.py"
 AUTO_MAP = {"AutoConfig": "modeling_hybridlm.HybridLMConfig",
             "AutoModelForCausalLM": "modeling_hybridlm.HybridLMForCausalLM"}
-SHIM = '''"""hybridlm's model for transformers' Auto classes (trust_remote_code=True). The code is the installed hybridlm
-package (pip install hybridlm), imported here: this directory holds none of it."""
+SHIM = '''"""hybridlm's model for transformers' Auto classes (trust_remote_code=True). The code is the installed
+hybridlm package (pip install hybridlm), imported here: this directory holds none of it."""
 from hybridlm.hf.modeling import HybridLMConfig, HybridLMForCausalLM  # noqa: F401
 '''
 

@@ -1,6 +1,8 @@
 """hybridlm models as transformers models: `AutoModelForCausalLM`, `generate()`, `pipeline`, `save_pretrained`.
 
     import hybridlm                                  # registers model_type "hybridlm" once transformers is imported
+    # (or, in a program that never imports hybridlm: from_pretrained(d, trust_remote_code=True), through the shim that
+    #  save_pretrained and every checkpoint write beside config.json: checkpoint/remote_code.py)
     model = HybridLMForCausalLM.from_model(causal_lm)                 # wraps it: same parameters, no copy
     model.save_pretrained(d); AutoModelForCausalLM.from_pretrained(d).generate(ids, num_beams=3)
 
