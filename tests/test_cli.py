@@ -44,8 +44,9 @@ def run(tmp_path_factory):
 def test_train_writes_checkpoint_and_metrics(run):
     ckpt = run["out"] / "step-000004"
     assert open(run["out"] / "latest").read().strip() == "step-000004" and os.path.isdir(run["out"] / "step-000002")
-    assert sorted(os.listdir(ckpt)) == ["config.json", "manifest.json", "model.safetensors", "optimizer.safetensors",
-                                        "tokenizer.json", "tokenizer_config.json", "trainer_state.json"]
+    assert sorted(os.listdir(ckpt)) == ["config.json", "manifest.json", "model.safetensors", "modeling_hybridlm.py",
+                                        "optimizer.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                        "trainer_state.json"]
     rows = [json.loads(line) for line in open(run["out"] / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["val_ppl"] > 1
     cfg = json.load(open(ckpt / "config.json"))

@@ -191,8 +191,8 @@ def test_keep_prunes_old_steps_and_latest_follows(tmp_path):
     model = tiny_model()
     for step in (2, 4, 6, 8):
         save_step_checkpoint(str(tmp_path), step, model, None, {}, keep=2)
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "latest", "model.safetensors.index.json", "step-000006",
-                                            "step-000008"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "latest", "model.safetensors.index.json",
+                                            "modeling_hybridlm.py", "step-000006", "step-000008"]
     assert load_checkpoint(str(tmp_path))[1]["step"] == 8
     index = json.load(open(tmp_path / "model.safetensors.index.json"))        # transformers' view of the run
     assert set(index["weight_map"].values()) == {"step-000008/model.safetensors"}

@@ -4,14 +4,16 @@
         model.safetensors       weights; a tied weight is stored once, its other names in the metadata
         optimizer.safetensors   AdamW state tensors as "<param index>.<name>"; param groups + scalars as JSON
         config.json             transformers' config (model_type "hybridlm"): the ModelConfig under "hybridlm"
+        modeling_hybridlm.py    the remote-code shim config.json's auto_map names (remote_code.py)
         trainer_state.json      step, tokens seen, RNG states, train config, tokenizer spec, data position
         tokenizer_config.json   (+ tokenizer.json for BPE)
         manifest.json           sha256 and size of every file above
     RUN/latest                  the name of the newest complete step directory (replaced atomically)
-    RUN/config.json, RUN/model.safetensors.index.json, RUN/tokenizer*.json
+    RUN/config.json, RUN/model.safetensors.index.json, RUN/tokenizer*.json, RUN/modeling_hybridlm.py
                                 the latest step as a transformers directory: the index maps every tensor to
                                 `step-NNNNNN/model.safetensors`, so `AutoModelForCausalLM.from_pretrained(RUN)` and
-                                `pipeline(..., model=RUN)` open the run itself (after `import hybridlm`)
+                                `pipeline(..., model=RUN)` open the run itself (after `import hybridlm`, or with
+                                `trust_remote_code=True` in any process)
 
 A directory is first written to `RUN/NAME-tmp-XXXX`, fsynced, then renamed into place, and only then does
 `latest` move to it, so a crash or a full disk during a save leaves the previous checkpoint intact and never
@@ -36,6 +38,7 @@ from torch import nn
 
 from ..errors import CheckpointError, HybridLMError
 from ..jsonio import read_json_object
+from .remote_code import AUTO_MAP, SHIM_FILE, write_shim
 
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optimizer.safetensors"
 CONFIG_FILE, STATE_FILE = "config.json", "trainer_state.json"
@@ -200,11 +203,12 @@ def new_tmp_dir(directory: str, name: str) -> str:
 
 
 def write_metadata(tmp: str, config, state: dict | None, tokenizer=None, dtype: torch.dtype = torch.float32):
-    """config.json (as transformers reads it), trainer_state.json (+ this process's RNG state) and the tokenizer
-    files."""
+    """config.json (as transformers reads it, with the `auto_map` of its remote-code shim, also written),
+    trainer_state.json (+ this process's RNG state) and the tokenizer files."""
     special = {} if tokenizer is None else {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.eos_id}
-    _write_json(os.path.join(tmp, CONFIG_FILE),
-                config.transformers_dict(bos_token_id=None, **special, dtype=str(dtype).removeprefix("torch.")))
+    _write_json(os.path.join(tmp, CONFIG_FILE), config.transformers_dict(
+        bos_token_id=None, **special, dtype=str(dtype).removeprefix("torch."), auto_map=AUTO_MAP))
+    write_shim(tmp)
     _write_json(os.path.join(tmp, STATE_FILE), dict(state or {}, rng=rng_state()))
     if tokenizer is not None:
         tokenizer.save(tmp)
@@ -259,10 +263,11 @@ def _copy_atomic(src: str, dst: str):
 
 
 def write_run_index(run_dir: str, step_dir: str):
-    """Make `run_dir` a transformers directory of the step directory `step_dir`: its config.json and tokenizer files
-    copied up, and model.safetensors.index.json mapping each stored tensor to `STEP/model.safetensors` (transformers
-    reads an index's file names relative to the directory). A step saved as DCP shards only has no such file: the
-    index is removed until `consolidate` writes one, rather than left naming an older step."""
+    """Make `run_dir` a transformers directory of the step directory `step_dir`: its config.json, remote-code shim and
+    tokenizer files copied up, and model.safetensors.index.json mapping each stored tensor to
+    `STEP/model.safetensors` (transformers reads an index's file names relative to the directory). A step saved as
+    DCP shards only has no such file: the index is removed until `consolidate` writes one, rather than left naming
+    an older step."""
     from ..data.tokenizer import BPE_FILE
     from ..data.tokenizer import CONFIG_FILE as TOK_FILE
     name, weights = os.path.basename(os.path.normpath(step_dir)), os.path.join(step_dir, MODEL_FILE)
@@ -271,7 +276,7 @@ def write_run_index(run_dir: str, step_dir: str):
         if os.path.exists(index):
             os.remove(index)
         return
-    for f in (CONFIG_FILE, TOK_FILE, BPE_FILE):
+    for f in (CONFIG_FILE, SHIM_FILE, TOK_FILE, BPE_FILE):
         if os.path.isfile(os.path.join(step_dir, f)):
             _copy_atomic(os.path.join(step_dir, f), os.path.join(run_dir, f))
     with safe_open(weights, "pt") as f:

@@ -1,6 +1,6 @@
 """`hybridlm convert`: a transformers checkpoint directory -> a hybridlm checkpoint (--from-hf), or a hybridlm run ->
-a transformers directory that AutoModelForCausalLM and pipeline() load after `import hybridlm` (--to-hf; with
---as-native, transformers' own Llama / Mamba-2 classes, loadable without hybridlm)."""
+a transformers directory that AutoModelForCausalLM and pipeline() load after `import hybridlm` or with
+trust_remote_code=True (--to-hf; with --as-native, transformers' own Llama / Mamba-2 classes, no hybridlm needed)."""
 from .common import out
 
 
@@ -19,7 +19,8 @@ def main(args) -> int:
         out(f"converted {args.from_hf} -> {path} (hybridlm checkpoint: hybridlm generate/eval --checkpoint {args.out})")
     else:
         directory.export_to_hf(args.to_hf, args.out, native=args.as_native)
-        kind = "transformers' own class" if args.as_native else "HybridLMForCausalLM (import hybridlm first)"
+        kind = "transformers' own class" if args.as_native else \
+            "HybridLMForCausalLM: import hybridlm, or trust_remote_code=True"
         out(f"exported {args.to_hf} -> {args.out} ({kind}: AutoModelForCausalLM.from_pretrained({args.out!r}))")
     return 0
 

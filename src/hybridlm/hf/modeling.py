@@ -1,6 +1,8 @@
 """hybridlm models as transformers models: `AutoModelForCausalLM`, `generate()`, `pipeline`, `save_pretrained`.
 
     import hybridlm                                  # registers model_type "hybridlm" once transformers is imported
+    # (or, in a program that never imports hybridlm: from_pretrained(d, trust_remote_code=True), through the shim that
+    #  save_pretrained and every checkpoint write beside config.json: checkpoint/remote_code.py)
     model = HybridLMForCausalLM.from_model(causal_lm)                 # wraps it: same parameters, no copy
     model.save_pretrained(d); AutoModelForCausalLM.from_pretrained(d).generate(ids, num_beams=3)
 
@@ -18,6 +20,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..cache import InferenceCache
+from ..checkpoint.remote_code import AUTO_MAP, write_shim
 from ..errors import InputError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
@@ -45,7 +48,18 @@ class HybridLMConfig(PreTrainedConfig):
         for key in ("hybridlm", "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
                     "tie_word_embeddings"):
             setattr(self, key, mirrored[key])
+        kwargs["auto_map"] = dict(AUTO_MAP)                         # the shim save_pretrained writes beside it
         super().__post_init__(**kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """config.json, and the remote-code shim its auto_map names (checkpoint/remote_code.py)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        write_shim(save_directory)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """Nothing: transformers would copy this file into saved directories, where it cannot run outside the
+        package; save_pretrained writes the shim that imports it instead."""
 
     @property
     def model_config(self) -> ModelConfig:
@@ -155,6 +169,10 @@ class HybridLMForCausalLM(PreTrainedModel, GenerationMixin):
         config = HybridLMConfig.from_model_config(model.config, **config_kwargs)
         p = next(model.parameters())
         return cls(config, model).to(p.dtype).train(model.training)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        """Nothing (as HybridLMConfig.register_for_auto_class): the config's save_pretrained writes the shim."""
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         """Every parameter name that is another's tensor -> the first name: the tied embedding (tie_word_embeddings)

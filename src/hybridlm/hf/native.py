@@ -14,7 +14,8 @@ import torch
 from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
-from .common import CONVERTERS, _Tensors
+from .common import _Tensors
+from .convert import CONVERTERS   # (importing convert registers every converter)
 
 # options no native class has: they must keep their default (off)
 _MUST_BE_DEFAULT = ("hyper_connections", "layer_overrides", "qk_norm", "residual_scale", "window", "wm_dyn_mask",
