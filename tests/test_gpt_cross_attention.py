@@ -1,4 +1,4 @@
-"""The `gpt` preset is the tutorial's TransformerLM (002_2cec91cb83945854.txt 2.1.1-2.1.4), and cross-attention
+"""The `gpt` preset is the Transformer tutorial's TransformerLM (sections 2.1.1-2.1.4), and cross-attention
 (section 2.2) works inside a decoder block."""
 import torch
 import torch.nn.functional as F

@@ -64,7 +64,7 @@ def test_from_hf_and_back(case, tmp_path):
 
 
 def test_doge_moe_converts_every_weight(tmp_path):
-    """transformers' CDMoE mixes tokens (REFERENCES.md): the two agree on one token, and our export round trips."""
+    """transformers' CDMoE mixes tokens (its router view spans the tokens): the two agree on one token, and our export round trips."""
     hf = doge(is_moe=True)
     hf.save_pretrained(tmp_path / "hf")
     ckpt = convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), dtype="float32")

@@ -1,6 +1,7 @@
 """Cross-check against transformers' DogeForCausalLM: the dense form converted with `from_transformers` gives the
 same logits (float32, 1e-4) with and without padding, with top-keep_window key selection, and the same greedy
-generations; the MoE form differs exactly where transformers' CDMoE mixes tokens (REFERENCES.md)."""
+generations; the MoE form differs exactly where transformers' CDMoE mixes tokens (its
+`router_gate(h).view(2, tokens, -1)` makes routing depend on later tokens)."""
 import pytest
 import torch
 

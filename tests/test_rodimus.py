@@ -1,4 +1,4 @@
-"""Rodimus* (001_53f5bc9ef3e67888.txt): the product-decay GLA op, the Rodimus mixer against an explicit
+"""Rodimus* (He et al., 2025): the product-decay GLA op, the Rodimus mixer against an explicit
 token loop of eq. 11, shared-key and sliding-window attention with a bounded cache, two-hop blocks, presets."""
 import math
 
@@ -83,7 +83,7 @@ def test_product_decay_without_value_decay_is_gla():
 
 # ---------------------------------------------------------------------------------------------------- R layer
 def rodimus_loop(layer: Rodimus, x: torch.Tensor) -> torch.Tensor:
-    """Eq. 11 token by token, written from the paper/REFERENCES.md flow with the layer's parameters."""
+    """Eq. 11 token by token, written from the paper's flow with the layer's parameters."""
     n = layer.d_state
     xi, z = layer.fc(x).chunk(2, -1)
     xc = F.silu(causal_conv1d_ref(xi, layer.conv.weight, layer.conv.bias))

@@ -1,4 +1,4 @@
-"""Wonderful Matrices (000_4348bfb066d62081.txt): RoPE-SSD, inner-function attention, dynamic masks, CDMoE, routed
+"""Wonderful Matrices (Shi et al., 2024): RoPE-SSD, inner-function attention, dynamic masks, CDMoE, routed
 MoE, the Cheems / Doge / Jamba presets' building blocks: reference vs fast forms, cache and padding behaviour,
 MoE invariants and config errors."""
 import pytest

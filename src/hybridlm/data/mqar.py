@@ -4,10 +4,10 @@ An example of length T holds `num_pairs` key-value pairs, then each key once mor
 emit the key's value right after the query. Keys come from the lower half of the vocabulary (token 0 excluded:
 it is the placeholder), values from the upper half, both drawn without replacement, so no key repeats within an
 example except as its own query. Queries sit in the query section at two-token slots drawn without replacement
-with probability ∝ a·j^(a-1) (power law, a = 0.01: short gaps are likely; REFERENCES.md "MQAR (zoology)").
+with probability ∝ a·j^(a-1) (power law, a = 0.01: short gaps are likely; zoology's generator).
 
   zoology (hard=False): pairs packed at the start (2·P tokens), every other position is the placeholder 0.
-  hard (hard=True, 000_4348bfb066d62081.txt C.1 / 004_f196d22cc7fe6dbe.txt D.1): the first half of the
+  hard (hard=True, the Wonderful Matrices paper C.1 / the Mamba-2 paper D.1): the first half of the
     sequence holds the pairs at random two-token slots in their order, and every position that is not a key,
     value or query is a random token (never one of the example's keys); the papers use T/4 pairs.
 
@@ -103,6 +103,6 @@ def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, *, se
 
 def curriculum(num_pairs: int, stages: int = 4) -> list[int]:
     """Pair counts of a curriculum ending at `num_pairs`, halving backwards: T/4 -> (T/32, T/16, T/8, T/4)
-    as in 004_f196d22cc7fe6dbe.txt appendix D.1 (duplicates dropped for small counts)."""
+    as in the Mamba-2 paper appendix D.1 (duplicates dropped for small counts)."""
     counts = [max(1, num_pairs >> s) for s in range(stages - 1, -1, -1)]
     return sorted(set(counts))

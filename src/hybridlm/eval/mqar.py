@@ -1,6 +1,6 @@
 """Train one model on MQAR and measure its recall accuracy on held-out examples (zoology's protocol).
 
-The protocol (HazyResearch/zoology `train.py` / `config.py`; REFERENCES.md "MQAR"): a fixed training set (zoology:
+The protocol (HazyResearch/zoology `train.py` / `config.py`): a fixed training set (zoology:
 100k examples, large enough that a 2-layer model cannot memorise it), epochs over it in random order, AdamW with
 weight decay on matrices only, warmup then cosine to 0 over the step budget, and **early stopping once held-out
 accuracy reaches `target`** (0.99), checked every `eval_every` steps: easy points stop early, hard ones use the
@@ -36,7 +36,7 @@ class MQARTask:
     power_a: float = 0.01
     train_examples: int = 100_000  # per curriculum stage (zoology's 100k: not memorisable at these sizes)
     test_examples: int = 1_000
-    curriculum: bool = False       # stages over num_pairs/8 ... num_pairs (004_f196d22cc7fe6dbe.txt D.1)
+    curriculum: bool = False       # stages over num_pairs/8 ... num_pairs (the Mamba-2 paper D.1)
 
     def stages(self) -> list[int]:
         return curriculum(self.num_pairs) if self.curriculum else [self.num_pairs]

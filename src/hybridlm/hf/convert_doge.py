@@ -1,5 +1,5 @@
 """Converter for transformers' Doge (`DogeForCausalLM` -> layout "(AM)*n", or "(AE)*n" with is_moe): attention
-with the dt dynamic mask, q/k RMSNorm, learnable per-channel residual weights (REFERENCES.md, design 3).
+with the dt dynamic mask, q/k RMSNorm, learnable per-channel residual weights (transformers 5.23's design).
 
 The dense form computes exactly the same function. The MoE form copies every weight, but transformers'
 DogeCDMoE views its router logits as (2, tokens, √N), mixing tokens (its routing then depends on other,

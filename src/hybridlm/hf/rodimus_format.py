@@ -8,7 +8,7 @@ The source directory holds `config.json` (`model_type` "rodimus", `block_type` "
 shards and written straight into the output file, so at most one tensor is held in memory (never a full copy).
 Every tensor of the source must be used and every expected one present with the shape config.json implies; any
 other case, and any option whose function hybridlm does not compute, raises one error naming the file, tensor or
-option. Their conventions, mapped exactly (REFERENCES.md "Rodimus"):
+option. Their conventions, mapped exactly (read from the authors' released code):
   - `attn_cfg.window_size = W` is flash-attn's window (W // 2, 0): each query sees W // 2 + 1 keys, so
     swa_window = W // 2 + 1 (a missing or non-positive W is full causal attention: layout letter A);
   - keys and values are shared across query heads tiled as `(n h)` (query head j reads key j % num_heads_k and value

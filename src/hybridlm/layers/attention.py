@@ -58,7 +58,7 @@ class Attention(nn.Module):
     """x [B, T, d] -> [B, T, d]. n_kv_heads < n_heads gives GQA (1 = MQA). rope_dim=0 disables RoPE
     (for models with learned absolute positions); window limits each query to its last `window` keys and
     then caches only those (WindowKVCache). n_kv_heads counts value heads; n_k_heads (default n_kv_heads)
-    key heads: 1 with n_kv_heads = n_heads is shared-key attention (SKA, 001_53f5bc9ef3e67888.txt, 3.2.1).
+    key heads: 1 with n_kv_heads = n_heads is shared-key attention (SKA, the Rodimus* paper, 3.2.1).
     output_gate (Qwen3-Next's gated attention): the q rows of `qkv` hold, per head, [query (D) | gate (D)], and the
     attention output is multiplied by sigmoid(gate) before `out`."""
 

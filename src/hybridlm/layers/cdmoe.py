@@ -1,4 +1,4 @@
-"""Cross-domain mixture of experts, CDMoE (000_4348bfb066d62081.txt, section 3.3, eq. 5, listing 8; and the
+"""Cross-domain mixture of experts, CDMoE (the Wonderful Matrices paper, section 3.3, eq. 5, listing 8; and the
 published Doge form). A shared MLP φ holds the common knowledge; `num_experts` single-neuron private
 experts (a down row and an up row each) are retrieved per token with product keys over √N × √N key pairs.
 

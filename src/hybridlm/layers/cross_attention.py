@@ -1,4 +1,4 @@
-"""Cross-attention (002_2cec91cb83945854.txt section 2.2, eq. 32-33): queries from the sequence being decoded,
+"""Cross-attention (the Transformer tutorial section 2.2, eq. 32-33): queries from the sequence being decoded,
 keys and values from a given memory (an encoder's output, image or text embeddings). No causal mask: every
 query sees every real memory position. Not a layout letter (a causal LM has no memory); use it in your own
 decoder blocks, e.g. x = x + self_attn(ln1(x)); x = x + cross(ln2(x), memory); x = x + mlp(ln3(x)).

@@ -1,4 +1,4 @@
-"""Hyper-connections: n residual streams instead of one (002_2cec91cb83945854.txt section 5, eq. 88-103).
+"""Hyper-connections: n residual streams instead of one (the Transformer tutorial section 5, eq. 88-103).
 
 Streams X [B, T, n, d]. Around each block F (pre-norm + mixer, via the block's `branch`):
     x_in = sum_j pre_j X_j                       (eq. 90: collapse the streams into the block's input)

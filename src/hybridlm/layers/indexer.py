@@ -1,5 +1,5 @@
 """DeepSeek-V3.2's lightning indexer and the sparse attention it drives
-(002_2cec91cb83945854.txt section 3.5, eq. 70).
+(the Transformer tutorial section 3.5, eq. 70).
 
 The indexer scores every (query t, key s) pair cheaply,
     I[t, s] = sum_h w[t, h] · relu(q[t, h] · k[s]) / sqrt(D)      with w = W_w x / sqrt(H),

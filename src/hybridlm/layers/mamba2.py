@@ -1,4 +1,4 @@
-"""The Mamba-2 block (004_f196d22cc7fe6dbe.txt, section 7.1) around the SSD operator.
+"""The Mamba-2 block (the Mamba-2 paper, section 7.1) around the SSD operator.
 
 in_proj(x) -> [z (gate), xBC, dt]; causal depthwise conv + SiLU on xBC; SSD over heads with D skip;
 y = out_proj(gated_rms_norm(y, z)) with the norm grouped per SSD group. `norm` picks where the gate goes (Falcon-H1's

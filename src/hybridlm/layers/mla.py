@@ -1,5 +1,5 @@
 """Multi-head latent attention (MLA) with decoupled RoPE, as in DeepSeek-V2/V3
-(002_2cec91cb83945854.txt sections 3.2 and 3.4, eq. 38-46 and 62-69).
+(the Transformer tutorial sections 3.2 and 3.4, eq. 38-46 and 62-69).
 
 Keys and values of every head come from one shared latent c = RMSNorm(W_dkv x) [kv_lora_rank]; position
 enters only through a small decoupled part: a per-head rope query and ONE roped key shared by all heads.

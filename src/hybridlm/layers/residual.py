@@ -50,7 +50,7 @@ class ParallelResidual(Residual):
 
 
 class TwoHopResidual(nn.Module):
-    """Rodimus++ block (001_53f5bc9ef3e67888.txt, eq. 13) on one stream, as in the released code:
+    """Rodimus++ block (the Rodimus* paper, eq. 13) on one stream, as in the released code:
         h = mixer(norm1(x)); r = x + h; a = attn(norm2(r)); x_out = r + ffn(norm3(a + r))
     The attention output reaches the stream only through the channel mixer, which binds the two
     (the "two hops" skip the attention). Mixers: a token mixer, an attention-like token mixer, a channel

@@ -1,5 +1,5 @@
-"""The Rodimus block (001_53f5bc9ef3e67888.txt, section 3.1, figure 2b): a GLU whose value path runs gated
-linear attention with data-dependent tempered selection (DDTS). Released-code facts: REFERENCES.md.
+"""The Rodimus block (the Rodimus* paper, section 3.1, figure 2b): a GLU whose value path runs gated
+linear attention with data-dependent tempered selection (DDTS), with the released code's conventions.
 
     x, z = fc(h)                                  GLU halves, width m = expand · d_model
     x' = silu(ShortConv(x))

@@ -1,4 +1,4 @@
-"""Cheems' SSD mixer: RoPE on C and B as the position source (000_4348bfb066d62081.txt, section 3.1,
+"""Cheems' SSD mixer: RoPE on C and B as the position source (the Wonderful Matrices paper, section 3.1,
 appendix A and listing 4), instead of Mamba-2's causal conv + D skip.
 
 X, B, C and dt come from their own projections of x (one fused matmul here, the same function); C and B

@@ -1,5 +1,5 @@
 """Routed top-k mixture of MLP experts (Switch / Mixtral / DeepSeek style), optionally with an always-on shared
-expert (MoE-SEI, as compared in 000_4348bfb066d62081.txt, table 3), and a load-balancing auxiliary loss.
+expert (MoE-SEI, as compared in the Wonderful Matrices paper, table 3), and a load-balancing auxiliary loss.
 
 Dropless: every (token, expert) pair is computed, experts run as one batched matmul over expert-sorted
 rows (hybridlm.ops.moe.routed_experts), so a token's output depends on that token only. The router is a softmax

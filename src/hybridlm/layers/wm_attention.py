@@ -1,4 +1,4 @@
-"""Wonderful Matrices attention (000_4348bfb066d62081.txt, section 3.2, appendix B.3): softmax attention whose
+"""Wonderful Matrices attention (Shi et al., 2024, section 3.2, appendix B.3): softmax attention whose
 values may come from the inner function f(x) (letter F) and whose scores may carry a dynamic mask (A or F).
 
 Dynamic masks:

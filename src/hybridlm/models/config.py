@@ -87,7 +87,7 @@ class ModelConfig:
     ssd_dt_min: float = 1e-3
     ssd_dt_max: float = 0.1
     ssd_A_init_range: tuple[float, float] = (1.0, 16.0)
-    # Rodimus (R), sliding-window attention (W), shared-key attention (001_53f5bc9ef3e67888.txt)
+    # Rodimus (R), sliding-window attention (W), shared-key attention (the Rodimus* paper)
     rodimus_d_state: int = 64             # n: state expansion; the state is n × (expand · d_model) per layer
     rodimus_expand: int = 2               # GLU width m = expand · d_model
     rodimus_d_inner: int | None = None    # m set directly (None = expand · d_model); the released code's
@@ -103,7 +103,7 @@ class ModelConfig:
     attn_shared_key: bool = False         # A and W layers: one key head shared by all query and value heads
     n_k_heads: int | None = None          # A and W layers: key heads, each shared by a group of value heads
                                           # (None = 1 with attn_shared_key, else n_kv_heads)
-    # Wonderful Matrices: Cheems, Doge, inner-function attention (F), CDMoE (E) (000_4348bfb066d62081.txt;
+    # Wonderful Matrices: Cheems, Doge, inner-function attention (F), CDMoE (E) (Shi et al., 2024;
     # models/mixers_wm.py)
     wm_ssd_rope: bool = False             # S layers: RoPE on C and B, own X/B/C/dt projections, no conv/gate/norm/D
     wm_ssd_position: str = "rope"         # with wm_ssd_rope: "conv" puts Mamba-2's conv + D back in place of RoPE (ablation)
@@ -134,7 +134,7 @@ class ModelConfig:
     moe_shared_hidden: int | None = None  # O: width of the shared expert (None = the experts' width)
     moe_shared_gate: bool = False         # O: shared expert output × sigmoid(Linear(d, 1)(x)) (Qwen-MoE)
                                           # O's experts (and shared expert) follow mlp_act and mlp_gated
-    # MLA (L), lightning-indexer sparse attention (I), hyper-connections (002_2cec91cb83945854.txt 3.2-3.5, 5)
+    # MLA (L), lightning-indexer sparse attention (I), hyper-connections (the Transformer tutorial 3.2-3.5, 5)
     mla_kv_lora_rank: int | None = None   # shared K/V latent; None = 4 · head_dim (DeepSeek-V3: 512 = 4 · 128)
     mla_q_lora_rank: int | None = None    # query latent; None = 3 · kv_lora_rank (V3: 1536); 0 = direct query proj.
     mla_qk_nope_dim: int | None = None    # per-head query/key part without RoPE; None = head_dim

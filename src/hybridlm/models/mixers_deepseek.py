@@ -1,5 +1,5 @@
 """DeepSeek-family letters and options: `L` multi-head latent attention (MLA), `I` lightning-indexer sparse
-attention, and the checks of the model-level `hyper_connections` option (002_2cec91cb83945854.txt 3.2-3.5, 5)."""
+attention, and the checks of the model-level `hyper_connections` option (the Transformer tutorial 3.2-3.5, 5)."""
 from .registry import LETTERS, need
 
 

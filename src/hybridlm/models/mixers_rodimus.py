@@ -1,4 +1,4 @@
-"""Rodimus* letters and blocks (001_53f5bc9ef3e67888.txt):
+"""Rodimus* letters and blocks (He et al., 2025):
 
     R  the Rodimus block (DDTS gated linear attention inside a GLU)
     W  sliding-window attention (each query sees its last `swa_window` keys, itself included); with
@@ -13,7 +13,7 @@ from ..layers.residual import TwoHopResidual
 from .layout import Hop
 from .registry import LETTERS, _attention, _validate_attention, need
 
-# letters that are attention-like token mixers (DESIGN.md's A W F L I); the middle of a two-hop block
+# letters that are attention-like token mixers (A W F L I); the middle of a two-hop block
 ATTENTION_LETTERS = {"A", "W", "F", "L", "I"}
 
 

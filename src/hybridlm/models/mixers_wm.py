@@ -1,4 +1,4 @@
-"""Wonderful Matrices letters and options (000_4348bfb066d62081.txt): Cheems and Doge.
+"""Wonderful Matrices letters and options (Shi et al., 2024): Cheems and Doge.
 
   F  inner-function attention (section 3.2, eq. 3)            E  CDMoE (section 3.3, eq. 5; Doge's form)
 and the builders of two options of other letters, chosen by the config: `wm_dyn_mask` on A (and F) layers builds

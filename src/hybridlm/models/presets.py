@@ -30,7 +30,7 @@ def register(name: str, doc: str, n_layers: int, fields: Callable[[int], dict]):
 
 def spread(n: int, every: int, base: str, other: str) -> str:
     """n letters of `base` with about 1/`every` of them replaced by `other`, evenly spread
-    (an SSD-attention hybrid with ~10% attention layers, 004_f196d22cc7fe6dbe.txt section 9)."""
+    (an SSD-attention hybrid with ~10% attention layers, the Mamba-2 paper section 9)."""
     k = max(1, round(n / every))
     at = {int((i + 0.5) * n / k) for i in range(k)}
     return "".join(other if i in at else base for i in range(n))
@@ -67,7 +67,7 @@ register("mamba2", "Mamba-2: SSD blocks only (no MLP), as in the paper", 4,
          lambda n: dict(layout=f"S*{n}", ssd_d_state=128, tie_embeddings=True, norm_eps=1e-5))
 register("mamba2-attention", "Mamba-2 with ~10% attention layers spread through the stack", 10,
          lambda n: dict(layout=spread(n, 10, "S", "A"), ssd_d_state=128, tie_embeddings=True, norm_eps=1e-5))
-register("gpt", "the tutorial's GPT TransformerLM (002_2cec91cb83945854.txt 2.1): learned positions, LayerNorm, "
+register("gpt", "the Transformer tutorial's GPT TransformerLM (section 2.1): learned positions, LayerNorm, "
          "GELU MLP, biases, dropout", 4,
          lambda n: dict(layout=f"(AM)*{n}", pos_embedding="learned", norm="layer", norm_eps=1e-5, mlp_gated=False,
                         mlp_act="gelu", attn_bias=True, mlp_bias=True, dropout=0.1, tie_embeddings=False))
@@ -80,7 +80,7 @@ register("deepseek-mla-moe", "DeepSeek-V3-style: MLA; first block dense SwiGLU, 
                         moe_shared=True, **_deepseek))
 register("deepseek-sparse", "DeepSeek-V3.2-style: MLA restricted to the lightning indexer's top-k keys, SwiGLU", 4,
          lambda n: dict(layout=f"(IM)*{n}", dsa_topk=256, **_deepseek))
-# Wonderful Matrices (000_4348bfb066d62081.txt): Cheems (figure 4), Doge (section 5, transformers' DogeForCausalLM)
+# Wonderful Matrices (Shi et al., 2024): Cheems (figure 4), Doge (section 5, transformers' DogeForCausalLM)
 _doge = dict(wm_dyn_mask="dt", residual_scale=True, qk_norm=True, norm_eps=1e-6, tie_embeddings=False, mlp_gated=True,
              mlp_act="silu", wm_cdmoe_form="doge", wm_cdmoe_experts=16384, wm_cdmoe_topk=64)
 register("cheems", "Cheems: 7 RoPE-SSD layers then 1 inner-function attention with dynamic mask, each followed by "
@@ -147,7 +147,7 @@ register("zamba2", "Zamba2: Mamba-2 layers; every 6th also gets one of 2 alterna
                         mlp_act="gelu", pos_embedding="none", norm_eps=1e-5, tie_embeddings=True,
                         zamba_adapter_rank=lambda f: max(8, f["d_model"] // 16), ssd_dt_limit=(1e-3, float("inf"))))
 
-# Rodimus* (001_53f5bc9ef3e67888.txt): n = 64, ℓ = max(d/64, 16), SW-SKA heads of 128 with a window of half the
+# Rodimus* (He et al., 2025): n = 64, ℓ = max(d/64, 16), SW-SKA heads of 128 with a window of half the
 # training context, the released code's GLU width 4/3·d (rounded up to 8) in Rodimus++ size presets.
 _rodimus = dict(rodimus_d_state=64, tie_embeddings=True, norm_eps=1e-5)
 _rodimus_pp = dict(attn_shared_key=True, **_rodimus)

@@ -1,6 +1,6 @@
 """Online-softmax ("flash") attention in pure PyTorch, forward and backward.
 
-The algorithm follows 002_2cec91cb83945854.txt section 4 (online softmax -> online attention): one
+The algorithm follows the Transformer tutorial section 4 (online softmax -> online attention): one
 pass over key blocks keeps a running row max ``m``, a running denominator ``l`` and an unnormalised
 accumulator ``acc``; whenever the max grows, the old ``l`` and ``acc`` are rescaled by
 ``exp(m_old - m_new)``. Two deliberate differences from the tutorial's final loop (Eq. 87):

@@ -3,7 +3,7 @@
     S_t = diag(exp(log_decay_t)) S_{t-1} + k_tᵀ v_t          (state S: [key dim K, value dim V])
     o_t = (scale · q_t) S_t
 
-This is 001_53f5bc9ef3e67888.txt, eq. 14 with β_t = 1 (section 3.1.1); the input gates α̂ and β̂ (eq. 9-11)
+This is the Rodimus* paper, eq. 14 with β_t = 1 (section 3.1.1); the input gates α̂ and β̂ (eq. 9-11)
 are folded into k and v by the caller. Four exact forms of the same operator:
 
     gla_recurrent  token loop (reference)
@@ -105,7 +105,7 @@ def _segsum(w: Tensor) -> Tensor:
 
 def gla_quadratic(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: float | None = None,
                   initial_state: Tensor | None = None, resets: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Reference: the masked parallel form (001_53f5bc9ef3e67888.txt, eq. 18) plus the initial-state term.
+    """Reference: the masked parallel form (the Rodimus* paper, eq. 18) plus the initial-state term.
     Eq. 18 factors the decay as (Q ⊙ 𝒜)(K / 𝒜)ᵀ, which overflows for long or strongly decaying inputs, so
     here every pair (t, i) gets its own decay exp(sum_{j=i+1..t} log_decay_j) per key channel:
     O(T² K) memory, meant for tests. Shapes as gla_recurrent."""
@@ -164,7 +164,7 @@ class _DiagBlocks(torch.autograd.Function):
 def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: float | None = None,
                 initial_state: Tensor | None = None, resets: Tensor | None = None,
                 chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """Fast form (001_53f5bc9ef3e67888.txt, appendix C.3 eq. 19): the sequence is cut into chunks of
+    """Fast form (the Rodimus* paper, appendix C.3 eq. 19): the sequence is cut into chunks of
     `chunk_size`; inside a chunk the parallel form gives the outputs, between chunks the state is passed
     by a loop over chunks. Shapes as gla_recurrent: q, k, log_decay [B, T, H, K]; v [B, T, H, V];
     initial_state [B, H, K, V] or None; resets [B, T] bool or None.

@@ -1,5 +1,5 @@
 """Gated linear attention whose decay acts on both state dims: the product decay β_t of
-001_53f5bc9ef3e67888.txt (eq. 7 and 14-17, the ablation of table 12).
+the Rodimus* paper (eq. 7 and 14-17, the ablation of table 12).
 
     S_t = (α_tᵀ β_t) ⊙ S_{t-1} + k_tᵀ v_t        α_t = exp(log_decay_t) [K], β_t = exp(log_value_decay_t) [V]
     o_t = (scale · q_t) S_t

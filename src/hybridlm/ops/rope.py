@@ -1,7 +1,7 @@
 """Rotary position embeddings from position ids, in both pairing conventions.
 
 `half` (GPT-NeoX / Llama): channel i is paired with i + d/2.
-`interleaved` (GPT-J / DeepSeek / the tutorial 002_2cec91cb83945854.txt): channel 2i with 2i+1.
+`interleaved` (GPT-J / DeepSeek / the Transformer tutorial): channel 2i with 2i+1.
 """
 import torch
 from torch import Tensor

@@ -1,6 +1,6 @@
 """Sinkhorn-Knopp projection onto doubly stochastic matrices (for manifold-constrained hyper-connections).
 
-mHC (002_2cec91cb83945854.txt section 5) mixes n residual streams with H_res. Products of doubly
+mHC (the Transformer tutorial section 5) mixes n residual streams with H_res. Products of doubly
 stochastic matrices stay doubly stochastic (rows and columns sum to 1, spectral norm exactly 1), so
 the residual path through many layers can neither blow up nor vanish. Sinkhorn-Knopp gets there from
 any positive matrix by alternately normalising rows and columns; a fixed number of iterations keeps it

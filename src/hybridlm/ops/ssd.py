@@ -6,7 +6,7 @@
 Shapes: x [b, t, h, p]; dt [b, t, h] (already softplus'd); A [h] (negative); B, C [b, t, g, n] with
 h % g == 0 (head h reads group h // (h/g)). State [b, h, p, n] is float32. `resets` [b, t] bool marks
 document starts in a packed batch: setting the log-decay to -inf there zeroes the carried state
-(004_f196d22cc7fe6dbe.txt, section 8). The D skip connection is applied by the layer, not here.
+(the Mamba-2 paper, section 8). The D skip connection is applied by the layer, not here.
 """
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ def ssd_quadratic(x, dt, A, B, C, *, initial_state=None, resets=None):
 
 def ssd_chunked(x, dt, A, B, C, *, chunk_size: int = 64, initial_state=None, resets=None):
     """Fast form: quadratic inside chunks of `chunk_size`, state passing between chunks
-    (004_f196d22cc7fe6dbe.txt, listing 1). Returns (y [b, t, h, p], final_state [b, h, p, n] float32).
+    (the Mamba-2 paper, listing 1). Returns (y [b, t, h, p], final_state [b, h, p, n] float32).
 
     Layout: heads are split as (group, head-in-group) so B/C are never repeated over heads, and the
     state/output matmuls run per (batch, chunk, group) over all of that group's heads at once

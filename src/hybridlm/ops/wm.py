@@ -1,4 +1,4 @@
-"""Ops of the Wonderful Matrices attention (000_4348bfb066d62081.txt, section 3.2, appendix B.3), each with a
+"""Ops of the Wonderful Matrices attention (Shi et al., 2024, section 3.2, appendix B.3), each with a
 reference form that tests compare it against.
 
 * `inner_function_values`: the heuristic values of eq. 3, V = x ⊙ Σ_{i ∈ top-k(g)} w_i W_V[i] with
@@ -74,7 +74,7 @@ def key_weighted_attention_ref(q: Tensor, k: Tensor, v: Tensor, key_weight: Tens
                                key_mask: Tensor | None = None, window: int | None = None,
                                segment_ids: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Reference for the paper's dynamic mask: y = (L ∘ softmax(QKᵀ/√d)) V, L[b, h, t, s] = key_weight[b, s, h]
-    on the causal (and padding / window / segment) mask, 0 elsewhere (000_4348bfb066d62081.txt, eq. 4).
+    on the causal (and padding / window / segment) mask, 0 elsewhere (the Wonderful Matrices paper, eq. 4).
 
     q [B, T, Hq, D]; k, v [B, S, Hk, D]; key_weight [B, S, Hk] (the learned l[h, position of key s]).
     As L only depends on the key, (L ∘ A) V = A (L ⊙ V): the fast form is `attention(q, k, v * L)`.

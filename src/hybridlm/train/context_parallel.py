@@ -7,7 +7,7 @@ the routed MoE (`O`); `hybridlm train --context-parallel N` runs it (train/train
 Rank r runs positions [r·T/W, (r+1)·T/W) of every layer. A recurrent layer is a linear recurrence, so its
 chunk only needs the final state (and the short-conv tail, the last K-1 conv inputs) of the chunk before:
 they pass rank to rank, the state passing of the chunked SSD algorithm lifted to devices
-(004_f196d22cc7fe6dbe.txt, section 8.2). Attention layers see the all-gathered keys and values of ranks
+(the Mamba-2 paper, section 8.2). Attention layers see the all-gathered keys and values of ranks
 0..r, their queries being the last T/W positions (the bottom-right aligned causal mask of ops/attention.py).
 
 The model is not changed: it runs its chunk with an `InferenceCache` whose slots, instead of holding state,

@@ -5,7 +5,7 @@
 
 A recipe file:
 
-    title = "..."; source = "004_f196d22cc7fe6dbe.txt, table 2"; minutes_per_model = 2
+    title = "..."; source = "the Mamba-2 paper, table 2"; minutes_per_model = 2
     [budget]   steps, batch_size, seq_len, lr, warmup, seeds, max_bytes, eval_every, eval_tokens (0: whole split),
                params ("1M": every configuration sized to it), size_by ("width" | "depth"), tolerance, active,
                eval_seq_lens (also validate the final model at these lengths, e.g. 4x the training length)

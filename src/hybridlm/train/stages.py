@@ -1,5 +1,5 @@
 """Training stages. DeepSeek-V3.2 adds its lightning indexer to a trained dense model in two stages
-(REFERENCES.md, "Lightning indexer training"):
+(the DeepSeek-V3.2 report):
 
     indexer-warmup  the `I` layers attend densely and every parameter but the indexers' is frozen: the indexers
                     learn the main attention's distribution over all keys (their KL is the only loss with a

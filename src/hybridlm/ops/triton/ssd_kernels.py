@@ -1,7 +1,7 @@
 """Triton kernels for chunked SSD (Mamba-2): scalar decay per head, grouped B/C, initial/final state, resets.
 
 One program per (batch, head) walks the chunks in order, carrying the [p, n] state in registers: inside a
-chunk the quadratic form gives the outputs, between chunks the state is passed (004_f196d22cc7fe6dbe.txt,
+chunk the quadratic form gives the outputs, between chunks the state is passed (the Mamba-2 paper,
 listing 1). Backward walks the chunks in reverse, carrying d(state) the same way; the forward saves the state
 entering every chunk for it. Resets are document masks inside a chunk (as gla_chunked does), so no -inf
 ever meets another -inf in a difference of cumulative sums.
