@@ -183,192 +183,267 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data: TokenData, out_d
     cfg = replace(train_cfg, dtype=resolve_dtype(train_cfg.dtype, device)[0])   # checkpoints record what ran
     try:
         with StopSignals() as signals:  # SIGTERM / SIGINT end the run after the current step, with a checkpoint
-            return _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device, signals)
+            return Trainer(model_cfg, cfg, data, out_dir, resume, rank, world, device).fit(signals, progress)
     finally:
         if own_pg:
             dist.destroy_process_group()
 
 
-def _train(model_cfg, cfg, data, out_dir, resume, progress, rank, world, device, signals) -> dict:
-    main = rank == 0
-    ensure_writable(out_dir)
-    tok = data.tokenizer
-    torch.manual_seed(cfg.seed)
-    start, tokens_seen, state = 0, 0, {}
-    if resume:
-        ckpt = find_checkpoint(out_dir)
-        # DCP shards are loaded below, into whatever this rank holds: no whole model here
-        model, state = load_checkpoint(ckpt, weights=not has_dcp(ckpt))
+class Trainer:
+    """One run, in torchtitan's shape: `__init__` sets up (model, parallelism, optimizer, data, resume state),
+    `train_step` runs one optimizer step and returns its loss as device tensors, `validate` and `save` do what
+    they say, and `fit` is the loop. Losses stay on the device between log lines: the host reads them back only
+    at the logging cadence (and before a validation or a checkpoint), except under on_nan "skip" without a fused
+    optimizer (FSDP), where each step's skip decision needs them."""
+
+    def __init__(self, model_cfg, cfg: TrainConfig, data: TokenData, out_dir: str, resume: bool, rank: int,
+                 world: int, device: torch.device):
+        self.cfg, self.data, self.out_dir, self.rank, self.world, self.device = cfg, data, out_dir, rank, world, device
+        self.main, self.tok = rank == 0, data.tokenizer
+        ensure_writable(out_dir)
+        torch.manual_seed(cfg.seed)
+        model, state, ckpt = self._model(model_cfg, resume)
+        self.model = model
         model_cfg = model.config
-        start, tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
-    else:
-        if cfg.init_from:             # the weights come from a checkpoint (e.g. a dense model, before the warm-up)
+        apply_stage(model, cfg.stage)          # before parallelism: DDP / FSDP2 see only what trains
+        if self.tok.vocab_size > model_cfg.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tok.vocab_size} ids but the model's vocab_size is "
+                              f"{model_cfg.vocab_size}")
+        if cfg.seq_len > model_cfg.max_seq_len:
+            raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+        if not any(p.is_meta for p in model.parameters()):
+            model.to(device)
+        cp = cfg.context_parallel
+        self.cp_group = _context_parallel_group(cfg, model_cfg, rank, world) if cp > 1 else None
+        # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
+        self.par = parallelize(model, cfg.parallel, world=1 if cp > 1 else world, device=device, dtype=cfg.dtype,
+                               compile=cfg.compile, checkpointing=cfg.grad_checkpointing)   # CP reduces grads itself
+        self.opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
+        # a fused AdamW skips a non-finite step on the device (found_inf, as GradScaler does): no host sync
+        self.device_skip = cfg.on_nan == "skip" and bool(self.opt.defaults.get("fused")) and not self.par.sharded
+        self.dp_world = world // cp             # the ranks of a context-parallel group read the same batch
+        self.sampler = make_sampler(data, cfg.data_order, cfg.batch_size, cfg.seq_len, cfg.seed, rank // cp,
+                                    self.dp_world)
+        self.start, self.tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
+        self.nan_skipped = int(state.get("nan_skipped", 0))
+        if resume:
+            self._resume(ckpt, state)
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        if self.main:
+            _write_metrics(self.metrics_path, _metrics_until(self.metrics_path, self.start) if resume else [], "w")
+        # FSDP2's mixed-precision policy already computes in bf16
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                       enabled=cfg.dtype == "bfloat16" and not self.par.mixed_precision)
+        self.eval_batch = cfg.eval_batch_size or cfg.batch_size * (EVAL_BATCH if cp == 1 else 1)
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dp_world
+        self.loss_val = self.kl_val = self.val = None
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)   # skipped steps not yet read back
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)   # a non-finite step not yet read back
+        self.bad_loss = torch.zeros((), device=device)
+
+    def _model(self, model_cfg, resume: bool):
+        """-> (model, checkpoint state, checkpoint path): resumed, initialised from a checkpoint, or on the meta
+        device (allocated and initialised by parallelize, under FSDP2 shard by shard)."""
+        if resume:
+            ckpt = find_checkpoint(self.out_dir)
+            # DCP shards are loaded later, into whatever this rank holds: no whole model here
+            model, state = load_checkpoint(ckpt, weights=not has_dcp(ckpt))
+            return model, state, ckpt
+        if self.cfg.init_from:        # the weights come from a checkpoint (e.g. a dense model, before the warm-up)
             model = CausalLM(model_cfg)
-            init_weights(model, cfg.init_from)
-        else:
-            with torch.device("meta"):    # allocated and initialised by parallelize, under FSDP2 shard by shard
-                model = CausalLM(model_cfg)
-    apply_stage(model, cfg.stage)          # before parallelism: DDP / FSDP2 see only what trains
-    if tok.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                          f"{model_cfg.vocab_size}")
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-    if not any(p.is_meta for p in model.parameters()):
-        model.to(device)
-    cp = cfg.context_parallel
-    cp_group = _context_parallel_group(cfg, model_cfg, rank, world) if cp > 1 else None
-    # activation checkpointing, compile, DDP / FSDP2, applied from outside; the optimizer sees the result
-    par = parallelize(model, cfg.parallel, world=1 if cp > 1 else world, device=device, dtype=cfg.dtype,
-                      compile=cfg.compile, checkpointing=cfg.grad_checkpointing)   # CP reduces gradients itself
-    fwd = par.module
-    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.adam_eps)
-    B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
-    dp_rank, dp_world = rank // cp, world // cp      # the ranks of a context-parallel group read the same batch
-    sampler = make_sampler(data, cfg.data_order, B, T, cfg.seed, dp_rank, dp_world)
-    nan_skipped = 0
-    if resume:
+            init_weights(model, self.cfg.init_from)
+            return model, {}, None
+        with torch.device("meta"):
+            return CausalLM(model_cfg), {}, None
+
+    def _resume(self, ckpt: str, state: dict):
         if has_dcp(ckpt):
-            load_training_state(model, opt, ckpt)
-        elif par.sharded:
+            load_training_state(self.model, self.opt, ckpt)
+        elif self.par.sharded:
             raise CheckpointError(f"{ckpt} was saved without --parallel fsdp (no dcp/ shards); resume it with "
                                   "--parallel ddp")
         else:
-            load_optimizer(opt, ckpt)
+            load_optimizer(self.opt, ckpt)
         set_rng_state(state.get("rng", {}))
-        sampler.load_state_dict(state.get("data_position", {}))
-        nan_skipped = int(state.get("nan_skipped", 0))
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if main:
-        _write_metrics(metrics_path, _metrics_until(metrics_path, start) if resume else [], "w")
+        self.sampler.load_state_dict(state.get("data_position", {}))
 
-    # FSDP2's mixed-precision policy already computes in bf16
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                              enabled=cfg.dtype == "bfloat16" and not par.mixed_precision)
+    def train_step(self, step: int) -> dict:
+        """Forward and backward over the micro-batches, gradient reduction and clipping, and the optimizer step
+        unless the loss or gradient norm is non-finite (on_nan). -> {"step", "loss", "kl" (device tensors)}."""
+        cfg, A = self.cfg, self.cfg.grad_accum
+        for g in self.opt.param_groups:
+            g["lr"] = cfg.lr_for(step)
+        if cfg.indexer_dense_steps and cfg.stage == "full" and step in (self.start, cfg.indexer_dense_steps):
+            set_dense(self.model, step < cfg.indexer_dense_steps)
+        loss_sum, kl_sum = torch.zeros((), device=self.device), None   # kl: the lightning indexers' (`I` layers)
+        for micro in range(A):
+            loss, kl = self._micro_step(step, micro)
+            loss_sum += loss
+            if kl is not None:
+                kl_sum = kl + (kl_sum if kl_sum is not None else 0)
+        loss, kl = loss_sum / A, (kl_sum / A if kl_sum is not None else None)
+        if self.cp_group is not None:   # sum the shares within a group, average the groups
+            all_reduce_grads(self.model)
+            for p in self.model.parameters():
+                p.grad.div_(self.dp_world)
+        if self.world > 1:  # every rank sees the same loss, so all take the same branch below
+            dist.all_reduce(loss)
+            loss /= self.dp_world
+            if kl is not None:
+                dist.all_reduce(kl)
+                kl /= self.world
+        ok = loss.isfinite()
+        if cfg.grad_clip:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            ok &= (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).isfinite()   # a DTensor under FSDP
+        self._update(step, ok, loss)
+        self.opt.zero_grad(set_to_none=True)
+        return {"step": step + 1, "loss": loss, "kl": kl}
 
-    eval_batch = cfg.eval_batch_size or B * (EVAL_BATCH if cp == 1 else 1)
+    def _micro_step(self, step: int, micro: int):
+        """One micro-batch's forward and backward. -> (loss, indexer KL or None), detached, float32."""
+        ids, resets = self.sampler.batch(step, micro)
+        ids, resets = ids.to(self.device), resets.to(self.device) if self.cfg.doc_mask else None
+        fwd, last = self.par.module, micro == self.cfg.grad_accum - 1
+        sync = fwd.no_sync() if self.par.mode == "ddp" and not last else contextlib.nullcontext()
+        if self.par.sharded:
+            fwd.set_requires_gradient_sync(last)
+        with sync:
+            with self.autocast:
+                if self.cp_group is None:
+                    res = fwd(ids, labels=ids, resets=resets)
+                else:   # this rank's share of the sequence's loss
+                    res = context_parallel_forward(self.model, ids, labels=ids, resets=resets, group=self.cp_group)
+            (res.loss / self.cfg.grad_accum).backward()
+        kl = getattr(res, "indexer_kl", None)
+        return res.loss.detach().float(), (kl.detach().float() if kl is not None else None)
 
-    def run_eval() -> dict:   # every rank evaluates its share of the windows (eval/perplexity.py)
-        return validate(model, data.tokens("val"), tok, cfg.seq_len, eval_batch,
-                        max_tokens=cfg.eval_tokens, seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=autocast,
-                        rank=rank, world=world)
-
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), file=sys.stderr, desc="train",
-               dynamic_ncols=True, leave=True)
-    tokens_per_step = B * T * A * dp_world
-    first_loss = loss_val = val = kl_val = None
-    window_tokens, window_time, train_time = 0, 0.0, 0.0
-    ckpt_path = stopped = None
-
-    def save(done, last=False):  # RUN/step-NNNNNN, then RUN/latest points at it
-        st = {"step": done, "tokens_seen": tokens_seen, "train_config": asdict(cfg), "tokenizer": tok.to_dict(),
-              "data": data.source, "data_spec": getattr(data, "spec", None), "loss": loss_val,
-              "val_loss": val and val["loss"], "nan_skipped": nan_skipped, "data_position": sampler.state_dict()}
-        if par.sharded:   # DCP shards from every rank; the weights consolidated at the end
-            path = save_sharded_checkpoint(out_dir, model, opt, st, tok, consolidate=last, name=step_name(done))
+    def _update(self, step: int, ok: torch.Tensor, loss: torch.Tensor):
+        """The optimizer step, or none for a non-finite step (ok False). on_nan "stop" records the first such step
+        and steps anyway: `read` raises before any log line, validation or checkpoint sees the spoiled weights.
+        "skip" drops the update, on the device with a fused optimizer, else after reading the flag (a sync)."""
+        first = self.bad_step < 0 if self.cfg.on_nan == "stop" else torch.ones((), dtype=torch.bool,
+                                                                                 device=self.device)
+        hit = ~ok & first                       # the step and loss a message names: the first (stop), last (skip)
+        self.bad_step = torch.where(hit, step + 1, self.bad_step)
+        self.bad_loss = torch.where(hit, loss, self.bad_loss)
+        if self.cfg.on_nan == "stop":
+            self.opt.step()
+        elif self.device_skip:
+            self.opt.found_inf, self.opt.grad_scale = (~ok).float(), None   # read by the fused kernel, as GradScaler
+            try:
+                self.opt.step()
+            finally:
+                del self.opt.found_inf, self.opt.grad_scale
+            self.skipped += ~ok
+        elif bool(ok):
+            self.opt.step()
         else:
-            path = save_checkpoint(out_dir, model, opt, st, tok, name=step_name(done)) if main else None
-        if main:
-            mark_latest(out_dir, path, cfg.keep)
-        if world > 1:
+            self.skipped += 1
+
+    def read(self, out: dict) -> None:
+        """Bring a step's loss and KL and the skipped steps to the host (a sync); on_nan stop raises here when a
+        step since the last read was non-finite."""
+        self.loss_val = out["loss"].item()
+        self.kl_val = out["kl"].item() if out["kl"] is not None else None
+        bad, n = int(self.bad_step), int(self.skipped)
+        if bad >= 0 and self.cfg.on_nan == "stop":
+            raise FloatingPointError(f"loss {self.bad_loss.item()} (or a non-finite gradient norm) at step {bad}: "
+                                     f"stopped, the last checkpoint is untouched; try a lower --lr, or --on-nan skip")
+        if n:
+            self.nan_skipped += n
+            self.skipped.zero_()
+            self.bad_step.fill_(-1)
+            tqdm.write(f"step {bad}: loss {self.bad_loss.item()}: batch skipped ({self.nan_skipped} so far"
+                       f"{'' if n == 1 else f'; {n} since the last log line'})", file=sys.stderr)
+
+    def validate(self) -> dict:
+        """Every rank evaluates its share of the validation windows (eval/perplexity.py)."""
+        cfg = self.cfg
+        return validate(self.model, self.data.tokens("val"), self.tok, cfg.seq_len, self.eval_batch,
+                        max_tokens=cfg.eval_tokens, seed=cfg.seed, doc_mask=cfg.doc_mask, autocast=self.autocast,
+                        rank=self.rank, world=self.world)
+
+    def save(self, done: int, last: bool = False) -> str | None:
+        """RUN/step-NNNNNN (DCP shards from every rank under FSDP2, consolidated at the end), then RUN/latest."""
+        st = {"step": done, "tokens_seen": self.tokens_seen, "train_config": asdict(self.cfg),
+              "tokenizer": self.tok.to_dict(), "data": self.data.source, "data_spec": getattr(self.data, "spec", None),
+              "loss": self.loss_val, "val_loss": self.val and self.val["loss"], "nan_skipped": self.nan_skipped,
+              "data_position": self.sampler.state_dict()}
+        if self.par.sharded:
+            path = save_sharded_checkpoint(self.out_dir, self.model, self.opt, st, self.tok, consolidate=last,
+                                           name=step_name(done))
+        else:
+            path = save_checkpoint(self.out_dir, self.model, self.opt, st, self.tok, name=step_name(done)) \
+                if self.main else None
+        if self.main:
+            mark_latest(self.out_dir, path, self.cfg.keep)
+        if self.world > 1:
             dist.barrier()
         return path
 
-    model.train()
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        lr = cfg.lr_for(step)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        if cfg.indexer_dense_steps and cfg.stage == "full" and step in (start, cfg.indexer_dense_steps):
-            set_dense(model, step < cfg.indexer_dense_steps)
-        loss_sum = torch.zeros((), device=device)
-        kl_sum = None                       # the lightning indexers' KL (`I` layers), logged on its own
-        for micro in range(A):
-            ids, resets = sampler.batch(step, micro)
-            ids, resets = ids.to(device), resets.to(device) if cfg.doc_mask else None
-            sync = fwd.no_sync() if par.mode == "ddp" and micro < A - 1 else contextlib.nullcontext()
-            if par.sharded:
-                fwd.set_requires_gradient_sync(micro == A - 1)
-            with sync:
-                with autocast:
-                    if cp_group is None:
-                        res = fwd(ids, labels=ids, resets=resets)
-                    else:   # this rank's share of the sequence's loss
-                        res = context_parallel_forward(model, ids, labels=ids, resets=resets, group=cp_group)
-                    loss = res.loss
-                (loss / A).backward()
-            loss_sum += loss.detach().float()
-            if getattr(res, "indexer_kl", None) is not None:
-                kl_sum = res.indexer_kl.detach().float() + (kl_sum if kl_sum is not None else 0)
-        loss_avg = loss_sum / A
-        if cp_group is not None:   # sum the shares within a group, average the groups
-            all_reduce_grads(model)
-            for p in model.parameters():
-                p.grad.div_(dp_world)
-        kl_avg = kl_sum / A if kl_sum is not None else None
-        if world > 1:  # every rank sees the same loss, so all take the same branch below
-            dist.all_reduce(loss_avg)
-            loss_avg /= dp_world
-            if kl_avg is not None:
-                dist.all_reduce(kl_avg)
-                kl_avg /= world
-        loss_val = loss_avg.item()
-        kl_val = kl_avg.item() if kl_avg is not None else None
-        grad_norm = None
-        if cfg.grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # a DTensor under FSDP
-        if finite(loss_val, grad_norm):
-            opt.step()
-        elif cfg.on_nan == "skip":  # drop this batch: no update, the data position moves on
-            nan_skipped += 1
-            bar.write(f"step {step + 1}: loss {loss_val}, grad norm {grad_norm}: batch skipped "
-                      f"({nan_skipped} so far)", file=sys.stderr)
-        else:
-            raise FloatingPointError(f"loss {loss_val} (grad norm {grad_norm}) at step {step + 1}: stopped, the last "
-                                     f"checkpoint is untouched; try a lower --lr, or --on-nan skip")
-        opt.zero_grad(set_to_none=True)
-        if first_loss is None:
-            first_loss = loss_val
-        done = step + 1
-        tokens_seen += tokens_per_step
-        dt = time.perf_counter() - t0
-        window_time, window_tokens, train_time = window_time + dt, window_tokens + tokens_per_step, train_time + dt
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}", tok_s=f"{window_tokens / window_time:,.0f}")
+    def fit(self, signals: StopSignals, progress: bool = True) -> dict:
+        """The loop: steps, log lines at the cadence, validation and checkpoints; returns the run's summary."""
+        cfg, start = self.cfg, self.start
+        bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and self.main), file=sys.stderr,
+                   desc="train", dynamic_ncols=True, leave=True)
+        first_loss = ckpt_path = stopped = None
+        window_tokens, window_time, train_time, done = 0, 0.0, 0.0, start
+        self.model.train()
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            out = self.train_step(step)
+            done = step + 1
+            self.tokens_seen += self.tokens_per_step
+            dt = time.perf_counter() - t0
+            window_time, window_tokens, train_time = window_time + dt, window_tokens + self.tokens_per_step, \
+                train_time + dt
+            bar.update(1)
+            is_last = done == cfg.steps
+            do_eval = cfg.eval_tokens != 0 and (is_last or (cfg.eval_every and done % cfg.eval_every == 0))
+            do_save = is_last or (cfg.save_every and done % cfg.save_every == 0)
+            do_log = done % cfg.log_every == 0 or done == start + 1
+            if do_log or do_eval or do_save:
+                self.read(out)
+                first_loss = self.loss_val if first_loss is None else first_loss
+                bar.set_postfix(loss=f"{self.loss_val:.4f}", lr=f"{cfg.lr_for(step):.2e}",
+                                tok_s=f"{window_tokens / window_time:,.0f}")
+            row_eval = self._eval(done, bar) if do_eval else {}
+            if self.main and (do_log or do_eval):
+                self._log(done, cfg.lr_for(step), window_tokens / window_time, row_eval)
+                window_tokens, window_time = 0, 0.0
+            if signals.requested(self.world, self.device):  # SIGTERM / SIGINT: this step is done; save it, leave
+                self.read(out)
+                stopped = signals.received
+                ckpt_path = self.save(done, last=True)
+                break
+            if do_save:
+                ckpt_path = self.save(done, last=is_last)
+        bar.close()
+        return self._summary(start, done if stopped else cfg.steps, stopped, first_loss, train_time, ckpt_path)
 
-        is_last = done == cfg.steps
-        do_eval = cfg.eval_tokens != 0 and (is_last or (cfg.eval_every and done % cfg.eval_every == 0))
-        row_eval = {}
-        if do_eval:
-            val = run_eval()
-            row_eval = {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"],
-                        "val_bpb": val["bpb"]}
-            line = f"step {done:>6}  train loss {loss_val:.4f}  {describe(val)}"
-            if main and bar.disable:  # --no-progress hides the bar, not the validation lines
-                print(line, file=sys.stderr, flush=True)
-            elif main:
-                bar.write(line, file=sys.stderr)
-        if main and (done % cfg.log_every == 0 or done == 1 or do_eval):
-            row = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": window_tokens / window_time,
-                   "tokens": tokens_seen, "nan_skipped": nan_skipped, "val_loss": None, "val_ppl": None, **row_eval}
-            if kl_val is not None:
-                row["indexer_kl"] = kl_val
-            _write_metrics(metrics_path, [row], "a")
-            window_tokens, window_time = 0, 0.0
-        if signals.requested(world, device):  # SIGTERM / SIGINT: this step is done; save it and leave
-            stopped = signals.received
-            ckpt_path = save(done, last=True)
-            break
-        if is_last or (cfg.save_every and done % cfg.save_every == 0):
-            ckpt_path = save(done, last=is_last)
-    bar.close()
-    end = done if stopped else cfg.steps
-    return {"steps": end, "stopped": stopped, "nan_skipped": nan_skipped, "start_step": start,
-            "first_loss": first_loss, "loss": loss_val, "indexer_kl": kl_val, "val_loss": val and val["loss"],
-            "val_ppl": val and val["ppl"], "val_tokens": val and val["tokens"], "val_bpb": val and val["bpb"],
-            "val_whole": val and val["whole"],
-            "tokens_seen": tokens_seen, "train_time_s": train_time,
-            "tokens_per_s": (end - start) * tokens_per_step / train_time if train_time else None,
-            "params": model.num_parameters(), "checkpoint": ckpt_path, "out_dir": out_dir}
+    def _eval(self, done: int, bar) -> dict:
+        self.val = val = self.validate()
+        line = f"step {done:>6}  train loss {self.loss_val:.4f}  {describe(val)}"
+        if self.main and bar.disable:  # --no-progress hides the bar, not the validation lines
+            print(line, file=sys.stderr, flush=True)
+        elif self.main:
+            bar.write(line, file=sys.stderr)
+        return {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"], "val_bpb": val["bpb"]}
+
+    def _log(self, done: int, lr: float, tokens_per_s: float, row_eval: dict):
+        row = {"step": done, "loss": self.loss_val, "lr": lr, "tokens_per_s": tokens_per_s, "tokens": self.tokens_seen,
+               "nan_skipped": self.nan_skipped, "val_loss": None, "val_ppl": None, **row_eval}
+        if self.kl_val is not None:
+            row["indexer_kl"] = self.kl_val
+        _write_metrics(self.metrics_path, [row], "a")
+
+    def _summary(self, start, end, stopped, first_loss, train_time, ckpt_path) -> dict:
+        val = self.val
+        return {"steps": end, "stopped": stopped, "nan_skipped": self.nan_skipped, "start_step": start,
+                "first_loss": first_loss, "loss": self.loss_val, "indexer_kl": self.kl_val,
+                "val_loss": val and val["loss"], "val_ppl": val and val["ppl"], "val_tokens": val and val["tokens"],
+                "val_bpb": val and val["bpb"], "val_whole": val and val["whole"], "tokens_seen": self.tokens_seen,
+                "train_time_s": train_time,
+                "tokens_per_s": (end - start) * self.tokens_per_step / train_time if train_time else None,
+                "params": self.model.num_parameters(), "checkpoint": ckpt_path, "out_dir": self.out_dir}
