@@ -1,5 +1,5 @@
-"""docs/architecture.md names only things that exist: files and folders, command-line flags, config fields and
-other identifiers, read from its backticked spans.
+"""README.md and every page of docs/ name only things that exist: files and folders, command-line flags, config
+fields and other identifiers, read from their backticked spans; the README stays a front door that links every page.
 
 A span is checked only when it looks like one of these as a whole (a path, `--flag`, `snake_case`, `A.b.c`);
 Python expressions, shapes and layout strings are left alone.
@@ -15,8 +15,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "hybridlm"
 DOC = ROOT / "docs" / "architecture.md"
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 SPAN = re.compile(r"`([^`\n]+)`")
+OUTPUTS = {"runs", "OUT", "RUN"}                     # what a command writes: runs/bench/, OUT/step-000500/
+WRITTEN = {"modeling_hybridlm.py"}                  # files hybridlm writes into run directories
 PATH = re.compile(r"(?<![\w/.*-])([\w*-]+(?:/[\w*.-]+)*\.py)\b")      # layers/attention.py, errors.py, layers/*.py
 FOLDER = re.compile(r"^([\w-]+(?:/[\w-]+)*)/$")                           # ops/triton/
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)")        # --on-nan
@@ -37,6 +41,8 @@ def missing_paths(text: str) -> list[str]:
         if m:
             names.append(m.group(1))
         for name in names:
+            if name.split("/")[0] in OUTPUTS or name in WRITTEN:
+                continue
             if not any(list(base.glob(name)) for base in (SRC, ROOT)):
                 bad.append(name)
     return bad
@@ -95,6 +101,8 @@ def _index():
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 top.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+                if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):   # lazy exports
+                    top.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
             elif isinstance(node, ast.ImportFrom):
                 top.update(a.asname or a.name for a in node.names)
         for node in ast.walk(tree):
@@ -104,8 +112,12 @@ def _index():
                 names.add(node.arg)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            elif isinstance(node, ast.Attribute):   # set or read: our fields, transformers' config fields
                 names.add(node.attr)
+            elif isinstance(node, ast.alias):       # imported anywhere: `mamba_chunk_scan_combined`
+                names.add((node.asname or node.name).rsplit(".", 1)[-1])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and SNAKE.match(node.value):
+                names.add(node.value)               # keys the code reads or writes: config.json fields, JSON rows
             if isinstance(node, ast.ClassDef):      # its methods, class attributes and `self.x = ...`
                 members = classes.setdefault(node.name, set())
                 for sub in ast.walk(node):
@@ -115,6 +127,8 @@ def _index():
                         members.add(sub.attr)
                     elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
                         members.add(sub.id)
+    for p in list(SRC.rglob("*.yaml")) + list(SRC.rglob("*.toml")):     # lm-eval task names, recipe keys
+        names.update(w for w in re.findall(r"[a-z][a-z0-9_]*", p.read_text()) if SNAKE.match(w))
     config = _fields(SRC / "models" / "config.py", "ModelConfig")
     config |= _fields(SRC / "train" / "trainer.py", "TrainConfig")
     return frozenset(names), modules, classes, frozenset(config)
@@ -166,16 +180,38 @@ def test_the_page_stays_short():
     assert len(DOC.read_text().split()) <= 1300, "docs/architecture.md is one page: move details into docstrings"
 
 
-def test_named_paths_exist():
-    assert missing_paths(DOC.read_text()) == []
+def _page_id(p: pathlib.Path) -> str:
+    return str(p.relative_to(ROOT))
 
 
-def test_named_flags_exist():
-    assert missing_flags(DOC.read_text()) == []
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_named_paths_exist(page):
+    assert missing_paths(page.read_text()) == []
 
 
-def test_named_fields_and_names_exist():
-    assert missing_names(DOC.read_text()) == []
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_named_flags_exist(page):
+    assert missing_flags(page.read_text()) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_named_fields_and_names_exist(page):
+    assert missing_names(page.read_text()) == []
+
+
+def test_readme_is_a_front_door():
+    """At most 1,500 words, and every page of docs/ linked from it."""
+    text = README.read_text()
+    assert len(text.split()) <= 1500
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_no_paper_by_file_name(page):
+    """Papers are cited by title (docs/references.md), never by a file name outside the repository."""
+    text = page.read_text()
+    assert not re.search(r"\d{3}_[0-9a-f]{16}", text) and "REFERENCES.md" not in text and "DESIGN.md" not in text
 
 
 def test_layering_order_matches_the_test():
