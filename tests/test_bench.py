@@ -51,16 +51,20 @@ def test_bad_shapes_argument():
 
 
 def test_twins_bench_smoke(tmp_path):
-    """`python -m hybridlm.bench.twins` (= `hybridlm bench --suite twins`): every preset against its transformers
-    twin on the same weights (build_twin checks their logits agree first), JSON and a markdown table."""
+    """`hybridlm bench --suite twins`: every preset against its transformers twin on the same weights (build_twin
+    checks their logits agree first), JSON and a markdown table; a flag the suite does not take is refused."""
     pytest.importorskip("transformers")
-    from hybridlm.bench.twins import main, twins
+    from hybridlm.bench.run import main
+    from hybridlm.bench.twins import twins
+    from hybridlm.errors import ConfigError
     out = tmp_path / "twins.json"
-    assert main(["--d-model", "64", "--layers", "2", "--vocab-size", "64", "--shapes", "1x16", "--repeats", "1",
-                 "--out", str(out)]) == 0
+    assert main(_args("--suite", "twins", "--d-model", "64", "--layers", "2", "--vocab-size", "64", "--shapes",
+                      "1x16", "--repeats", "1", "--out", str(out))) == 0
     rows = json.loads(out.read_text())["train"]
     assert {r["preset"] for r in rows} == set(twins()) and all(r["ours_tokens_per_s"] > 0 for r in rows)
     assert "`zamba2` | `Zamba2ForCausalLM`" in (tmp_path / "twins.md").read_text()
+    with pytest.raises(ConfigError, match="--suite mla does not take --d-model"):
+        main(_args("--suite", "mla", "--d-model", "64", "--out", str(out)))
 
 
 

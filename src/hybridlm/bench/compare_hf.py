@@ -11,7 +11,7 @@ import torch
 
 from ..hf.convert import from_transformers
 from . import measure as ms
-from .twins import native_twin, train_cases
+from .twins import native_twin
 
 ARCHS = {"llama": "transformer++", "mamba2": "mamba2"}
 
@@ -34,7 +34,8 @@ def train_rows(arch, hf, ours, shapes, repeats, peak_gflops, log=print) -> list[
     ours.train()
     try:
         for B, T in shapes:
-            timed = ms.run_cases(train_cases({arch: (hf, ours)}, B, T, ours.config.vocab_size), repeats)
+            timed = ms.run_cases(ms.train_cases({arch: {"ours": ours, "hf": hf}}, B, T, ours.config.vocab_size,
+                                                 seed=B * 7919 + T), repeats)
             o, h = ms.pick(timed, arch, "ours"), ms.pick(timed, arch, "hf")
             flops = ms.train_flops_per_token(ours, T)
             row = dict(arch=arch, preset=ARCHS[arch], batch=B, seq_len=T,

@@ -263,6 +263,15 @@ def train_step(model, ids: Tensor, dtype=None, full_logits: bool = False) -> Cal
     return step
 
 
+def train_cases(groups: dict, batch: int, seq_len: int, vocab_size: int, dtype=None, seed: int = 0) -> list[Case]:
+    """One case per entry {name: {variant: model}} (ours / transformers, or one model): a training step of each
+    variant on the same random batch [batch, seq_len]."""
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+    return [Case(name, lambda v=variants: {k: train_step(m.train(), ids, dtype) for k, m in v.items()},
+                 work=batch * seq_len, unit="tokens", info=dict(batch=batch, seq_len=seq_len))
+            for name, variants in groups.items()]
+
+
 def forward_step(model, ids: Tensor, dtype=None, **kw) -> Callable[[], None]:
     def step():
         with torch.inference_mode(), precision(ids.device.type, dtype):

@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    "written next to it with a .png suffix")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--archs", default="llama,mamba2", help="--compare-hf: which of llama,mamba2 to compare")
-    p.add_argument("--presets", default="transformer++,mamba2",
-                   help="without --compare-hf: comma-separated presets to measure")
+    p.add_argument("--presets", default=None,
+                   help="without --compare-hf: comma-separated presets to measure (default transformer++,mamba2; "
+                        "--suite twins: all twins)")
     p.add_argument("--d-model", type=int, default=None, help="model width (default 256; quick 64)")
     p.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=None,
                    help="token-mixer layers (attention, SSD, Rodimus, ...; MLP/MoE not counted) of every preset: "
@@ -131,6 +132,21 @@ def _settings(args) -> dict:
         if args.memory is not None:
             s["memory"] = args.memory
     return s
+
+
+def _suite_options(args) -> dict:
+    """The instrument's flags a suite takes (as keyword arguments: twins takes --presets, --d-model, --layers,
+    --vocab-size, --shapes, --repeats); one given to a suite that does not take it is an error."""
+    import inspect
+
+    from ..errors import ConfigError
+    given = {k: getattr(args, k) for k in ("presets", "d_model", "n_layers", "vocab_size", "shapes", "repeats")
+             if getattr(args, k) is not None}
+    takes = inspect.signature(SUITES[args.suite][0]).parameters
+    bad = [k for k in given if k not in takes]
+    if bad:
+        raise ConfigError(f"--suite {args.suite} does not take {', '.join('--' + k.replace('_', '-') for k in bad)}")
+    return given
 
 
 def _meta(args) -> dict:
@@ -226,7 +242,12 @@ def main(args) -> int:
         print(f"results: {out} and {os.path.splitext(out)[0]}.md")
         return 1 if (res.get("correctness") or {}).get("failed") else 0
     if args.suite:
-        write_results(args.out, {"suite": args.suite, **SUITES[args.suite][0](quick=args.quick)}, _meta(args))
+        res = {"suite": args.suite, **SUITES[args.suite][0](quick=args.quick, **_suite_options(args))}
+        markdown = res.pop("markdown", None)
+        write_results(args.out, res, _meta(args))
+        if markdown:
+            with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+                f.write(markdown)
         return 0
     from ..errors import ConfigError
     if args.compare_hf and (args.params or args.compile or args.memory or args.device != "cpu"
@@ -249,7 +270,7 @@ def main(args) -> int:
         res = dict(run_compare(settings, archs=archs, log=log), mode="compare-hf")
         draw, table = (lambda stem: [plot(res, stem + ".png")]), format_table
     else:
-        names = [n.strip() for n in args.presets.split(",") if n.strip()]
+        names = [n.strip() for n in (args.presets or "transformer++,mamba2").split(",") if n.strip()]
         res = dict(instrument.run_instrument(settings, names, log=log), mode="ours", settings=settings)
         draw, table = (lambda stem: instrument.plot(res, stem)), instrument.format_table
     print()

@@ -132,7 +132,6 @@ def doge_vs_hf(d_model=256, n_layers=4, vocab_size=8192, batch=4, seq_len=512, n
     import transformers
 
     from ..hf import from_transformers
-    from .twins import train_cases
     hcfg = transformers.DogeConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
                                    num_hidden_layers=n_layers, num_attention_heads=n_heads,
                                    max_position_embeddings=max(2048, seq_len), is_moe=True, num_experts=num_experts,
@@ -140,7 +139,8 @@ def doge_vs_hf(d_model=256, n_layers=4, vocab_size=8192, batch=4, seq_len=512, n
     torch.manual_seed(0)
     hf = transformers.DogeForCausalLM(hcfg).train()
     ours = from_transformers(hf).train()
-    rows = ms.run_cases(train_cases({"doge": (hf, ours)}, batch, seq_len, vocab_size), repeats)
+    rows = ms.run_cases(ms.train_cases({"doge": {"ours": ours, "hf": hf}}, batch, seq_len, vocab_size,
+                                       seed=batch * 7919 + seq_len), repeats)
     o, h = ms.pick(rows, "doge", "ours")["per_s"], ms.pick(rows, "doge", "hf")["per_s"]
     return dict(d_model=d_model, n_layers=n_layers, vocab_size=vocab_size, batch=batch, seq_len=seq_len,
                 num_experts=num_experts, top_k=top_k, n_heads=n_heads, parameters=ours.num_parameters(),
@@ -283,12 +283,6 @@ def state_vs_mamba2(d_model: int = 256) -> dict:
     return out
 
 
-def train_cases(models: dict, batch: int, seq_len: int, vocab_size: int) -> list[ms.Case]:
-    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    return [ms.Case(n, lambda m=m: {"train": ms.train_step(m.train(), ids)}, work=batch * seq_len, unit="tokens")
-            for n, m in models.items()]
-
-
 def rodimus_suite(quick=False, log=print) -> dict:
     """Rodimus* (issue 4): the chunked GLA op at Rodimus' shapes, state vs Mamba-2, constant cache and flat decode
     latency against context (prefill in chunks of 1024), training tokens/s vs Mamba-2 at equal parameters (6 R
@@ -316,7 +310,7 @@ def rodimus_suite(quick=False, log=print) -> dict:
     common = dict(d_model=d, vocab_size=V, max_seq_len=L)
     models = {"rodimus": _model("rodimus", n_layers=6, **common), "mamba2": _model("mamba2", n_layers=7, **common),
               "rodimus++": _model("rodimus++", n_layers=2, **common)}
-    rows = ms.run_cases(train_cases(models, B, L, V), reps)
+    rows = ms.run_cases(ms.train_cases({n: {"train": m} for n, m in models.items()}, B, L, V), reps)
     tr = res["train_vs_mamba2"] = {"batch": B, "seq_len": L, "d_model": d, "vocab_size": V, "rows": {
         n: {"parameters": m.num_parameters(), "layout": m.config.layout,
             "tokens_per_s": ms.pick(rows, n, "train")["per_s"], "median_s": ms.pick(rows, n, "train")["median_s"]}
@@ -385,12 +379,22 @@ def hf_suite(quick=False, log=print) -> dict:
     return {"settings": {k: v for k, v in s.items() if k != "overrides"}, "decode": rows}
 
 
-def twins_suite(quick=False, log=print) -> dict:
-    """Every preset of hf.common.TWINS against its transformers twin, training steps on the same weights."""
-    from .twins import run, twins
-    if quick:
-        return run(sorted(twins()), d_model=64, n_layers=2, vocab_size=256, shapes=((1, 32),), repeats=1, log=log)
-    return run(sorted(twins()), log=log)
+def twins_suite(quick=False, log=print, presets=None, d_model=None, n_layers=None, vocab_size=None, shapes=None,
+                repeats=None) -> dict:
+    """Every preset of hf.common.TWINS (or `presets`) against its transformers twin, training steps on the same
+    weights; the result carries its markdown table (written beside the JSON)."""
+    from .twins import run, to_markdown, twins
+    known = twins()
+    names = sorted(known) if presets is None else [n.strip() for n in presets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        from ..errors import ConfigError
+        raise ConfigError(f"no transformers twin for {', '.join(unknown)} (have: {', '.join(sorted(known))})")
+    base = dict(d_model=64, n_layers=2, vocab_size=256, shapes=((1, 32),), repeats=1) if quick else \
+        dict(d_model=256, n_layers=4, vocab_size=8192, shapes=((4, 512),), repeats=5)
+    given = dict(d_model=d_model, n_layers=n_layers, vocab_size=vocab_size, shapes=shapes, repeats=repeats)
+    res = run(names, **{**base, **{k: v for k, v in given.items() if v is not None}}, log=log)
+    return dict(res, markdown=to_markdown(res))
 
 
 # name -> (suite, what it measures): `hybridlm bench --suite NAME`

@@ -1,7 +1,7 @@
 """Each public-hybrid preset against its transformers twin, on the same weights, in one interleaved run.
 
     hybridlm bench --suite twins                                   # every preset in hf.common.TWINS
-    python -m hybridlm.bench.twins --presets qwen3-next,bamba --d-model 256 --layers 4 --shapes 4x512
+    hybridlm bench --suite twins --presets qwen3-next,bamba --d-model 256 --layers 4 --shapes 4x512 --out t.json
 
 For each preset, `TWINS[preset](d_model, n_layers, vocab_size, max_seq_len)` gives the transformers config of the
 same model; the transformers model is built from it with random weights and converted with `from_transformers`, so
@@ -9,9 +9,6 @@ both compute the same function (the converted logits are checked against transfo
 forward+backward steps (no optimizer) alternate ours / transformers, every preset's steps interleaved with the
 others', and medians are reported as tokens/s and the ratio ours / transformers.
 """
-import argparse
-import os
-
 import torch
 
 from . import measure as ms
@@ -55,16 +52,6 @@ def build_twin(name: str, *, d_model: int, n_layers: int, vocab_size: int, max_s
     return hf.train(), ours.train()
 
 
-def train_cases(pairs: dict, batch: int, seq_len: int, vocab_size: int, dtype=None) -> list:
-    """One case per pair {name: (transformers model, ours)}: a training step of each on the same random batch."""
-    g = torch.Generator().manual_seed(batch * 7919 + seq_len)
-    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
-    return [ms.Case(name, lambda hf=hf, ours=ours: {"ours": ms.train_step(ours, ids, dtype),
-                                                    "hf": ms.train_step(hf, ids, dtype)},
-                    work=batch * seq_len, unit="tokens", info=dict(batch=batch, seq_len=seq_len))
-            for name, (hf, ours) in pairs.items()]
-
-
 def run(presets: list[str], *, d_model: int = 256, n_layers: int = 4, vocab_size: int = 8192,
         shapes=((4, 512),), repeats: int = 5, log=print) -> dict:
     pairs = {}
@@ -73,7 +60,8 @@ def run(presets: list[str], *, d_model: int = 256, n_layers: int = 4, vocab_size
         pairs[name] = build_twin(name, d_model=d_model, n_layers=n_layers, vocab_size=vocab_size, max_seq_len=max_len)
     rows = []
     for B, T in shapes:
-        timed = ms.run_cases(train_cases(pairs, B, T, vocab_size), repeats)
+        timed = ms.run_cases(ms.train_cases({n: {"ours": o, "hf": h} for n, (h, o) in pairs.items()}, B, T,
+                                            vocab_size, seed=B * 7919 + T), repeats)
         for name, (hf, ours) in pairs.items():
             o, h = ms.pick(timed, name, "ours"), ms.pick(timed, name, "hf")
             row = dict(preset=name, hf_class=type(hf).__name__, layout=ours.config.layout, batch=B, seq_len=T,
@@ -100,32 +88,3 @@ def to_markdown(res: dict) -> str:
                      f"{r['parameters']:,} | {r['ours_tokens_per_s']:,.0f} | {r['hf_tokens_per_s']:,.0f} | "
                      f"{r['ratio']:.2f} |")
     return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    from .run import _shapes
-    TWINS = twins()
-    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.twins", description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default=",".join(sorted(TWINS)), help="comma-separated presets (default: all twins)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4, help="layers of the transformers model")
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--shapes", type=_shapes, default=[(4, 512)])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=None, help="JSON results file")
-    a = p.parse_args(argv)
-    names = [n.strip() for n in a.presets.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TWINS]
-    if unknown:
-        p.error(f"no transformers twin for {', '.join(unknown)} (have: {', '.join(sorted(TWINS))})")
-    res = run(names, d_model=a.d_model, n_layers=a.layers, vocab_size=a.vocab_size, shapes=a.shapes,
-              repeats=a.repeats)
-    if a.out:
-        ms.write_results(a.out, res)
-        with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-            f.write(to_markdown(res))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
