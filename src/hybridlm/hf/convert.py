@@ -83,15 +83,10 @@ def mamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 
 register("llama", "LlamaForCausalLM", llama_config, llama_weights)
 register("mamba2", "Mamba2ForCausalLM", mamba2_config, mamba2_weights)
-from . import convert_deepseek  # noqa: E402,F401  (registers DeepSeek-V3 / V3.2; imports only .common)
-from . import convert_doge  # noqa: E402,F401  (registers Doge; imports only .common)
-from . import convert_kimi_linear  # noqa: E402,F401  (registers Kimi-Linear; imports only .common)
-from . import convert_bamba, convert_granitemoehybrid, convert_nemotron_h  # noqa: E402,F401  (Mamba-2 hybrids)
-from . import convert_qwen3_next  # noqa: E402,F401  (registers Qwen3-Next; imports only .common)
-from . import convert_mamba1  # noqa: E402,F401  (registers Mamba, Falcon-Mamba, Jamba; imports only .common)
-from . import convert_falcon_h1  # noqa: E402,F401  (registers Falcon-H1; imports only .common)
-from . import convert_lfm2  # noqa: E402,F401  (registers LFM2; imports only .common)
-from . import convert_zamba2  # noqa: E402,F401  (registers Zamba2; imports only .common)
+# the other families register themselves when imported (each uses .common and models/, never this module)
+from . import (convert_bamba, convert_deepseek, convert_doge, convert_falcon_h1,  # noqa: E402,F401
+               convert_granitemoehybrid, convert_kimi_linear, convert_lfm2, convert_mamba1, convert_nemotron_h,
+               convert_qwen3_next, convert_zamba2)
 
 
 # ---------------------------------------------------------------------------------------------------
