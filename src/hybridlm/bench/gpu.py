@@ -550,85 +550,82 @@ def _fmt(v, spec=".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _table(title: str, header: list[str], rows: list[dict], cells: Callable[[dict], list]) -> list[str]:
+    """A markdown section: title, header, one line per row (a row with an "error" shows it in the last column)."""
+    out = ["", f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        label = r.get("check") or r.get("preset") or r.get("op") or r.get("recipe") or r.get("layout") or ""
+        c = cells(r) if "error" not in r else [label] + [""] * (len(header) - 2) + [r["error"]]
+        out.append("| " + " | ".join(str(x) for x in c) + " |")
+    return out
+
+
+def _case(r: dict) -> str:
+    if r.get("preset"):
+        return r["preset"]
+    keys = ("b", "T", "N", "h", "p", "n", "g", "k", "v", "d", "E")
+    return ", ".join(f"{k} {r[k]}" for k in keys if k in r) + f" ({r['dtype']})"
+
+
+def _kernel_cells(r: dict) -> list:
+    ms_ = lambda m: f"{_fmt(m.get('fwd_ms'))} / {_fmt(m.get('fwd_bwd_ms'))}" if "fwd_ms" in m else m.get("error", "-")
+    heads = ", ".join(f"{x} {r[x]}" for x in ("h", "p", "n", "g", "k", "v", "d_model", "experts")
+                      if x in r and not (r["op"] == "cdmoe" and x == "k"))
+    if "fla" in r:
+        return [r["op"], heads, ms_(r["ours"]), ms_(r["pytorch"]), ms_(r["fla"]), _fmt(r["fla"].get("ours_over_this"))]
+    return [r["op"], heads, ms_(r["ours"]), ms_(r["pytorch"]), "gated MLP " + ms_(r.get("gated_mlp", {})),
+            _fmt(r.get("tokens_per_s_ratio_vs_mlp")) + " (tokens/s vs gated MLP)"]
+
+
 def to_markdown(res: dict) -> str:
     """The result as one markdown page: environment, then a table per part, then the targets."""
     e = res["env"]
+    gpu = f" (capability {e['capability']}, {e['gpu_memory_gib']} GiB, CUDA {e['cuda']})" if e.get("gpu") else ""
     lines = [f"## GPU check{' (dry run: CPU, tiny sizes, Triton interpreter)' if res['dry_run'] else ''}", "",
-             f"{e.get('gpu') or 'CPU'}" + (f" (capability {e['capability']}, {e['gpu_memory_gib']} GiB, CUDA "
-                                          f"{e['cuda']})" if e.get("gpu") else "")
-             + f"; torch {e['torch']}, triton {e.get('triton')}, Python {e['python']}; {e['time']}.", ""]
-    parts = res.get("parts", {})
-    lines.append("Part times: " + ", ".join(f"{p} {t:.0f} s" for p, t in parts.items()) + ".")
-    c = res.get("correctness")
-    if c and "rows" in c:
-        lines += ["", "### Correctness", "", "| check | case | max rel. error | tol | result |", "|---|---|---|---|---|"]
-        for r in c["rows"]:
-            case = r.get("preset") or ", ".join(f"{k} {r[k]}" for k in ("b", "T", "N", "h", "p", "n", "g", "k", "v",
-                                                                           "d", "E") if k in r) + f" ({r['dtype']})"
-            lines.append(f"| {r['check']} | {case} | {_fmt(r.get('max_rel_err'), '.1e')} | {r.get('tol', '-')} | "
-                         f"{'ok' if r['ok'] else 'FAILED ' + r.get('error', '')} |")
-    k = res.get("kernels")
-    if k and "rows" in k:
-        lines += ["", f"### Kernels: forward / forward+backward ms, batch {k['batch']}, T {k['seq_len']}, bf16 "
-                      f"(fla {k['fla'] or 'not installed'})", "",
-                  "| op | heads | ours | our PyTorch | FLA | ours / FLA (fwd+bwd) |", "|---|---|---|---|---|---|"]
-        for r in k["rows"]:
-            if "error" in r:
-                lines.append(f"| {r['op']} | | {r['error']} | | | |")
-                continue
-            heads = ", ".join(f"{x} {r[x]}" for x in ("h", "p", "n", "g", "k", "v", "d_model", "experts")
-                              if x in r and not (r["op"] == "cdmoe" and x == "k"))
-            cell = lambda m: f"{_fmt(m.get('fwd_ms'))} / {_fmt(m.get('fwd_bwd_ms'))}" if "fwd_ms" in m else \
-                m.get("error", "-")
-            fla = r.get("fla", {"error": "-"})
-            ratio = fla.get("ours_over_this") if "fla" in r else r.get("tokens_per_s_ratio_vs_mlp")
-            note = "" if "fla" in r else " (tokens/s vs gated MLP)"
-            lines.append(f"| {r['op']} | {heads} | {cell(r['ours'])} | {cell(r['pytorch'])} | "
-                         f"{cell(fla) if 'fla' in r else 'gated MLP ' + cell(r.get('gated_mlp', {}))} | "
-                         f"{_fmt(ratio)}{note} |")
-    t = res.get("training")
-    if t and "rows" in t:
-        lines += ["", f"### Training: batch {t['batch']} x {t['seq_len']}, bf16 autocast, forward+backward "
-                      f"(matmul peak {t['matmul_peak_tflops']:.0f} TFLOP/s measured)", "",
-                  "| preset | params | mode | tokens/s | MFU |", "|---|---|---|---|---|"]
-        for r in t["rows"]:
-            lines.append(f"| {r['preset']} | {_fmt(r.get('params', 0) / 1e6, '.0f')}M | {r.get('mode', '')} | "
-                         f"{_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('mfu'), '.3f')} |"
-                         if "error" not in r else f"| {r['preset']} | | | {r['error']} | |")
-    d = res.get("decode")
-    if d and "rows" in d:
-        lines += ["", "### Decode (bf16 weights, static cache)", "",
-                  "| preset | batch | context | mode | ms/token | tokens/s |", "|---|---|---|---|---|---|"]
-        for r in d["rows"]:
-            lines.append(f"| {r['preset']} | {r.get('batch', '')} | {r.get('context', '')} | {r.get('mode', '')} | "
-                         f"{_fmt(r.get('ms_per_token'), '.3f')} | {_fmt(r.get('tokens_per_s'), '.0f')} |"
-                         if "error" not in r else f"| {r['preset']} | | | | {r['error']} | |")
-    m = res.get("memory")
-    if m and "rows" in m:
-        lines += ["", "### Memory: one training step, batch 1, bf16 autocast", "",
-                  "| preset | tokens | peak above the model |", "|---|---|---|"]
-        for r in m["rows"]:
-            lines.append(f"| {r['preset']} | {r.get('seq_len', '')} | "
-                         f"{_fmt(r['peak_bytes'] / 2 ** 30, '.2f') + ' GiB' if 'peak_bytes' in r else r['error']} |")
-    st = res.get("steps")
-    if st and "rows" in st:
-        lines += ["", "### Small models: ms per optimizer step", "", "| what | params | batch x T | ms/step |",
-                  "|---|---|---|---|"]
-        for r in st["rows"]:
-            what = (f"ablate {r['recipe']} x{r['scale']} {r['config']}" if r["kind"] == "ablate"
-                    else f"mqar {r['layout']} d {r['d_model']}")
-            lines.append(f"| {what} | {_fmt(r.get('params', 0) / 1e6, '.2f')}M | {r.get('batch_size', '')} x "
-                         f"{r.get('seq_len', '')} | {_fmt(r.get('ms_per_step'))} |" if "error" not in r
-                         else f"| {what} | | | {r['error']} |")
+             f"{e.get('gpu') or 'CPU'}{gpu}; torch {e['torch']}, triton {e.get('triton')}, Python {e['python']}; "
+             f"{e['time']}.", "",
+             "Part times: " + ", ".join(f"{p} {t:.0f} s" for p, t in res.get("parts", {}).items()) + "."]
+    part = lambda name: (res.get(name) or {}).get("rows")
+    if part("correctness"):
+        lines += _table("Correctness (relative error: ‖fast − reference‖ / ‖reference‖)",
+                        ["check", "case", "max rel. error", "tol", "result"], part("correctness"),
+                        lambda r: [r["check"], _case(r), _fmt(r.get("max_rel_err"), ".1e"), r.get("tol", "-"),
+                                   "ok" if r["ok"] else "FAILED"])
+    if part("kernels"):
+        k = res["kernels"]
+        lines += _table(f"Kernels: forward / forward+backward ms, batch {k['batch']}, T {k['seq_len']}, bf16 "
+                        f"(fla {k['fla'] or 'not installed'})",
+                        ["op", "heads", "ours", "our PyTorch", "FLA", "ours / FLA (fwd+bwd)"], k["rows"], _kernel_cells)
+    if part("training"):
+        t = res["training"]
+        lines += _table(f"Training: batch {t['batch']} x {t['seq_len']}, bf16 autocast, forward+backward (matmul "
+                        f"peak {t['matmul_peak_tflops']:.0f} TFLOP/s measured)",
+                        ["preset", "params", "mode", "tokens/s", "MFU"], t["rows"],
+                        lambda r: [r["preset"], f"{r['params'] / 1e6:.0f}M", r["mode"], _fmt(r["tokens_per_s"], ".0f"),
+                                   _fmt(r["mfu"], ".3f")])
+    if part("decode"):
+        lines += _table("Decode (bf16 weights, static cache)", ["preset", "batch", "context", "mode", "ms/token",
+                                                                "tokens/s"], res["decode"]["rows"],
+                        lambda r: [r["preset"], r["batch"], r["context"], r["mode"], _fmt(r["ms_per_token"], ".3f"),
+                                   _fmt(r["tokens_per_s"], ".0f")])
+    if part("memory"):
+        lines += _table("Memory: one training step, batch 1, bf16 autocast", ["preset", "tokens", "peak above the model"],
+                        res["memory"]["rows"],
+                        lambda r: [r["preset"], r["seq_len"], f"{r['peak_bytes'] / 2 ** 30:.2f} GiB"])
+    if part("steps"):
+        lines += _table("Small models: ms per optimizer step", ["what", "params", "batch x T", "ms/step"],
+                        res["steps"]["rows"],
+                        lambda r: [f"ablate {r['recipe']} x{r['scale']} {r['config']}" if r["kind"] == "ablate" else
+                                   f"mqar {r['layout']} d {r['d_model']}", f"{r['params'] / 1e6:.2f}M",
+                                   f"{r['batch_size']} x {r['seq_len']}", _fmt(r["ms_per_step"])])
     if res.get("targets"):
-        lines += ["", "### Targets", "", "| target | measured | met |", "|---|---|---|"]
-        for r in res["targets"]:
-            lines.append(f"| {r['target']} | {_fmt(r['measured'], '.3f')} | "
-                         f"{'-' if r['met'] is None else 'yes' if r['met'] else 'no'} |")
-    cuts = [c for p in PARTS for c in (res.get(p) or {}).get("cut", [])]
-    errs = [f"{p}: {res[p]['error']}" for p in PARTS if (res.get(p) or {}).get("error")]
-    if cuts or errs:
-        lines += ["", "Notes: " + "; ".join(errs + cuts) + "."]
+        lines += _table("Targets", ["target", "measured", "met"], res["targets"],
+                        lambda r: [r["target"], _fmt(r["measured"], ".3f"),
+                                   "-" if r["met"] is None else "yes" if r["met"] else "no"])
+    notes = [f"{p}: {res[p]['error']}" for p in PARTS if (res.get(p) or {}).get("error")]
+    notes += [c for p in PARTS for c in (res.get(p) or {}).get("cut", [])]
+    if notes:
+        lines += ["", "Notes: " + "; ".join(notes) + "."]
     return "\n".join(lines) + "\n"
 
 
