@@ -393,6 +393,14 @@ def twins_suite(quick=False, log=print) -> dict:
     return run(sorted(twins()), log=log)
 
 
+def lazy_suite(module: str, fn: str):
+    """A suite kept in a module of its own, imported when it runs."""
+    def run(quick=False, log=print):
+        import importlib
+        return getattr(importlib.import_module(f"{__package__}.{module}"), fn)(quick=quick, log=log)
+    return run
+
+
 # name -> (suite, what it measures): `hybridlm bench --suite NAME`
 SUITES = {
     "wm": (wm_suite, "CDMoE vs gated MLP, doge vs transformers Doge-MoE"),
@@ -405,4 +413,6 @@ SUITES = {
     "decode": (decode_suite, "decode ms/token, growing vs static step vs CUDA graph"),
     "hf": (hf_suite, "transformers generate() through HybridLMForCausalLM vs ours"),
     "twins": (twins_suite, "every public-hybrid preset vs its transformers twin, training"),
+    "quantize": (lazy_suite("quantized", "quantize_suite"),
+                 "float vs int8 vs int4 weights: prefill and decode tokens/s, a profile of one step"),
 }

@@ -2,7 +2,7 @@
 `models/quantize.py` swaps for an `nn.Linear` from outside the model.
 
 Buffers (what the state dict and a checkpoint hold): int8: `weight_q` int8 [N, K], `scale` [N]; int4: `weight_q`
-uint8 [N, K / 2], `scale`, `zero` [N, K / group_size]; `bias` [N] if any. The float buffers follow `model.to(dtype)`
+uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if any. The float buffers follow `model.to(dtype)`
 like any parameter. On a CPU the forward reads the quantized weight with PyTorch's int8 / int4 kernels; int4's kernel
 layout is derived from `weight_q` on first use and kept (not saved: the stored form is portable); other devices run
 the reference form (dequantize, then F.linear).
@@ -25,8 +25,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
             self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
         else:
-            G = in_features // group_size
-            self.register_buffer("weight_q", torch.empty(out_features, in_features // 2, dtype=torch.uint8,
+            G = -(-in_features // group_size)
+            self.register_buffer("weight_q", torch.empty(out_features, G * group_size // 2, dtype=torch.uint8,
                                                          device=device))
             self.register_buffer("scale", torch.empty(out_features, G, dtype=dtype, device=device))
             self.register_buffer("zero", torch.empty(out_features, G, dtype=dtype, device=device))
@@ -53,7 +53,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The float32 weight [N, K] the quantized one stands for."""
-        return quant.dequantize(self.scheme, self.stored())
+        return quant.dequantize(self.scheme, self.stored())[:, :self.in_features]
 
     def _int4_kernel(self, dtype: torch.dtype):
         key = (self.weight_q.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(), dtype)

@@ -4,8 +4,8 @@
 Eligible: the linear layers that carry the bulk of the weights (attention, MLP, expert and mixer projections, the
 LM head). Kept in float: embeddings, norms, recurrent state and its parameters (A_log, D, dt_bias, convs) and the
 small linears that set decays, input gates or routing (`KEEP`), where a rounding error compounds over time or
-flips a choice. A linear the scheme cannot serve (int4: in_features not a multiple of the group) is refused with
-one InputError naming it; nothing is swapped then.
+flips a choice. A module named for quantization that is no linear layer of the model is refused with one InputError
+naming it; nothing is swapped then.
 
 A tied LM head is quantized into its own buffers while the embedding keeps the float matrix (a lookup reads one
 row; the head reads all of them every token). Weight-shared layers (`X@k`) share one quantized module.

@@ -2,7 +2,8 @@
 
 Schemes (activations stay in the model's dtype; only W is stored quantized):
   int8   symmetric per output channel: W[n] ≈ scale[n] · q[n],  q int8 in [-127, 127], scale [N].
-  int4   asymmetric per group of `group_size` inputs (the convention of PyTorch's int4 CPU kernel):
+  int4   asymmetric per group of `group_size` inputs (the convention of PyTorch's int4 CPU kernel); K is padded with
+         zero columns to a multiple of the group (Rodimus's FFN width, 4/3 d rounded to 8, is no multiple of 32):
          W[n, k] ≈ (q[n, k] - 8) · scale[n, g] + zero[n, g],  g = k // group_size, q in [0, 15],
          zero = min + 8 · scale and scale = (max - min) / 15 over the group; scale, zero [N, K / group_size].
          Stored two values a byte, q[n, 2j] in the low nibble of byte [n, j] and q[n, 2j + 1] in the high one: a
@@ -26,11 +27,8 @@ def check_shape(scheme: str, out_features: int, in_features: int, group_size: in
     """Why `scheme` cannot serve a [out_features, in_features] weight, or None if it can."""
     if scheme not in SCHEMES:
         return f"unknown quantization scheme {scheme!r} (one of {', '.join(SCHEMES)})"
-    if scheme == "int4":
-        if group_size not in INT4_GROUPS:
-            return f"int4 group size must be one of {INT4_GROUPS}, got {group_size}"
-        if in_features % group_size:
-            return f"int4 needs in_features ({in_features}) to be a multiple of the group size {group_size}"
+    if scheme == "int4" and group_size not in INT4_GROUPS:
+        return f"int4 group size must be one of {INT4_GROUPS}, got {group_size}"
     return None
 
 
@@ -56,12 +54,14 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None)
 
 # --- int4, group-wise asymmetric -----------------------------------------------------------------------------
 def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """w [N, K] -> (q uint8 [N, K / 2] two values a byte, scale float32 [N, K / g], zero float32 [N, K / g])."""
+    """w [N, K] -> (q uint8 [N, K' / 2] two values a byte, scale float32 [N, K' / g], zero float32 [N, K' / g]),
+    K' = K rounded up to a multiple of the group size g (zero columns)."""
     N, K = w.shape
     why = check_shape("int4", N, K, group_size)
     if why:
         raise InputError(why)
-    g = w.float().reshape(N, K // group_size, group_size)
+    K += -K % group_size
+    g = F.pad(w.float(), (0, K - w.shape[1])).reshape(N, K // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(N, K)
@@ -99,7 +99,9 @@ def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group_size: int
                 bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ Wᵀ (+ bias) -> [..., out_features] in x's dtype, from the kernel form of the weight
     (`int4_kernel_weight`, `int4_scales_and_zeros` in x's dtype)."""
-    y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, group_size, scales_zeros)
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = F.pad(x2, (0, scales_zeros.shape[0] * group_size - x2.shape[1]))     # the weight's zero columns, if any
+    y = torch._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_zeros)
     y = y[:, :out_features].reshape(*x.shape[:-1], out_features)
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -120,5 +122,6 @@ def dequantize(scheme: str, tensors: tuple[Tensor, ...]) -> Tensor:
 
 def linear_reference(x: Tensor, scheme: str, tensors: tuple[Tensor, ...], bias: Tensor | None = None) -> Tensor:
     """Reference form: x [..., K] @ dequantize(...)ᵀ in float32 (+ bias) -> [..., N] in x's dtype."""
-    y = F.linear(x.float(), dequantize(scheme, tensors), None if bias is None else bias.float())
+    w = dequantize(scheme, tensors)[:, :x.shape[-1]]                   # (int4's padding columns dropped)
+    y = F.linear(x.float(), w, None if bias is None else bias.float())
     return y.to(x.dtype)
