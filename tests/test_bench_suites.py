@@ -10,7 +10,7 @@ from hybridlm.cli import main
 
 
 @pytest.mark.parametrize("name", ["mla", "rodimus", "delta", "gla", "moe", "attention",
-                                  "wm"])
+                                  "wm", "quantize"])
 def test_suite_quick(name, tmp_path):
     import torch
     if name == "wm":

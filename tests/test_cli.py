@@ -80,6 +80,20 @@ def test_info_and_eval(run):
                           "captured attention mass needs `I` layers")
 
 
+def test_quantize_convert_generate_eval(run):
+    q = run["dir"] / "int8"
+    r = hybridlm("convert", "--checkpoint", run["out"], "--quantize", "int8", "--out", q)
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(q / "checkpoint" / "config.json"))["quantization_config"]["scheme"] == "int8"
+    r = hybridlm("generate", "--checkpoint", q, "--prompt", "def ", "--max-new-tokens", 8, "--temperature", 0)
+    assert r.returncode == 0 and r.stdout.startswith("def "), r.stderr
+    r = hybridlm("eval", "--checkpoint", run["out"], "--data", run["text"], "--batch-size", 2, "--quantize", "int4",
+                 "--group-size", 32)
+    assert r.returncode == 0 and "weights int4 (groups of 32)" in r.stdout, r.stderr
+    assert_one_line_error(hybridlm("generate", "--checkpoint", q, "--quantize", "int4", "--max-new-tokens", 2),
+                          "already quantized int8")
+
+
 @pytest.mark.parametrize("cmd", sorted(__import__("hybridlm.cli").cli.COMMANDS))
 def test_help(cmd):
     from hybridlm.cli import build_parser

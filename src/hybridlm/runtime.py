@@ -43,6 +43,18 @@ def load_average() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
+def cpu_model() -> str:
+    """The CPU's model name as lscpu shows it (/proc/cpuinfo; the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def machine_meta(threads: int | None = None) -> dict:
     """What a result file records of its run: time, command, versions, the machine, torch threads per process
     (`threads`, default this process's) and the load average at writing time, which says whether the machine was
@@ -55,6 +67,7 @@ def machine_meta(threads: int | None = None) -> dict:
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command_line(), "python": platform.python_version(), "torch": torch.__version__,
             "hybridlm": __version__, "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_model": cpu_model(),
             "cpu_count": os.cpu_count(), "threads": threads or torch.get_num_threads(),
             "load_avg": load_average(),
             "device": "cuda" if torch.cuda.is_available() else "cpu"}

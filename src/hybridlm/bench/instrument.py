@@ -146,8 +146,11 @@ def run_instrument(s: dict, preset_names: list[str], log=print) -> dict:
                     out["memory"].append(dict(preset=n, batch=B, seq_len=T, step=step, **r))
                     log(f"  {n:16s} {B}x{T} {step:17s} peak {r['peak_bytes'] / 2**20:9.1f} MiB")
     for n, m in models.items():
+        if s.get("quantize"):             # decode only: a quantized linear has no backward
+            from ..models.quantize import quantize_
+            quantize_(m, s["quantize"], s.get("group_size", 64))
         for r in ms.decode_latency(m.eval(), s["latency_contexts"], s["latency_steps"], dtype=dtype):
-            out["latency"].append(dict(preset=n, **r))
+            out["latency"].append(dict(preset=n, weights=s.get("quantize") or "float", **r))
             log(f"  {n:16s} decode after {r['context']:6d} tokens: {r['median_ms']:.2f} ms/token, "
                 f"state {r['state_bytes']:,} B")
     peaks.append(_peak(device, dtype))

@@ -1,10 +1,11 @@
 """A released-size Rodimus+ checkpoint on this CPU (issue 17): write a random-weight directory in the codefuse-ai
 format at the largest Rodimus+ size of the paper's tables (Rodimus++-1.6B: d 2048, 24 blocks, their 126,340-token
 vocabulary, bfloat16 shards), convert it (time, peak RSS), then decode it and a Transformer++ of about the same
-parameter count at two context lengths (tokens/s, inference-cache bytes, peak RSS). Each measurement runs in a
-process of its own (measure.fresh), so each peak RSS is its own (measure.peak_memory).
+parameter count at two context lengths (tokens/s, inference-cache bytes, peak RSS), with float, int8 and int4 weights
+(models/quantize.py, `--weights`). Each measurement runs in a process of its own (measure.fresh), so each peak RSS is
+its own (measure.peak_memory); the rows go to stdout and, with --out, to a JSON file.
 
-    python -m hybridlm.bench.rodimus_release --dir /tmp/rodimus-release [--quick]
+    python -m hybridlm.bench.rodimus_release --dir /tmp/rodimus-release [--quick] [--out runs/bench/release.json]
     hybridlm generate --checkpoint /tmp/rodimus-release/run --chat --prompt hi --max-new-tokens 8 [--dtype float32]
 """
 import argparse
@@ -14,6 +15,7 @@ import sys
 
 import torch
 
+from ..runtime import machine_meta
 from . import measure as ms
 
 SIZES = {"full": dict(d_model=2048, n_layer=24, vocab_size=126340, window_size=2048),
@@ -98,12 +100,12 @@ def _transformer_like(params: int, size: dict):
     return model.eval()
 
 
-def decode_job(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict:
+def decode_job(which: str, ckpt: str, context: int, steps: int, size: dict, weights: str = "float") -> dict:
     """Prefill `context` random tokens (chunks of 512), then time `steps` greedy one-token decode steps."""
-    return _measured(lambda: _decode(which, ckpt, context, steps, size))
+    return _measured(lambda: _decode(which, ckpt, context, steps, size, weights))
 
 
-def _decode(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict:
+def _decode(which: str, ckpt: str, context: int, steps: int, size: dict, weights: str = "float") -> dict:
     from ..models import CausalLM
     from ..checkpoint import load_checkpoint, load_config
     if which == "transformer++":
@@ -112,13 +114,16 @@ def _decode(which: str, ckpt: str, context: int, steps: int, size: dict) -> dict
         model = _transformer_like(params, size)
     else:
         model = load_checkpoint(ckpt)[0].eval()
+    if weights != "float":
+        from ..models.quantize import quantize_
+        quantize_(model, weights, 64)
     model.config.max_seq_len = max(model.config.max_seq_len, context + steps + 1)
     built = {}
     prefill = ms.clock({"prefill": lambda: built.update(d=ms.prefilled(
         model, context, chunk=512, max_tokens=context + steps + 1, step_fn=model._decode_step))}, 1, 0)["prefill"][0]
     step, cache = built["d"]
     dt = sum(ms.clock({"decode": step}, steps, warmup=1)["decode"])
-    return {"model": which, "layout": model.config.layout, "parameters": model.num_parameters(), "context": context,
+    return {"model": which, "weights": weights, "layout": model.config.layout, "parameters": model.num_parameters(), "context": context,
             "prefill_s": prefill, "decode_tokens_per_s": steps / dt, "cache_mib": cache.nbytes / 2 ** 20}
 
 
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 4096])
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per measurement")
     p.add_argument("--skip-write", action="store_true", help="reuse the release directory already in --dir")
+    p.add_argument("--weights", nargs="+", choices=["float", "int8", "int4"], default=["float", "int8", "int4"],
+                   help="weights to decode with (int4: groups of 64)")
+    p.add_argument("--out", default=None, help="also write the results to this JSON file")
     a = p.parse_args(argv)
     size = SIZES["quick" if a.quick else "full"]
     src, run = os.path.join(a.dir, "release"), os.path.join(a.dir, "run")
@@ -140,15 +148,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{conv.get('peak_anon_mib', 0):.0f} MiB; the rest are mapped source pages)", flush=True)
     rows = []
     for ctx in a.contexts:
-        for which in ("rodimus+", "transformer++"):
+        for which, weights in [(w, q) for w in ("rodimus+", "transformer++") for q in a.weights]:
             rows.append(ms.fresh(decode_job, which=which, ckpt=os.path.join(run, "checkpoint"), context=ctx,
-                                 steps=a.steps, size=size))
+                                 steps=a.steps, size=size, weights=weights))
             r = rows[-1]
-            print(f"{r['model']:<14} {r['layout']:<10} {r['parameters'] / 1e9:.2f}B  context {ctx:>5}: "
+            print(f"{r['model']:<14} {weights:<5} {r['layout']:<10} {r['parameters'] / 1e9:.2f}B  context {ctx:>5}: "
                   f"{r['decode_tokens_per_s']:6.2f} tok/s, cache {r['cache_mib']:7.1f} MiB, peak RSS "
                   f"{r['peak_rss_mib']:6.0f} MiB, anonymous {r.get('peak_anon_mib', 0):6.0f} MiB (prefill "
                   f"{r['prefill_s']:.0f} s)", flush=True)
     print(json.dumps({"convert": conv, "decode": rows}))
+    if a.out:
+        ms.write_results(a.out, {"convert": conv, "decode": rows}, machine_meta())
     return 0
 
 

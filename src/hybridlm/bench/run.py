@@ -89,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--no-compile", action="store_true",
                    help="skip the torch.compile'd decode rows (compilation needs a C++ compiler and ~10 s)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="decode latency rows with int8 / int4 weights (training rows stay float); --suite quantize "
+                        "puts float, int8 and int4 side by side")
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="int4 group size (default 64)")
     p.add_argument("--kernels", action="store_true",
                    help="time our Triton SSD and GLA chunk kernels, forward and forward+backward, against "
                         "mamba_ssm / flash-linear-attention when installed (needs CUDA and triton; --shapes, "
@@ -122,7 +126,8 @@ def _settings(args) -> dict:
     if not args.compare_hf:
         s["layers"] = s.pop("n_layers", None) or s["layers"]
         s.pop("context", None), s.pop("new_tokens", None)
-        s.update(compile=args.compile, params=args.params, device=args.device, dtype=args.dtype)
+        s.update(compile=args.compile, params=args.params, device=args.device, dtype=args.dtype,
+                 quantize=args.quantize, group_size=args.group_size)
         if args.dtype == "auto":
             from ..dtypes import resolve_dtype
             s["dtype"], label = resolve_dtype("auto", args.device)

@@ -397,6 +397,14 @@ def twins_suite(quick=False, log=print, presets=None, d_model=None, n_layers=Non
     return dict(res, markdown=to_markdown(res))
 
 
+def lazy_suite(module: str, fn: str):
+    """A suite kept in a module of its own, imported when it runs."""
+    def run(quick=False, log=print):
+        import importlib
+        return getattr(importlib.import_module(f"{__package__}.{module}"), fn)(quick=quick, log=log)
+    return run
+
+
 # name -> (suite, what it measures): `hybridlm bench --suite NAME`
 SUITES = {
     "wm": (wm_suite, "CDMoE vs gated MLP, doge vs transformers Doge-MoE"),
@@ -410,4 +418,6 @@ SUITES = {
     "hf": (hf_suite, "transformers generate() through HybridLMForCausalLM vs ours"),
     "twins": (twins_suite, "every public-hybrid preset vs its transformers twin, training"),
     "gpu": (None, "the GPU check: correctness, kernels vs FLA, training MFU, decode, memory (--dry-run: on CPU)"),
+    "quantize": (lazy_suite("quantized", "quantize_suite"),
+                 "float vs int8 vs int4 weights: prefill and decode tokens/s, a profile of one step"),
 }

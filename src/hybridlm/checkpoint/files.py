@@ -183,7 +183,9 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
         _save_model(model, os.path.join(tmp, MODEL_FILE))
         if optimizer is not None:
             _save_optimizer(optimizer, os.path.join(tmp, OPTIM_FILE))
-        write_metadata(tmp, model.config, state, tokenizer, dtype=next(model.parameters()).dtype)
+        from ..models.quantize import quantization_of
+        write_metadata(tmp, model.config, state, tokenizer, dtype=next(model.parameters()).dtype,
+                       quantization=quantization_of(model))
         publish(tmp, directory, name)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,10 +204,14 @@ def new_tmp_dir(directory: str, name: str) -> str:
     return tempfile.mkdtemp(prefix=f"{name}-tmp-", dir=directory)
 
 
-def write_metadata(tmp: str, config, state: dict | None, tokenizer=None, dtype: torch.dtype = torch.float32):
-    """config.json (as transformers reads it, with the `auto_map` of its remote-code shim, also written),
-    trainer_state.json (+ this process's RNG state) and the tokenizer files."""
+def write_metadata(tmp: str, config, state: dict | None, tokenizer=None, dtype: torch.dtype = torch.float32,
+                   quantization: dict | None = None):
+    """config.json (as transformers reads it, with the `auto_map` of its remote-code shim, also written; a quantized
+    model's scheme and swapped modules under `quantization_config`), trainer_state.json (+ this process's RNG state)
+    and the tokenizer files."""
     special = {} if tokenizer is None else {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.eos_id}
+    if quantization is not None:
+        special["quantization_config"] = quantization
     _write_json(os.path.join(tmp, CONFIG_FILE), config.transformers_dict(
         bos_token_id=None, **special, dtype=str(dtype).removeprefix("torch."), auto_map=AUTO_MAP))
     write_shim(tmp)
@@ -420,6 +426,18 @@ def load_config(path: str):
         raise CheckpointError(f"{cfg_path}: invalid model config ({str(e).splitlines()[0]})") from None
 
 
+def load_quantization(path: str) -> dict | None:
+    """The `quantization_config` of a checkpoint's config.json (scheme, group_size, modules), or None."""
+    ckpt = find_checkpoint(path)
+    cfg_path = os.path.join(ckpt, CONFIG_FILE)
+    q = _read_json(cfg_path).get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict) or q.get("quant_method") != "hybridlm" or not isinstance(q.get("modules"), list):
+        raise CheckpointError(f"{cfg_path}: quantization_config is not one hybridlm wrote ({q!r:.80})")
+    return q
+
+
 def load_checkpoint(path: str, device: str | torch.device = "cpu", weights: bool = True):
     """-> (CausalLM with the saved weights in their saved dtype, trainer state dict ({} if none was saved)).
     weights=False: the model stays on the meta device, for a caller that loads the weights into its own shards
@@ -430,6 +448,10 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", weights: bool
     cfg = load_config(ckpt)
     with torch.device("meta"):  # no memory and no random init: the saved weights replace it
         model = CausalLM(cfg)
+        quantization = load_quantization(ckpt)
+        if quantization is not None:   # the quantized modules' skeleton; the stored tensors fill it, as saved
+            from ..models.quantize import quantize_
+            quantize_(model, quantization["scheme"], quantization.get("group_size"), quantization["modules"])
     if not weights:
         pass
     elif not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):

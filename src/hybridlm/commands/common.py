@@ -127,3 +127,18 @@ def other_tokenizer(spec: str, vocab_size: int):
     check_fits(tok, vocab_size, spec)
     return tok
 
+
+
+def add_quantize_args(p):
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only quantization of the linear layers (int8: per output channel; int4: per group of "
+                        "--group-size inputs); a checkpoint saved quantized loads as it is")
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="int4 group size (default 64)")
+
+
+def quantized(model, args):
+    """`model` with --quantize applied (models/quantize.py; a no-op on a checkpoint already quantized so)."""
+    if getattr(args, "quantize", None):
+        from ..models.quantize import quantize_
+        quantize_(model, args.quantize, args.group_size)
+    return model

@@ -6,10 +6,14 @@ figures agree."""
 import os
 
 from ..dtypes import CHOICES as DTYPES
-from .common import add_tokenizer_arg, other_tokenizer, out
+from .common import add_quantize_args, add_tokenizer_arg, other_tokenizer, out, quantized
 
 
 def main(args) -> int:
+    if args.tasks and args.quantize:
+        from ..errors import ConfigError
+        raise ConfigError("--quantize goes with the validation perplexity; for --tasks quantize the checkpoint "
+                          "first (hybridlm convert --checkpoint RUN --quantize ... --out RUN2)")
     if args.tasks:  # lm-evaluation-harness tasks instead of the validation perplexity (eval/harness_tasks.py)
         from ..eval.harness_tasks import evaluate_checkpoint
         out(evaluate_checkpoint(args.checkpoint, args.tasks, include_path=args.include_path, limit=args.limit,
@@ -23,6 +27,7 @@ def main(args) -> int:
     from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
     from ..checkpoint import load_checkpoint
     model, state = load_checkpoint(args.checkpoint)
+    model = quantized(model, args)
     tok = other_tokenizer(args.tokenizer, model.config.vocab_size) if args.tokenizer \
         else tokenizer_from_dir(state["checkpoint_dir"])
     tcfg = state.get("train_config", {})
@@ -42,7 +47,9 @@ def main(args) -> int:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     r = validate(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
                  max_tokens=budget, seed=tcfg.get("seed", 0), doc_mask=tcfg.get("doc_mask", True), autocast=autocast)
-    out(f"{describe(r)} of the {data.source or 'stdlib'} validation split, seq_len {seq_len}, {label}")
+    from ..models.quantize import describe as weights, quantization_of
+    out(f"{describe(r)} of the {data.source or 'stdlib'} validation split, seq_len {seq_len}, {label}, weights "
+        f"{weights(quantization_of(model))}")
     if args.attention_mass:
         from ..eval.attention_recall import captured_mass
         m = captured_mass(model, data.tokens("val"), tok, seq_len, args.batch_size or tcfg.get("batch_size", 8),
@@ -81,5 +88,6 @@ def add_arguments(p):
                         "AVX512-BF16, else float32 (training's default resolves the same way, so the figures agree)")
     p.add_argument("--attention-mass", action="store_true",
                    help="also the dense attention mass each `I` layer's top-k keys capture (eval/attention_recall.py)")
+    add_quantize_args(p)
     p.add_argument("--max-tokens", type=int, default=None,
                    help="whole split up to this many tokens, else a fixed sample (default: as in training; 0 = all)")

@@ -2,7 +2,7 @@
 import sys
 
 from ..dtypes import CHOICES as DTYPES
-from .common import add_tokenizer_arg
+from .common import add_quantize_args, add_tokenizer_arg
 
 
 def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8, top_k=None, top_p=None,
@@ -37,12 +37,13 @@ def main(args) -> int:
     import torch
     from ..dtypes import resolve_dtype
     from ..train import load_checkpoint, load_pretrained
-    from .common import other_tokenizer
+    from .common import other_tokenizer, quantized
     if args.tokenizer:            # the checkpoint need not carry one (e.g. converted without a tokenizer.json)
         model = load_checkpoint(args.checkpoint)[0].eval()
         tok = other_tokenizer(args.tokenizer, model.config.vocab_size)
     else:
         model, tok = load_pretrained(args.checkpoint)
+    model = quantized(model, args)     # from the saved weights, before a cast to bf16
     model = model.to(getattr(torch, resolve_dtype(args.dtype, "cpu")[0]))   # no header: stdout is the text
     prompt = args.prompt
     if args.chat:  # the tokenizer's chat template around one user turn, ending where the assistant speaks
@@ -69,3 +70,4 @@ def add_arguments(p):
                         "AVX512-BF16, else float32")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the one-token decode step (pays off for long outputs; needs a C++ compiler)")
+    add_quantize_args(p)

@@ -200,7 +200,7 @@ class CausalLM(nn.Module):
         """Tie the LM head to the embedding (tie_embeddings) and every weight-shared occurrence (`X@k`) to the first.
         Called after building and again after `load_state_dict(assign=True)` or `to_empty`, which make one Parameter
         per name."""
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear):   # (a quantized head keeps its own)
             self.lm_head.weight = self.embed.weight
         for first, *others in self._shared:
             for other in others:
@@ -256,7 +256,7 @@ class CausalLM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             n -= self.embed.weight.numel() + (self.pos_embed.weight.numel() if self.pos_embed is not None else 0)
-            if not self.config.tie_embeddings:
+            if not self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear):
                 n -= self.lm_head.weight.numel()
         return n
 
@@ -366,8 +366,8 @@ class CausalLM(nn.Module):
         x = self._hidden(input_ids, self._context(input_ids, attention_mask, cache, resets), cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        if return_logits is None:
-            return_logits = labels is None
+        if return_logits is None:   # the fused head + loss needs the head's float matrix (not a quantized one's)
+            return_logits = labels is None or not isinstance(self.lm_head, nn.Linear)
         logits = self.lm_head(x) if return_logits else None
         # auxiliary losses matter to training and scoring; a plain inference call skips the module walk
         aux = self._aux_loss() if self.training or labels is not None else None

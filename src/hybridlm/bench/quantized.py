@@ -1,0 +1,111 @@
+"""`hybridlm bench --suite quantize`: float vs int8 vs int4 weights (models/quantize.py) of one model, interleaved in
+one run: prefill tokens/s and greedy decode tokens/s at batch 1, plus a profile of one decode step (top ops by self
+time) per scheme, which says where a step's time goes. Default: a Llama in TinyLlama's shape (d 2048, 22 layers, 32
+heads / 4 KV heads, SwiGLU 5632, vocab 32000: 1.1B) and a Rodimus+ of the same width; the dtype of `--dtype auto`
+(float32 where the CPU has no bf16 units). The three models share every float tensor the quantized ones keep.
+
+    hybridlm bench --suite quantize [--quick] --out runs/bench/quantize.json
+    HYBRIDLM_QUANT_BENCH="presets=llama;n_layers=4;context=128;steps=32" hybridlm bench --suite quantize
+"""
+import os
+
+import torch
+
+from . import measure as ms
+
+FULL = dict(presets="llama,rodimus++", d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_hidden=5632,
+            vocab_size=32000, context=128, steps=32, repeats=3, group_size=64)
+QUICK = dict(presets="llama,rodimus++", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=256,
+             vocab_size=512, context=16, steps=4, repeats=1, group_size=32)
+SCHEMES = ("float", "int8", "int4")
+
+
+def _settings(quick: bool) -> dict:
+    s = dict(QUICK if quick else FULL)
+    for item in filter(None, os.environ.get("HYBRIDLM_QUANT_BENCH", "").split(";")):
+        key, _, val = item.partition("=")
+        s[key.strip()] = val.strip() if key.strip() == "presets" else int(val)
+    return s
+
+
+def variants(model, group_size: int) -> dict:
+    """{"float": model, "int8": ..., "int4": ...}: the quantized ones are new CausalLMs holding the float model's
+    tensors (no copy) with their linears swapped."""
+    from ..models import CausalLM
+    from ..models.quantize import quantize_
+    out = {"float": model}
+    for scheme in SCHEMES[1:]:
+        with torch.device("meta"):
+            m = CausalLM(model.config)
+        m.load_state_dict(model.state_dict(), assign=True)
+        m.tie_weights()
+        out[scheme] = quantize_(m.eval(), scheme, group_size)
+    return out
+
+
+def profile_step(step, n: int = 3, top: int = 12) -> list[dict]:
+    """Top ops of `n` decode steps by self CPU time: [{"op", "ms_per_step", "share", "calls_per_step"}]."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    return [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / n, "share": e.self_cpu_time_total / total,
+             "calls_per_step": e.count / n} for e in events[:top]]
+
+
+def quantize_suite(quick=False, log=print) -> dict:
+    from ..dtypes import resolve_dtype
+    from ..models import CausalLM, presets
+    from ..dtypes import cpu_flags
+    from ..runtime import cpu_model
+    s = _settings(quick)
+    dtype_name, label = resolve_dtype("auto", "cpu")
+    dtype = getattr(torch, dtype_name)
+    out = {"settings": s, "dtype": label, "threads": torch.get_num_threads(), "cpu": cpu_model(),
+           "cpu_bf16": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()),
+           "rows": [], "profiles": {}}
+    for name in s["presets"].split(","):
+        over = dict(n_layers=s["n_layers"], d_model=s["d_model"], vocab_size=s["vocab_size"],
+                    n_heads=s["n_heads"], mlp_hidden=s["mlp_hidden"], max_seq_len=max(2048, s["context"] + 256))
+        if name in ("llama", "transformer++"):
+            over["n_kv_heads"] = s["n_kv_heads"]
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            cfg = presets.get(name, **over)
+        model = CausalLM(cfg).to(dtype).eval()
+        models = variants(model, s["group_size"])
+        n = s["steps"]
+        ids = torch.randint(0, s["vocab_size"], (1, s["context"]), generator=torch.Generator().manual_seed(0))
+
+        def prefill(m):
+            def run():
+                with torch.inference_mode():
+                    m(ids, cache=m.make_cache(1, max_tokens=s["context"] + 1), logits_to_keep=1)
+            return run
+
+        def decode(m):
+            def setup():
+                return ms.prefilled(m, s["context"], max_tokens=s["context"] + n + 1, step_fn=m._decode_step)[0]
+            return setup, lambda step: [step() for _ in range(n)]
+        pre = ms.clock({k: prefill(m) for k, m in models.items()}, s["repeats"], warmup=1)
+        dec = ms.clock({k: decode(m) for k, m in models.items()}, s["repeats"], warmup=1)
+        base = None
+        for k in SCHEMES:
+            row = {"model": name, "weights": k, "parameters": model.num_parameters(), "context": s["context"],
+                   "prefill_tokens_per_s": s["context"] / ms.median(pre[k]),
+                   "decode_tokens_per_s": n / ms.median(dec[k]), "decode_times_s": dec[k]}
+            base = base or row
+            row["decode_vs_float"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            row["prefill_vs_float"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+            out["rows"].append(row)
+            log(f"{name:>10} {k:>5}: prefill {row['prefill_tokens_per_s']:8.1f} tok/s ({row['prefill_vs_float']:.2f}x)"
+                f", decode {row['decode_tokens_per_s']:7.2f} tok/s ({row['decode_vs_float']:.2f}x float)")
+        for k, m in models.items():
+            step = ms.prefilled(m, s["context"], max_tokens=s["context"] + 8, step_fn=m._decode_step)[0]
+            prof = out["profiles"][f"{name} {k}"] = profile_step(step)
+            log(f"  one {k} decode step: " + ", ".join(f"{p['op']} {p['share']:.0%}" for p in prof[:5]))
+        del models, model
+    return out
