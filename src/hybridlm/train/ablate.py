@@ -110,21 +110,58 @@ def _measure(recipe: Recipe, cfg, data, seed: int, ckpt: str) -> dict:
             "captured_random": after["random"]}
 
 
+def _quick(recipe: Recipe) -> Recipe:
+    """The smoke run's recipe: QUICK's budget, width 32, no sizing; a configuration's own train fields may not
+    undo it."""
+    return Recipe(**{**recipe.__dict__, "budget": dict(recipe.budget, **QUICK, params=None, **(
+        {"eval_seq_lens": QUICK_EVAL_SEQ_LENS} if recipe.budget.get("eval_seq_lens") else {})),
+                     "model": dict(recipe.model, d_model=32),
+                     "configs": [RunConfig(**{**c.__dict__, "params": None,
+                                              "train": {k: v for k, v in c.train.items() if k not in QUICK},
+                                              "fields": {k: v for k, v in c.fields.items() if k != "d_model"}})
+                                 for c in recipe.configs]})
+
+
+def _summarise(c, cfg, params: int, runs: list[dict], b: dict, seeds: list[int]) -> dict:
+    """One table row from a configuration's runs (one per seed): means and seed standard deviations."""
+    from ..models.sizing import count_parameters, token_mixers
+    losses = [r["val_loss"] for r in runs]
+    mean, std = _stats(losses)
+    at = {n: _stats([r["val_loss_at"][n] for r in runs]) for n in runs[0]["val_loss_at"]}
+    row = dict(name=c.name, layout=cfg.layout, params=params, active_params=count_parameters(cfg, active=True),
+               d_model=cfg.d_model, mixer_layers=token_mixers(cfg), val_loss=mean, val_loss_std=std,
+               val_losses=losses, val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
+               tokens_per_s=statistics.fmean(r["tokens_per_s"] for r in runs), steps=b["steps"],
+               wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds, note=c.note,
+               **({"val_loss_at": {n: m for n, (m, _) in at.items()},
+                   "val_loss_at_std": {n: sd for n, (_, sd) in at.items()}} if at else {}))
+    for key in MEASURED:
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        if vals:
+            row[key], sd = _stats(vals)
+            if key == "captured_mass" and sd is not None:
+                row["captured_mass_std"] = sd
+    return row
+
+
+def _log_row(row: dict, log) -> None:
+    std = row["val_loss_std"]
+    log(f"        val loss {row['val_loss']:.4f}" + (f" ± {std:.4f}" if std is not None else "") +
+        f" (ppl {row['val_ppl']:.3f}) on {row['val_tokens']:,} tokens, {row['tokens_per_s']:,.0f} tokens/s, "
+        f"{row['wall_s']:.0f} s")
+    if "captured_mass" in row:
+        log(f"        captured attention mass {row['captured_mass']:.3f} (indexer at init "
+            f"{row['captured_mass_init']:.3f}, best k keys {row['captured_oracle']:.3f}, random k keys "
+            f"{row['captured_random']:.3f})")
+
+
 def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list[int] | None = None,
                device: str = "auto", progress: bool = True, keep_checkpoints: bool = True, log=print) -> dict:
     """Train every configuration of `recipe` and write the table, CSV and curves under `out_dir`."""
     from ..data.corpus import load_corpus
     from ..data.loader import TokenData
     from ..data.tokenizer import load_tokenizer
-    from ..models.sizing import count_parameters, token_mixers
-    if quick:   # a configuration's own train fields may not undo the smoke run's budget
-        recipe = Recipe(**{**recipe.__dict__, "budget": dict(recipe.budget, **QUICK, params=None, **(
-            {"eval_seq_lens": QUICK_EVAL_SEQ_LENS} if recipe.budget.get("eval_seq_lens") else {})),
-                           "model": dict(recipe.model, d_model=32),
-                           "configs": [RunConfig(**{**c.__dict__, "params": None,
-                                                    "train": {k: v for k, v in c.train.items() if k not in QUICK},
-                                                    "fields": {k: v for k, v in c.fields.items() if k != "d_model"}})
-                                       for c in recipe.configs]})
+    recipe = _quick(recipe) if quick else recipe
     b = recipe.budget
     seeds = list(seeds or b["seeds"])
     corpus = load_corpus(None, max_bytes=b["max_bytes"])
@@ -137,45 +174,24 @@ def run_recipe(recipe: Recipe, out_dir: str, *, quick: bool = False, seeds: list
         + (f"; every model sized to {b['params']:,} {'active ' if b['active'] else ''}parameters by "
            f"{b['size_by']} (±{b['tolerance']:.0%})" if b.get("params") else ""))
     os.makedirs(out_dir, exist_ok=True)
+    run_dir = lambda name, seed: os.path.join(out_dir, name) if len(seeds) == 1 else \
+        os.path.join(out_dir, name, f"seed{seed}")
     rows = []
     for c, cfg, params in sized:
         log(f"run     {c.name}: layout {cfg.layout}, d_model {cfg.d_model}, {params:,} parameters")
         runs = []
         for seed in seeds:
-            run_dir = os.path.join(out_dir, c.name) if len(seeds) == 1 else os.path.join(out_dir, c.name, f"seed{seed}")
-            runs.append(_train_one(recipe, c, cfg, data, tok, seed, run_dir, device, progress, keep_checkpoints))
+            runs.append(_train_one(recipe, c, cfg, data, tok, seed, run_dir(c.name, seed), device, progress,
+                                   keep_checkpoints))
             log(f"        seed {seed}: val loss {runs[-1]['val_loss']:.4f}" + "".join(
                 f", at {n}: {v:.4f}" for n, v in runs[-1]["val_loss_at"].items()))
-        losses = [r["val_loss"] for r in runs]
-        mean, std = _stats(losses)
-        at = {n: _stats([r["val_loss_at"][n] for r in runs]) for n in runs[0]["val_loss_at"]}
-        row = dict(name=c.name, layout=cfg.layout, params=params, active_params=count_parameters(cfg, active=True),
-                   d_model=cfg.d_model, mixer_layers=token_mixers(cfg), val_loss=mean, val_loss_std=std,
-                   val_losses=losses, val_ppl=math.exp(min(mean, 50.0)), val_tokens=runs[0]["val_tokens"],
-                   tokens_per_s=statistics.fmean(r["tokens_per_s"] for r in runs), steps=b["steps"],
-                   wall_s=statistics.fmean(r["wall_s"] for r in runs), seeds=seeds, note=c.note,
-                   **({"val_loss_at": {n: m for n, (m, _) in at.items()},
-                       "val_loss_at_std": {n: sd for n, (_, sd) in at.items()}} if at else {}))
-        for key in MEASURED:
-            vals = [r[key] for r in runs if r.get(key) is not None]
-            if vals:
-                row[key], sd = _stats(vals)
-                if key == "captured_mass" and sd is not None:
-                    row["captured_mass_std"] = sd
-        rows.append(row)
-        log(f"        val loss {mean:.4f}" + (f" ± {std:.4f}" if std is not None else "") +
-            f" (ppl {row['val_ppl']:.3f}) on {row['val_tokens']:,} tokens, {row['tokens_per_s']:,.0f} tokens/s, "
-            f"{row['wall_s']:.0f} s")
-        if "captured_mass" in row:
-            log(f"        captured attention mass {row['captured_mass']:.3f} (indexer at init "
-                f"{row['captured_mass_init']:.3f}, best k keys {row['captured_oracle']:.3f}, random k keys "
-                f"{row['captured_random']:.3f})")
+        rows.append(_summarise(c, cfg, params, runs, b, seeds))
+        _log_row(rows[-1], log)
     res = {"meta": dict(machine_meta(), quick=quick, recipe_path=recipe.path, budget=b,
                         minutes_per_model=recipe.minutes_per_model, source=recipe.source, model=recipe.model),
            "recipe": recipe.name, "title": recipe.title, "source": recipe.source, "claims": recipe.claims,
            "rows": rows}
-    write_outputs(res, out_dir, [os.path.join(out_dir, r["name"]) if len(seeds) == 1 else
-                                 os.path.join(out_dir, r["name"], f"seed{seeds[0]}") for r in rows])
+    write_outputs(res, out_dir, [run_dir(r["name"], seeds[0]) for r in rows])
     return res
 
 
