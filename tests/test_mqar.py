@@ -260,7 +260,7 @@ def test_merge_joins_runs_made_elsewhere_and_records_their_device(tmp_path, caps
     merged = json.loads((here / "mqar.json").read_text())
     assert {(t["name"], t["device"]) for t in merged["meta"]["trials"]} == {("a", "cpu"), ("m", "cuda (NVIDIA H200)")}
     assert {r["name"]: r["devices"] for r in merged["rows"]} == {"a": ["cpu"], "m": ["cuda (NVIDIA H200)"]}
-    assert not any(str(gpu) in c for c in merged["meta"]["commands"])       # recorded against --out
+    assert not any(str(gpu) in c for c in merged["meta"]["commands"] + [merged["meta"]["command"]])  # as --out
     assert cli(["mqar", "--merge", str(gpu), "--out", str(here)]) == 0     # twice: nothing new
     assert len(json.loads((here / "mqar.json").read_text())["meta"]["trials"]) == len(merged["meta"]["trials"])
     other = tmp_path / "other"

@@ -503,13 +503,13 @@ def merge(sources: list[str], out_dir: str) -> int:
             raise InputError(f"--merge: {os.path.join(d, 'mqar.json')} was written with another protocol "
                              f"({'; '.join(diff)})")
         for c in src["meta"].get("commands") or [src["meta"].get("command", "")]:
-            c = re.sub(r"--out \S+", f"--out {out_dir}", c)
+            c = re.sub(r"--out \S+", f"--out {out_dir}", c)   # what reruns it here: no path of the other machine
             commands += [c] * (c not in commands)
         for t in src["meta"].get("trials", []):
             if "seed" in t and _trial_key(t) not in keys:
                 keys.add(_trial_key(t))
                 trials.append(dict(t, device=t.get("device") or src["meta"].get("device", "cpu")))
-    rows = _write(out_dir, dict(meta, commands=commands), trials)
+    rows = _write(out_dir, dict(meta, command=commands[-1], commands=commands), trials)
     write_plots(out_dir, rows, trials, meta["settings"])
     out(f"merged {len(trials) - (len(base['meta'].get('trials', [])) if base else 0)} runs into {out_dir}")
     return 0
