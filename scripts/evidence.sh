@@ -20,9 +20,11 @@
 # 20-45), a point at d 128 or T 128 about 2x its per-step cost; the 30-point T 64 grid is 10-20 CPU-hours and T 128
 # as much again, so `mqar` alone exceeds a 6-hour run on 2 cores (a GPU runs it with --device cuda). The RoPE study
 # takes about 0.6 CPU-hours; a recipe model 2-8 minutes per seed (the indexer's trained sparse models the longest),
-# about 5.5 CPU-hours for the six recipes (under 3 hours on two lanes). On a shared core (load 7-8 on 2 cores) a Rodimus
-# run at d 32 ran 1.3-1.5 steps/s: ~100 minutes per 8,000-step lr. DEVICE=cuda runs the MQAR parts on a GPU (one H200 ran 40 such
-# runs in 12 minutes, 14 sweeps at once); `hybridlm mqar --merge DIR... --out $RESULTS/mqar` joins runs made elsewhere.
+# about 5.5 CPU-hours for the six recipes (under 3 hours on two lanes). On a shared core (load 7-8 on 2 cores) a
+# Rodimus run at d 32 ran 1.3-1.5 steps/s: ~100 minutes per 8,000-step lr. DEVICE=cuda runs the MQAR parts on a GPU
+# and MQAR_JOBS=N runs N points at once (one H200 ran 40 such runs in 12 minutes, 14 sweeps at once: the steps are
+# launch-bound, so sweeps side by side fill the GPU); `hybridlm mqar --merge DIR... --out $RESULTS/mqar` joins runs
+# made elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,7 +40,7 @@ M2='mamba2-n16=S:ssd_d_state=16,mamba2-n64=S:ssd_d_state=64'
 ROD='rodimus-n16=R:rodimus_d_state=16,rodimus-n64=R:rodimus_d_state=64'
 CHEEMS='cheems-ssd-n16=S:ssd_d_state=16:wm_ssd_rope=true'
 INNER='inner-fn-dynmask=F:wm_dyn_mask="position":wm_inner_values=2:pos_embedding="learned"'
-mqar() { "$PY" -m hybridlm mqar ${DEVICE:+--device "$DEVICE"} "$@"; }
+mqar() { "$PY" -m hybridlm mqar ${DEVICE:+--device "$DEVICE"} ${MQAR_JOBS:+--jobs "$MQAR_JOBS"} "$@"; }
 
 run_part() {
   echo "== $1 ($(date -u +%H:%M:%S))"

@@ -37,12 +37,12 @@ def test_evidence_mqar_parts_of_the_recall_claims(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {log}\n")
     fake.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(fake), JOBS="1", RESULTS=str(tmp_path / "res"), DEVICE="cuda")
+    env = dict(os.environ, PYTHON=str(fake), JOBS="1", RESULTS=str(tmp_path / "res"), DEVICE="cuda", MQAR_JOBS="14")
     parts = ["mqar-star", "mqar-inner-budget", "mqar-state-size", "mqar-t128", "mqar-d64"]
     run = subprocess.run(["bash", "scripts/evidence.sh", *parts], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     calls = log.read_text().splitlines()
-    assert len(calls) == 5 and all(c.startswith("-m hybridlm mqar --device cuda") for c in calls)
+    assert len(calls) == 5 and all(c.startswith("-m hybridlm mqar --device cuda --jobs 14") for c in calls)
     star, inner, size, t128, d64 = calls
     assert "--d-models 32 --seeds 0 1" in star and "rodimus-n64=" in star and "cheems-ssd-n16=" in star
     assert "--steps 32000" in inner and inner.endswith("mqar-inner-budget")
