@@ -5,7 +5,8 @@ import json
 
 from hybridlm.bench.instrument import preset_config, step_memory
 from hybridlm.bench.measure import fresh
-from hybridlm.commands.report import NOT_COMPARABLE, NOT_REPRODUCED, REPRODUCED, ablation_verdict, bench_claims, render
+from hybridlm.commands.report import (NOT_COMPARABLE, NOT_REPRODUCED, REPRODUCED, ablation_verdict, bench_claims,
+                                      gpu_step_times, render)
 from hybridlm.cli import main
 from hybridlm.models.sizing import count_parameters, token_mixers
 
@@ -87,6 +88,14 @@ def test_report_verdicts_and_page(tmp_path):
     assert page.count("**not resolvable at this scale**") == 2 and "margin 0.040, 2 × seed s.d." in page
     assert "a beats b — at 64 tokens" in page and "`hybridlm ablate r --scale 4`" in page   # (0.04 / 0.02)^2 = 4
     assert "(≈4.3 CPU-hours as measured here, " in page          # (10 + 20) s x 2 seeds x 4^4 (FLOPs grow as K^4)
+    assert "GPU time not measured)" in page and "GPU-hours" not in page          # never a FLOP count
+    gpu = gpu_step_times({"env": {"gpu": "NVIDIA H100"}, "steps": {"rows": [
+        dict(kind="ablate", recipe="r", scale=4, config=n, ms_per_step=ms) for n, ms in (("a", 50.0), ("b", 100.0))]
+        + [dict(kind="mqar", layout="a", d_model=64, ms_per_step=1.0)]}})
+    assert gpu_step_times({"dry_run": True, "steps": {"rows": [dict(kind="ablate", recipe="r", scale=4, config="a",
+                                                                       ms_per_step=1.0)]}}) == {}
+    page = render(dict(res, ablate=[seeded], gpu=gpu), str(tmp_path / "results.md"))
+    assert "≈0.00017 GPU-hours from step times measured on NVIDIA H100)" in page   # 2 steps x 2 seeds x 0.15 s
     seeded["claims"][0]["paper_delta"] = 0.1     # the paper's effect exceeds our margin: sized for ours, (0.04/0.02)^2
     assert "`hybridlm ablate r --scale 4`" in render(dict(res, ablate=[seeded]), str(tmp_path / "results.md"))
     assert "| 2.0000 ± 0.0100 |" in page                                                     # the 4x-length column
@@ -95,7 +104,7 @@ def test_report_verdicts_and_page(tmp_path):
 
 
 def test_mqar_claims_on_a_sweep():
-    from hybridlm.commands.report import mqar_claims
+    from hybridlm.commands.report import mqar_claims, pending_rows
 
     def row(name, d, acc, state):
         return dict(name=name, layout="x", d_model=d, seq_len=64, num_pairs=4, accuracy=acc, state_bytes=state)
@@ -120,3 +129,34 @@ def test_mqar_claims_on_a_sweep():
     assert {c["claim"][:12]: c["verdict"] for c in mqar_claims(sweep)}["SSD accuracy"] == NOT_COMPARABLE
     sweep["meta"]["trials"] += [dict(rows[5], lr=1e-3, seed=0)]
     assert {c["claim"][:12]: c["verdict"] for c in mqar_claims(sweep)}["SSD accuracy"] == NOT_REPRODUCED
+    # every seed of a row needs its lrs: a second seed without the smaller lr leaves the row pending
+    sweep["meta"]["trials"] += [dict(rows[5], lr=3e-3, seed=1)]
+    assert pending_rows(sweep)(dict(rows[5], seeds=[0, 1])) and not pending_rows(sweep)(dict(rows[5], seeds=[0]))
+    sweep["meta"]["trials"][-1]["rising"] = True             # ... unless that seed was still rising at the larger lr
+    assert not pending_rows(sweep)(dict(rows[5], seeds=[0, 1]))
+
+
+def test_mqar_claims_on_the_state_size_figure_and_a_larger_budget():
+    from hybridlm.commands.report import mqar_claims
+
+    def row(name, acc, state, d=64, T=128, **kw):
+        return dict(name=name, layout="x", d_model=d, seq_len=T, num_pairs=8, accuracy=acc, accuracy_min=acc,
+                    accuracy_max=acc, state_bytes=state, steps=8000, seeds=[0], **kw)
+    rows = [row(f"rodimus-n{n}", 0.99, 1200 * n) for n in (8, 16, 32, 64)] + \
+        [row(f"mamba2-n{n}", acc, 1250 * n) for n, acc in ((16, 0.9), (32, 0.98), (64, 0.99), (128, 0.99))]
+    def claim(start, *a, **k):
+        return next(c for c in mqar_claims(*a, **k) if c["claim"].startswith(start))
+    fig = claim("Rodimus at least as accurate", {"rows": rows})
+    assert fig["verdict"] == REPRODUCED and "3 of 3 equal-state pairs" in fig["here"] and "n 8/16/32/64" in fig["claim"]
+    rows[2]["accuracy"] = 0.9                                     # Rodimus n32 below Mamba-2 N32
+    assert claim("Rodimus at least as accurate", {"rows": rows})["verdict"] == NOT_REPRODUCED
+    # inner-function attention cut by the 8,000-step budget is judged on a sweep of the point with a larger one
+    small = [row("attention", 0.99, 9, d=32, T=64), row("inner-fn-dynmask", 0.6, 9, d=32, T=64, rising=True)]
+    sweep = {"rows": small, "meta": {"settings": {"steps": 8000}}}
+    inner = "inner-function attention with dynamic mask"
+    assert claim(inner, sweep)["verdict"] == NOT_COMPARABLE
+    longer = {"rows": [dict(small[1], accuracy=0.991, steps=18500, rising=False)],
+              "meta": {"settings": {"steps": 32000}}}
+    got = claim(inner, sweep, extra=[longer])
+    assert got["verdict"] == REPRODUCED and "within a 32,000-step budget: 18,500 steps" in got["here"]
+    assert "8,000 steps leave it at 0.600↑" in got["here"]

@@ -72,10 +72,11 @@ def test_mqar_quick_cli(tmp_path, capsys):
     assert {r["name"] for r in rows} == {"attention", "mamba2"} and len(data["meta"]["trials"]) == 4
     for r in rows:
         assert set(r) == {"name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "accuracy_min",
-                          "accuracy_max", "seeds", "params", "state_bytes", "lr", "steps", "rising"}
+                          "accuracy_max", "seeds", "params", "state_bytes", "lr", "steps", "rising", "devices"}
         assert 0 <= r["accuracy"] <= 1 and r["params"] > 0 and r["state_bytes"] > 0 and r["lr"] in (3e-3, 1e-2)
     assert rows[0]["layout"] == "(AM)*2"
     assert all(t["curve"] and t["curve"][-1][0] == t["steps"] for t in data["meta"]["trials"])
+    assert {t["device"] for t in data["meta"]["trials"]} == {"cpu"} and rows[0]["devices"] == ["cpu"]
     assert (out / "mqar.csv").read_text().startswith("name,layout,d_model")
     for png in ("mqar.png", "mqar-state.png", "mqar-curves.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -242,3 +243,45 @@ def test_still_rising_marks_runs_cut_by_the_budget():
     assert not still_rising([[250, 0.3], [750, 0.6], [1000, 0.605]], 1000)     # flat at the end
     assert not still_rising([[250, 0.5], [500, 0.995]], 1000)                  # stopped early at the target
     assert not still_rising([], 1000)
+
+
+def test_merge_joins_runs_made_elsewhere_and_records_their_device(tmp_path, capsys):
+    """`--merge` adds another machine's runs (same protocol) to --out without training: the runs keep the device
+    they ran on, the source's command is recorded against --out, and another protocol is refused."""
+    here, gpu = tmp_path / "here", tmp_path / "gpu"
+    assert cli(["mqar", "--quick", "--out", str(here), "--layouts", "a=A"]) == 0
+    assert cli(["mqar", "--quick", "--out", str(gpu), "--layouts", "m=S:ssd_d_state=16"]) == 0
+    res = json.loads((gpu / "mqar.json").read_text())
+    res["meta"]["device"] = "cuda (NVIDIA H200)"
+    for t in res["meta"]["trials"]:
+        del t["device"]                                   # a file from before runs recorded it: the meta's
+    (gpu / "mqar.json").write_text(json.dumps(res))
+    assert cli(["mqar", "--merge", str(gpu), "--out", str(here)]) == 0
+    merged = json.loads((here / "mqar.json").read_text())
+    assert {(t["name"], t["device"]) for t in merged["meta"]["trials"]} == {("a", "cpu"), ("m", "cuda (NVIDIA H200)")}
+    assert {r["name"]: r["devices"] for r in merged["rows"]} == {"a": ["cpu"], "m": ["cuda (NVIDIA H200)"]}
+    assert not any(str(gpu) in c for c in merged["meta"]["commands"] + [merged["meta"]["command"]])  # as --out
+    assert cli(["mqar", "--merge", str(gpu), "--out", str(here)]) == 0     # twice: nothing new
+    assert len(json.loads((here / "mqar.json").read_text())["meta"]["trials"]) == len(merged["meta"]["trials"])
+    other = tmp_path / "other"
+    assert cli(["mqar", "--quick", "--out", str(other), "--layouts", "a=A", "--weight-decay", "0"]) == 0
+    capsys.readouterr()
+    assert cli(["mqar", "--merge", str(other), "--out", str(here)]) == 2
+    assert "another protocol" in capsys.readouterr().err
+    assert cli(["mqar", "--merge", str(tmp_path / "none"), "--out", str(here)]) == 2
+
+
+def test_state_size_figure(tmp_path):
+    """Rodimus figure 1b: where both families ran at 3+ state sizes at one (d_model, T), mqar-families.png plots
+    accuracy against state bytes, one line per family."""
+    from hybridlm.commands.mqar import plot_families, state_size_points
+
+    def row(name, acc, state, d=64):
+        return dict(name=name, d_model=d, seq_len=128, num_pairs=8, accuracy=acc, accuracy_min=acc, accuracy_max=acc,
+                    state_bytes=state)
+    rows = [row(f"rodimus-n{n}", 0.9, 1200 * n) for n in (8, 16, 32)] + \
+        [row(f"mamba2-n{n}", 0.8, 1250 * n) for n in (16, 32, 64)] + [row("rodimus-n16", 0.5, 9, d=32), row("kda", 1, 5)]
+    assert list(state_size_points(rows)) == [(64, 128)] and len(state_size_points(rows)[(64, 128)]) == 6
+    assert not state_size_points(rows[:5])                                  # Mamba-2 at two sizes only
+    plot_families(rows, str(tmp_path / "f.png"), "t")
+    assert (tmp_path / "f.png").stat().st_size > 1000

@@ -14,8 +14,11 @@ Mamba-2 / Wonderful Matrices variant), off by default.
 
 Output under --out: mqar.json ({"meta", "rows"}; meta.trials holds every run with its accuracy-against-steps curve),
 mqar.csv (the rows: per point the best lr of each seed, accuracy = mean over seeds), mqar.png (accuracy against
-d_model) and mqar-state.png (accuracy against recurrent-state bytes). mqar.json is rewritten after every run, and a
-rerun with the same protocol into the same --out skips the runs it already holds: an interrupted sweep resumes.
+d_model), mqar-state.png (accuracy against recurrent-state bytes) and, where a sweep holds Rodimus and Mamba-2 at
+several state sizes, mqar-families.png (Rodimus figure 1b: accuracy against state bytes, one line per family).
+mqar.json is rewritten after every run, and a rerun with the same protocol into the same --out skips the runs it
+already holds: an interrupted sweep resumes. `--merge DIR...` adds the runs of sweeps written elsewhere (another
+machine, a GPU) to --out without training; every run records the device it ran on.
 
 A layout spec is NAME=VALUE[:FIELD=JSON...]: VALUE is a preset name, a layout string, or one token-mixer letter X,
 which becomes zoology's mixer + MLP stack `(XM)*LAYERS`; FIELD=JSON sets any ModelConfig field.
@@ -44,7 +47,7 @@ DEFAULT_LAYOUTS = ("attention=A:pos_embedding=\"learned\","
                    "gated-deltanet=G,"
                    "kda=K")
 ROW_KEYS = ("name", "layout", "d_model", "seq_len", "num_pairs", "accuracy", "accuracy_min", "accuracy_max", "seeds",
-            "params", "state_bytes", "lr", "steps", "rising")
+            "params", "state_bytes", "lr", "steps", "rising", "devices")
 RISING = 0.02   # a run that gained more than this over the last quarter of its budget was cut by the budget
 # settings that define the protocol: a resumed sweep must match them (the sweep's axes may grow)
 PROTOCOL_KEYS = ("layers", "pairs", "hard", "vocab_size", "curriculum", "steps", "batch_size", "train_examples",
@@ -90,6 +93,9 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layouts, one tiny size, a few steps")
     p.add_argument("--out", default="runs/mqar", help="output directory (default: runs/mqar); resumes what it holds")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="train nothing: add the runs of these sweeps' mqar.json (same protocol) to --out, rewrite its "
+                        "tables and plots")
 
 
 def parse_layouts(text: str, layers: int) -> list[tuple[str, str, dict]]:
@@ -168,7 +174,7 @@ def _run_point(job: dict) -> list[dict]:
             prev = dict(base, accuracy=res["accuracy"], params=res["params"], state_bytes=state, steps=res["steps"],
                         stopped_early=res["stopped_early"], rising=still_rising(res["curve"], job["steps"]),
                         loss=res["loss"], wall_s=res["wall_s"], curve=res["curve"], fields=job["fields"],
-                        load_avg=load_average())      # > cores: the run shared its core
+                        device=job["device_name"], load_avg=load_average())   # load > cores: it shared its core
             job["report"](prev)
         trials.append(prev)
         if prev["accuracy"] >= job["target"]:
@@ -203,7 +209,8 @@ def best_rows(trials: list[dict]) -> list[dict]:
         accs = [r["accuracy"] for r in runs]
         first = runs[0]
         rows.append({**{k: first[k] for k in ROW_KEYS if k in first}, "accuracy": statistics.fmean(accs),
-                     "accuracy_min": min(accs), "accuracy_max": max(accs), "seeds": [r["seed"] for r in runs]})
+                     "accuracy_min": min(accs), "accuracy_max": max(accs), "seeds": [r["seed"] for r in runs],
+                     "devices": sorted({r.get("device", "cpu") for r in runs})})
     return rows
 
 
@@ -218,17 +225,22 @@ def write_results(out_dir: str, meta: dict, trials: list[dict]):
         trials += [t for t in disk["meta"].get("trials", []) if "seed" in t and _trial_key(t) not in ours]
         commands = disk["meta"].get("commands") or [disk["meta"].get("command", "")]
         commands += [meta["command"]] * (meta["command"] not in commands)
+    return _write(out_dir, dict(meta, commands=commands), trials)
+
+
+def _write(out_dir: str, meta: dict, trials: list[dict]) -> list[dict]:
+    """mqar.json ({"meta": meta + trials, "rows"}, atomically) and mqar.csv from these trials alone -> rows."""
     trials.sort(key=lambda t: (t["seq_len"], t["d_model"]))          # stable: a sweep's own order within a point
     rows = best_rows(trials)
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f"mqar.json.{os.getpid()}.tmp")     # per process: sweeps may share out_dir
     with open(tmp, "w") as f:
-        json.dump({"meta": {**meta, "commands": commands, "trials": trials}, "rows": rows}, f, indent=1)
+        json.dump({"meta": {**meta, "trials": trials}, "rows": rows}, f, indent=1)
     os.replace(tmp, os.path.join(out_dir, "mqar.json"))
     with open(os.path.join(out_dir, "mqar.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROW_KEYS)
         w.writeheader()
-        w.writerows(dict(r, seeds=" ".join(map(str, r["seeds"]))) for r in rows)
+        w.writerows(dict(r, seeds=" ".join(map(str, r["seeds"])), devices=" ".join(r["devices"])) for r in rows)
     return rows
 
 
@@ -329,6 +341,8 @@ def main(args) -> int:
     from ..data.mqar import check_sizes
     from ..errors import InputError
     from ..eval.mqar import MQARTask, warmup_steps
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.quick:
         args.layouts = "attention=A,mamba2=S:ssd_d_state=16" if args.layouts == DEFAULT_LAYOUTS else args.layouts
         args.d_models, args.seq_lens, args.vocab_size = [16], [32], 64
@@ -344,6 +358,7 @@ def main(args) -> int:
         raise InputError("--d-models and --seq-lens must be >= 1 and --lr > 0")
     warmup = warmup_steps(args.steps, args.warmup)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_name = f"cuda ({torch.cuda.get_device_name()})" if device.startswith("cuda") else device
     div = args.pairs_div or (4 if args.hard else 16)
     curriculum = args.hard if args.curriculum is None else args.curriculum
     specs = parse_layouts(args.layouts, args.layers)
@@ -376,6 +391,7 @@ def main(args) -> int:
                     cfg = build_config(value, over, d_model=d, seq_len=T, vocab_size=args.vocab_size,
                                        layers=args.layers)
                     jobs.append(dict(name=name, cfg=cfg, task=task, fields=over, steps=args.steps, warmup=warmup,
+                                     device_name=device_name,
                                      batch_size=args.batch_size, lrs=args.lr, seed=seed, device=device,
                                      weight_decay=args.weight_decay, eval_every=args.eval_every, target=args.target,
                                      progress=args.jobs == 1, threads=1 if args.jobs > 1 else 0, done=done,
@@ -398,12 +414,104 @@ def main(args) -> int:
     order = {name: i for i, (name, _, _) in enumerate(specs)}
     trials.sort(key=lambda t: (order.get(t["name"], len(order)), t["seed"], t["lr"]))
     rows = write_results(args.out, meta, trials)
-    title = (f"MQAR ({'hard' if args.hard else 'zoology'}), vocab {args.vocab_size}, {args.layers} layers, "
-             f"<= {args.steps} steps, early stop {args.target}")
-    plot(rows, os.path.join(args.out, "mqar.png"), title)
-    plot(rows, os.path.join(args.out, "mqar-state.png"), title, x="state_bytes")
-    plot_curves(trials, os.path.join(args.out, "mqar-curves.png"), title)
-    out(f"wrote {os.path.join(args.out, 'mqar.json')}, mqar.csv, mqar.png, mqar-state.png, mqar-curves.png")
+    write_plots(args.out, rows, trials, settings)
+    return 0
+
+
+def write_plots(out_dir: str, rows: list[dict], trials: list[dict], settings: dict):
+    """mqar.png, mqar-state.png, mqar-curves.png and (when the sweep holds both families at several state sizes)
+    mqar-families.png under out_dir."""
+    title = (f"MQAR ({'hard' if settings.get('hard') else 'zoology'}), vocab {settings['vocab_size']}, "
+             f"{settings['layers']} layers, <= {settings['steps']} steps, early stop {settings['target']}")
+    plot(rows, os.path.join(out_dir, "mqar.png"), title)
+    plot(rows, os.path.join(out_dir, "mqar-state.png"), title, x="state_bytes")
+    plot_curves(trials, os.path.join(out_dir, "mqar-curves.png"), title)
+    wrote = ["mqar.png", "mqar-state.png", "mqar-curves.png"]
+    if state_size_points(rows):
+        plot_families(rows, os.path.join(out_dir, "mqar-families.png"), title)
+        wrote.append("mqar-families.png")
+    out(f"wrote {os.path.join(out_dir, 'mqar.json')}, mqar.csv, {', '.join(wrote)}")
+
+
+FAMILIES = {"rodimus": "Rodimus (n)", "mamba2": "Mamba-2 (N)"}     # sweep names FAMILY-nSIZE: the state-size figure
+
+
+def _family(name: str) -> tuple[str, int] | None:
+    fam, _, n = name.rpartition("-n")
+    return (fam, int(n)) if fam in FAMILIES and n.isdigit() else None
+
+
+def state_size_points(rows: list[dict]) -> dict:
+    """(d_model, seq_len) -> rows of the points where both families ran at 3 or more state sizes: the sweeps of
+    Rodimus' figure 1b (accuracy against the expansion factor n, Rodimus against Mamba-2's N)."""
+    by = {}
+    for r in rows:
+        if _family(r["name"]):
+            by.setdefault((r["d_model"], r["seq_len"]), []).append(r)
+    return {k: v for k, v in sorted(by.items())
+            if all(len({_family(r["name"])[1] for r in v if _family(r["name"])[0] == f}) >= 3 for f in FAMILIES)}
+
+
+def plot_families(rows: list[dict], path: str, title: str):
+    """Rodimus figure 1b at sweep size: accuracy against recurrent-state bytes (log2 axis), one line per family
+    labelled with its n / N, one panel per (d_model, T); the band spans the seeds' min..max."""
+    plt = pyplot()
+    groups = state_size_points(rows)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.8 * len(groups), 3.8), sharey=True, squeeze=False)
+    for ax, ((d, T), rs) in zip(axes[0], groups.items()):
+        for i, (fam, label) in enumerate(FAMILIES.items()):
+            pts = sorted((r["state_bytes"], r["accuracy"], r["accuracy_min"], r["accuracy_max"], _family(r["name"])[1])
+                         for r in rs if _family(r["name"])[0] == fam)
+            xs, ys, lo, hi, ns = zip(*pts)
+            ax.plot(xs, ys, marker="o", ms=4, color=f"C{i}", label=label)
+            ax.fill_between(xs, lo, hi, color=f"C{i}", alpha=0.15, lw=0)
+            for x, y, n in zip(xs, ys, ns):
+                ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(0, -11 if i else 5), ha="center",
+                            fontsize=7, color=f"C{i}")
+        ax.set_title(f"d_model = {d}, T = {T}, {rs[0]['num_pairs']} pairs")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("recurrent state (bytes)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (mean over seeds)")
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(textwrap.fill(title, int(13 * 4.8 * len(groups))), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def merge(sources: list[str], out_dir: str) -> int:
+    """Add the runs of other sweeps (their mqar.json, same protocol) to out_dir's: a sweep run elsewhere joins the
+    results. Runs out_dir already holds win; a source's commands are recorded with their --out set to out_dir, and
+    its runs without a `device` get the device its meta names."""
+    import re
+    from ..errors import InputError
+    base = _read_json(out_dir)
+    srcs = []
+    for d in sources:
+        src = _read_json(d)
+        if src is None:
+            raise InputError(f"--merge: {os.path.join(d, 'mqar.json')} does not exist")
+        srcs.append(src)
+    meta = dict((base or srcs[0])["meta"])
+    trials = list(meta.pop("trials", [])) if base else []
+    commands = (meta.get("commands") or [meta.get("command", "")]) if base else []
+    keys = {_trial_key(t) for t in trials}
+    for d, src in zip(sources, srcs):
+        diff = _protocol_diff(meta.get("settings", {}), src["meta"].get("settings", {}))
+        if diff:
+            raise InputError(f"--merge: {os.path.join(d, 'mqar.json')} was written with another protocol "
+                             f"({'; '.join(diff)})")
+        for c in src["meta"].get("commands") or [src["meta"].get("command", "")]:
+            c = re.sub(r"--out \S+", f"--out {out_dir}", c)   # what reruns it here: no path of the other machine
+            commands += [c] * (c not in commands)
+        for t in src["meta"].get("trials", []):
+            if "seed" in t and _trial_key(t) not in keys:
+                keys.add(_trial_key(t))
+                trials.append(dict(t, device=t.get("device") or src["meta"].get("device", "cpu")))
+    rows = _write(out_dir, dict(meta, command=commands[-1], commands=commands), trials)
+    write_plots(out_dir, rows, trials, meta["settings"])
+    out(f"merged {len(trials) - (len(base['meta'].get('trials', [])) if base else 0)} runs into {out_dir}")
     return 0
 
 

@@ -4,8 +4,13 @@ and `bench`.
     page = render(collect("docs/results"), "docs/results.md")
 
 Layout read under the results directory: ablate/<recipe>/ablate.json (+ curves.png), mqar/mqar.json (+ mqar.png),
-bench/results.json (+ results_*.png). Every claim of the papers the page checks gets a verdict computed from the
-figures: "reproduced", "not reproduced", or "not comparable at this scale" with the reason.
+bench/results.json (+ results_*.png), note.md (a paragraph under the introduction, unless --note gives one) and
+gpu/gpu.json, the measured GPU step times of `hybridlm bench --suite gpu` (its `steps` part: rows {"kind": "ablate",
+"recipe", "scale", "config", "ms_per_step"}, the GPU's name in env.gpu; a dry run is ignored). Every claim of the
+papers the page checks gets a verdict computed from the figures: "reproduced", "not reproduced", or "not comparable at
+this scale" with the reason. An unresolved ablation's GPU time is the measured ms per step of its two configurations
+at the scale it needs × steps × seeds, or "GPU time not measured": never a FLOP count, since these models' steps run
+at a GPU's launch latency, not its peak.
 """
 import glob
 import json
@@ -16,7 +21,6 @@ from .common import out
 
 REPRODUCED, NOT_REPRODUCED, NOT_COMPARABLE = "reproduced", "not reproduced", "not resolvable at this scale"
 MFU_TARGET, SPEEDUP_TARGET, FLAT_MAX = 0.7, 2.0, 1.2
-GPU_FLOPS = 0.4 * 989e12     # an H100's dense bf16 peak at 40% MFU: the scale estimate's assumed throughput
 
 
 def _load(path: str) -> dict | None:
@@ -33,7 +37,22 @@ def collect(results_dir: str) -> dict:
     extra = {os.path.basename(os.path.dirname(p)): _load(p) | {"_dir": os.path.dirname(p)}
              for p in sorted(glob.glob(os.path.join(results_dir, "mqar-*", "mqar.json")))}
     bench = _load(os.path.join(results_dir, "bench", "results.json"))
-    return {"dir": results_dir, "ablate": ablate, "mqar": mqar, "mqar_extra": extra, "bench": bench}
+    gpu = _load(os.path.join(results_dir, "gpu", "gpu.json"))
+    note = os.path.join(results_dir, "note.md")
+    note = open(note).read().strip() if os.path.exists(note) else ""
+    return {"dir": results_dir, "ablate": ablate, "mqar": mqar, "mqar_extra": extra, "bench": bench,
+            "gpu": gpu_step_times(gpu), "note": note}
+
+
+def gpu_step_times(gpu: dict | None) -> dict:
+    """gpu.json of `hybridlm bench --suite gpu` -> {"device": name, (recipe, scale, config): seconds per step};
+    empty for none or a dry run (CPU, tiny sizes: no GPU time)."""
+    if not gpu or gpu.get("dry_run"):
+        return {}
+    times = {(r["recipe"], int(r["scale"]), r["config"]): r["ms_per_step"] / 1e3
+             for r in (gpu.get("steps") or {}).get("rows", []) if r.get("kind") == "ablate" and r.get("ms_per_step")}
+    env = gpu.get("env") or {}
+    return dict(times, device=env.get("gpu") or "a GPU") if times else {}
 
 
 # --- verdicts ------------------------------------------------------------------------------------------------
@@ -43,11 +62,12 @@ def _at(row: dict, at) -> tuple[float, float | None]:
     return row["val_loss_at"][str(at)], (row.get("val_loss_at_std") or {}).get(str(at))
 
 
-def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float) -> str:
+def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float, gpu: dict | None = None) -> str:
     """The `--scale K` run that would resolve a claim, assuming the seed spread falls as 1/sqrt(tokens): tokens
     must grow by (noise / effect)^2, where the effect is the paper's (`paper_delta`, nats) or ours (without one, or
     when the paper's exceeds the noise already); --scale K gives K x the tokens and K^3 x the parameters, so K^4 x
-    the FLOPs (and the CPU time) of this run."""
+    the FLOPs (and the CPU time) of this run. Its GPU time comes from `gpu` (gpu_step_times) for the two
+    configurations at scale K: steps x seeds x the measured seconds per step; without both, "not measured"."""
     effect = claim.get("paper_delta")
     if not effect or effect >= noise:   # the paper's effect would already show here: ours is smaller, size for ours
         effect = abs(diff)
@@ -57,17 +77,19 @@ def scale_estimate(recipe: dict, claim: dict, diff: float, noise: float) -> str:
     while k * effect ** 2 < noise ** 2 and k < 64:
         k *= 2
     rows = [r for r in recipe["rows"] if r["name"] in (claim["better"], claim["worse"])]
-    b = recipe["meta"]["budget"]
-    tokens = b["steps"] * b["batch_size"] * b["seq_len"]
-    flops = sum(6 * r.get("active_params", r["params"]) * tokens * len(r["seeds"]) for r in rows) * k ** 4
-    hours = flops / GPU_FLOPS / 3600
+    steps = recipe["meta"]["budget"]["steps"]
     size = f"`hybridlm ablate {recipe['recipe']} --scale {k}`" if k < 64 else "beyond `--scale 32`"
-    here = sum(r["wall_s"] * len(r["seeds"]) for r in rows if r.get("wall_s")) * k ** 4 / 3600
+    here = sum(r["wall_s"] * len(r.get("seeds") or [0]) for r in rows if r.get("wall_s")) * k ** 4 / 3600
     cpu = f"≈{here:.2g} CPU-hours as measured here, " if here and k < 64 else ""
-    return f"; resolving it needs {size} ({cpu}≈{hours:.2g} GPU-hours at 40% of an H100's bf16 peak)"
+    per_step = [(gpu or {}).get((recipe["recipe"], k, r["name"])) for r in rows]
+    if k < 64 and len(rows) == 2 and all(per_step):
+        hours = sum(s * steps * len(r.get("seeds") or [0]) for s, r in zip(per_step, rows)) / 3600
+        return f"; resolving it needs {size} ({cpu}≈{hours:.2g} GPU-hours from step times measured on {gpu['device']})"
+    return f"; resolving it needs {size} ({cpu}GPU time not measured)"
 
 
-def ablation_verdict(claim: dict, rows: dict, margin: float, recipe: dict | None = None) -> tuple[str, str]:
+def ablation_verdict(claim: dict, rows: dict, margin: float, recipe: dict | None = None,
+                     gpu: dict | None = None) -> tuple[str, str]:
     """-> (verdict, our figures). `better` must have the lower validation loss (at the claim's `at` length, else
     the training length) by more than the noise margin: twice the larger seed standard deviation of the two
     configurations when they ran several seeds (measured), else `margin` (assumed, and said so)."""
@@ -82,28 +104,39 @@ def ablation_verdict(claim: dict, rows: dict, margin: float, recipe: dict | None
         return REPRODUCED, here
     if diff < -noise:
         return NOT_REPRODUCED, here
-    return NOT_COMPARABLE, here + (scale_estimate(recipe, claim, diff, noise) if recipe else "")
+    return NOT_COMPARABLE, here + (scale_estimate(recipe, claim, diff, noise, gpu) if recipe else "")
 
 
 _ATTN, _SSD, _ROD = "attention", ("mamba2-n16", "mamba2-n64"), ("rodimus-n16", "rodimus-n64")
 
 
 def pending_rows(mq: dict):
-    """-> row -> bool: below the target and not rising, with an lr of the protocol not run yet (an interrupted
-    sweep): the figure may still rise."""
+    """-> row -> bool: one of its seeds ended below the target, not rising, with an lr of the protocol not run yet
+    (an interrupted sweep): the figure may still rise. A seed still rising at an lr skips the smaller ones."""
     st = mq.get("meta", {}).get("settings", {})
-    tried = {}
+    runs = {}
     for t in mq.get("meta", {}).get("trials", []):
-        tried.setdefault((t["name"], t["d_model"], t["seq_len"]), set()).add(t["lr"])
-    return lambda r: r["accuracy"] < st.get("target", 0) and not r.get("rising") and \
-        bool(set(st.get("lr", [])) - tried.get((r["name"], r["d_model"], r["seq_len"]), set()))
+        runs.setdefault((t["name"], t["d_model"], t["seq_len"], t.get("seed", 0)), []).append(t)
+
+    def seed_pending(ts: list[dict]) -> bool:
+        if max(t["accuracy"] for t in ts) >= st.get("target", 0):
+            return False
+        rising = max((t["lr"] for t in ts if t.get("rising")), default=0.0)
+        return any(lr >= rising for lr in set(st.get("lr", [])) - {t["lr"] for t in ts})
+
+    return lambda r: any(seed_pending(runs[k]) for k in ((r["name"], r["d_model"], r["seq_len"], s)
+                                                           for s in r.get("seeds") or [0]) if k in runs)
 
 
-def mqar_claims(mqar: dict, tol: float = 0.02) -> list[dict]:
+def mqar_claims(mqar: dict, tol: float = 0.02, extra: list[dict] | None = None) -> list[dict]:
     """The papers' recall claims checked on the default sweep's rows (by their names; `tol` accuracy is noise). A
     claim that fails only through runs still rising when their budget ended (`rising`) is not resolvable at this
-    budget rather than not reproduced, and so is one that fails through runs whose next lr has not run yet."""
+    budget rather than not reproduced, and so is one that fails through runs whose next lr has not run yet. `extra`:
+    the other sweeps (studies); a row cut by the budget is judged on one of them with a larger budget, where one ran
+    that point."""
     rows, pending = mqar["rows"], pending_rows(mqar)
+    steps = mqar.get("meta", {}).get("settings", {}).get("steps", 0)
+    by_key = {(r["name"], r["d_model"], r["seq_len"]): r for r in rows}
     by = {}
     for r in rows:
         by.setdefault(r["name"], []).append(r)
@@ -146,14 +179,41 @@ def mqar_claims(mqar: dict, tol: float = 0.02) -> list[dict]:
             "figure 1b", [r for r, _ in lose], f"{len(pairs) - len(lose)} of {len(pairs)} equal-state pairs; " + "; ".join(
                 f"{r['name']} {r['accuracy']:.2f} vs {s['name']} {s['accuracy']:.2f} (d {r['d_model']}, T {r['seq_len']})"
                 for r, s in (lose or pairs)[:4]))
+    from .mqar import _family, state_size_points
+    for (d, T), pts in state_size_points(rows).items():
+        rod = sorted((r for r in pts if _family(r["name"])[0] == "rodimus"), key=lambda r: r["state_bytes"])
+        m2 = [r for r in pts if _family(r["name"])[0] == "mamba2"]
+        pairs = [(r, min(m2, key=lambda s: abs(math.log(s["state_bytes"] / r["state_bytes"])))) for r in rod]
+        pairs = [(r, s) for r, s in pairs if abs(s["state_bytes"] / r["state_bytes"] - 1) <= 0.25]
+        if pairs:
+            add(f"Rodimus at least as accurate as Mamba-2 at equal state bytes (figure 1b: n "
+                f"{'/'.join(str(_family(r['name'])[1]) for r in rod)} against N "
+                f"{'/'.join(str(_family(s['name'])[1]) for s in sorted(m2, key=lambda s: s['state_bytes']))}, "
+                f"d {d}, T {T})", "001_53f5bc9ef3e67888.txt figure 1b",
+                [r for r, s in pairs if r["accuracy"] < s["accuracy"] - tol],
+                f"{sum(r['accuracy'] >= s['accuracy'] - tol for r, s in pairs)} of {len(pairs)} equal-state pairs; "
+                + "; ".join(f"n {_family(r['name'])[1]} {r['accuracy']:.3f} vs N {_family(s['name'])[1]} "
+                            f"{s['accuracy']:.3f}{'↑' * bool(s.get('rising'))} ({r['state_bytes'] / 1024:.0f} vs "
+                            f"{s['state_bytes'] / 1024:.0f} KiB)" for r, s in pairs)
+                + " (mqar-families.png)")
     inner = by.get("inner-fn-dynmask", [])
     if inner and att:
         d0 = min(r["d_model"] for r in inner + att)
         cmp = [(i, a) for i in inner for a in att if i["d_model"] == a["d_model"] == d0 and i["seq_len"] == a["seq_len"]]
+        # a row cut by the budget (↑) is judged on a sweep of the same point with a larger budget, where one ran
+        longer = {(r["name"], r["d_model"], r["seq_len"]): (r, m["meta"]["settings"]["steps"])
+                  for m in extra or [] for r in m.get("rows", [])
+                  if m.get("meta", {}).get("settings", {}).get("steps", 0) > steps}
+        cmp = [(longer.get((i["name"], i["d_model"], i["seq_len"]), (i, steps)) if i.get("rising") else (i, steps), a)
+               for i, a in cmp]
         if cmp:
             add("inner-function attention with dynamic mask at least as good as attention at the smallest d_model",
-                "000_4348bfb066d62081.txt figure 5", [i for i, a in cmp if i["accuracy"] < a["accuracy"] - tol],
-                "; ".join(f"T {i['seq_len']}: {i['accuracy']:.2f} vs {a['accuracy']:.2f}" for i, a in cmp) + f" (d {d0})")
+                "000_4348bfb066d62081.txt figure 5", [i for (i, _), a in cmp if i["accuracy"] < a["accuracy"] - tol],
+                "; ".join(f"T {i['seq_len']}: {i['accuracy']:.3f} vs {a['accuracy']:.3f}" + (
+                    f" (inner-function within a {b:,}-step budget: {i['steps']:,} steps, seeds "
+                    f"{'/'.join(map(str, i.get('seeds', [])))}; {steps:,} steps leave it at "
+                    f"{by_key[(i['name'], i['d_model'], i['seq_len'])]['accuracy']:.3f}↑)" if b != steps else "")
+                    for (i, b), a in cmp) + f" (d {d0})")
     for name, label in (("gated-deltanet", "Gated DeltaNet"), ("kda", "KDA")):
         cmp = []
         for r in by.get(name, []):
@@ -250,8 +310,17 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
     trials = meta.get("trials", [])
     L = [] if main else [f"### {os.path.basename(out_dir)}", ""]
     cmds = meta.get("commands") or [meta.get("command", "")]
-    L += [f"Command{'s' * (len(cmds) > 1)}: " + ", ".join(f"`{c}`" for c in cmds) + "  ",
-          f"Machine: {_meta_line(meta, [t.get('load_avg') for t in trials])}.", ""]
+    shown = 6                                    # a merged sweep has one command per point: the rest are in the json
+    L += [f"Command{'s' * (len(cmds) > 1)}: " + ", ".join(f"`{c}`" for c in cmds[:shown])
+          + (f" and {len(cmds) - shown} more (meta.commands of mqar.json)" if len(cmds) > shown else "") + "  ",
+          f"Machine: {_meta_line(meta, [t.get('load_avg') for t in trials if _on_cpu(t)])}."]
+    gpu = [t for t in trials if not _on_cpu(t)]
+    if gpu:
+        names = sorted({t["device"].removeprefix("cuda (").removesuffix(")") for t in gpu})
+        L += ["", f"{len(gpu)} of the {len(trials)} runs ran on a GPU ({', '.join(names)}; `--device cuda`, same "
+              "protocol, float32; several sweeps shared the GPU at once, so their wall times are not step times); "
+              "the `devices` column says where each row's runs ran."]
+    L.append("")
     if not main and "target" in st:                     # a study: which settings reached the target, which did not
         done = [r for r in mq["rows"] if r["accuracy"] >= st["target"]]
         miss = [r for r in mq["rows"] if r["accuracy"] < st["target"]]
@@ -268,16 +337,20 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
               f"ones after a run still rising when its budget ends, since they learn slower), seeds "
               f"{sorted({t['seed'] for t in trials if 'seed' in t}) or st['seeds']}. Accuracy is the mean over seeds "
               f"of each seed's best lr; `steps` is the first seed's steps to stop. {len(trials)} runs, "
-              f"{sum(t.get('wall_s', 0) for t in trials) / 3600:.1f} CPU-hours (one thread each).", ""]
+              f"{sum(t.get('wall_s', 0) for t in trials if _on_cpu(t)) / 3600:.1f} CPU-hours (one thread each)"
+              + (f" and {sum(t.get('wall_s', 0) for t in gpu) / 3600:.1f} GPU-process-hours" if gpu else "") + ".",
+              ""]
     pending = pending_rows(mq)
     for T in sorted({r["seq_len"] for r in mq["rows"]}):
         rows = [r for r in mq["rows"] if r["seq_len"] == T]
         L += [f"T = {T}, {rows[0]['num_pairs']} pairs:", ""]
-        L += _table(["name", "layout", "d_model", "accuracy", "seeds min..max", "params", "state bytes", "lr", "steps"],
+        L += _table(["name", "layout", "d_model", "accuracy", "seeds min..max", "params", "state bytes", "lr", "steps"]
+                    + ["devices"] * bool(gpu),
                     [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['accuracy']:.3f}",
                       f"{r.get('accuracy_min', r['accuracy']):.3f}..{r.get('accuracy_max', r['accuracy']):.3f}",
                       f"{r['params']:,}", f"{r['state_bytes']:,}" if r.get("state_bytes") else "-", f"{r['lr']:g}",
                       f"{r['steps']:,}" + (" ↑" if r.get("rising") else "") + (" *" if pending(r) else "")]
+                     + [", ".join(d.split(" (")[0] for d in r.get("devices") or ["cpu"])] * bool(gpu)
                      for r in rows])
         L.append("")
     if any(r.get("rising") for r in mq["rows"]):
@@ -287,16 +360,22 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
         L += ["*: below the target and not rising, but the protocol's next lr has not run yet (the sweep was "
               "interrupted; rerunning its command runs it): the figure may still rise.", ""]
     for png, what in (("mqar.png", "accuracy against d_model"), ("mqar-state.png", "accuracy against state bytes"),
+                      ("mqar-families.png", "accuracy against state bytes, Rodimus against Mamba-2 (Rodimus figure 1b)"),
                       ("mqar-curves.png", "held-out accuracy against steps")):
         if os.path.exists(os.path.join(out_dir, png)):
             L += [f"![MQAR {what}]({_rel(os.path.join(out_dir, png), page_dir)})", ""]
     return L
 
 
+def _on_cpu(trial: dict) -> bool:
+    return trial.get("device", "cpu") == "cpu"
+
+
 def cpu_hours(res: dict) -> dict:
-    """CPU-hours behind each part of the page: MQAR runs and ablation runs (every seed) from their wall times."""
+    """CPU-hours behind each part of the page: MQAR runs and ablation runs (every seed) from their wall times (MQAR
+    runs made on a GPU are not CPU-hours: `gpu_runs` counts them)."""
     mq = [res["mqar"]] * bool(res.get("mqar")) + list(res.get("mqar_extra", {}).values())
-    return {"MQAR": sum(t.get("wall_s", 0) for m in mq for t in m["meta"].get("trials", [])) / 3600,
+    return {"MQAR": sum(t.get("wall_s", 0) for m in mq for t in m["meta"].get("trials", []) if _on_cpu(t)) / 3600,
             "ablations": sum(r["wall_s"] * len(r.get("seeds") or [0]) for a in res["ablate"] for r in a["rows"]) / 3600}
 
 
@@ -307,25 +386,29 @@ def render(res: dict, page: str, *, margin: float = 0.02, note: str = "") -> str
          "`hybridlm mqar` and `hybridlm bench`; do not edit by hand. Everything here is CPU-sized: small analogues of "
          "the papers' experiments, meant to show the instrument and the direction of each effect, not the papers' "
          "figures. The same commands take `--scale` (ablate) or larger sizes (bench, mqar) on a GPU.", ""]
+    note = note or res.get("note", "")
     if note:
         L += [note, ""]
     hours = cpu_hours(res)
+    gpu_runs = [t for m in [res["mqar"]] * bool(res.get("mqar")) + list(res.get("mqar_extra", {}).values())
+                for t in m["meta"].get("trials", []) if not _on_cpu(t)]
     if any(hours.values()):
         L += ["**Cost of this evidence** (sum of the runs' wall times, one torch thread each; `bash "
               "scripts/evidence.sh` reruns it, part by part and resumably): " + ", ".join(
-                  f"{k} {v:.1f} h" for k, v in hours.items() if v) + f"; {sum(hours.values()):.1f} CPU-hours in all.",
-              ""]
+                  f"{k} {v:.1f} h" for k, v in hours.items() if v) + f"; {sum(hours.values()):.1f} CPU-hours in all"
+              + (f", and {len(gpu_runs)} MQAR runs on a GPU ({sum(t.get('wall_s', 0) for t in gpu_runs) / 3600:.1f} "
+                 "hours of wall time over processes sharing it)" if gpu_runs else "") + ".", ""]
     claims = []
     for a in res["ablate"]:
         rows = {r["name"]: r for r in a["rows"]}
         for c in a.get("claims", []):
             label = c["text"] + (" *(the paper's pairing: several things differ)*" if c.get("pairing") == "paper" else "")
             for at in ([None, c["at"]] if c.get("at") else [None]):
-                verdict, here = ablation_verdict(dict(c, at=at), rows, margin, a)
+                verdict, here = ablation_verdict(dict(c, at=at), rows, margin, a, res.get("gpu"))
                 claims.append(dict(claim=label + (f" — at {at} tokens" if at else ""), source=a["source"],
                                    paper=c.get("paper", ""), here=here, verdict=verdict))
     if res["mqar"]:
-        claims += mqar_claims(res["mqar"])
+        claims += mqar_claims(res["mqar"], extra=list(res.get("mqar_extra", {}).values()))
     if res["bench"] and res["bench"].get("mode") == "ours":
         claims += bench_claims(res["bench"])
     L += ["## The papers' claims, checked", "",
