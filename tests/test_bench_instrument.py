@@ -5,8 +5,9 @@ import json
 
 from hybridlm.bench.instrument import preset_config, step_memory
 from hybridlm.bench.measure import fresh
-from hybridlm.commands.report import (NOT_COMPARABLE, NOT_REPRODUCED, REPRODUCED, ablation_verdict, bench_claims,
-                                      gpu_step_times, render)
+from hybridlm.commands.report import render
+from hybridlm.eval.claims import (NOT_COMPARABLE, NOT_REPRODUCED, REPRODUCED, ablation_verdict, bench_claims,
+                                  gpu_step_times)
 from hybridlm.cli import main
 from hybridlm.models.sizing import count_parameters, token_mixers
 
@@ -104,7 +105,7 @@ def test_report_verdicts_and_page(tmp_path):
 
 
 def test_mqar_claims_on_a_sweep():
-    from hybridlm.commands.report import mqar_claims, pending_rows
+    from hybridlm.eval.claims import mqar_claims, pending_rows
 
     def row(name, d, acc, state):
         return dict(name=name, layout="x", d_model=d, seq_len=64, num_pairs=4, accuracy=acc, state_bytes=state)
@@ -137,7 +138,7 @@ def test_mqar_claims_on_a_sweep():
 
 
 def test_mqar_claims_on_the_state_size_figure_and_a_larger_budget():
-    from hybridlm.commands.report import mqar_claims
+    from hybridlm.eval.claims import mqar_claims
 
     def row(name, acc, state, d=64, T=128, **kw):
         return dict(name=name, layout="x", d_model=d, seq_len=T, num_pairs=8, accuracy=acc, accuracy_min=acc,

@@ -110,7 +110,7 @@ def test_mqar_resumes_finished_runs_and_refuses_another_protocol(tmp_path, capsy
 def test_sweeps_sharing_an_out_directory_keep_each_others_runs(tmp_path):
     """Two sweeps over different axes write one mqar.json: each write merges what the other wrote meanwhile, unless
     the protocol differs."""
-    from hybridlm.commands.mqar import write_results
+    from hybridlm.eval.mqar_sweep import write_results
 
     def trial(name, d):
         return dict(name=name, layout="(AM)*2", d_model=d, seq_len=64, num_pairs=4, lr=3e-3, seed=0, accuracy=0.5,
@@ -134,7 +134,7 @@ def test_sweeps_sharing_an_out_directory_keep_each_others_runs(tmp_path):
 def test_warmup_sets_the_schedule(monkeypatch):
     """--warmup / warmup= replaces the default (2% of the budget, at most 200 steps) and is checked."""
     import hybridlm.eval.mqar as ev
-    from hybridlm.commands.mqar import build_config
+    from hybridlm.eval.mqar_sweep import build_config
     assert [ev.warmup_steps(s) for s in (6, 4000, 8000, 20000)] == [1, 80, 160, 200]
     lrs = []
     real = ev.lr_at
@@ -151,7 +151,7 @@ def test_early_stopping_stops_at_the_threshold(monkeypatch):
     """Held-out accuracy is checked every eval_every steps; the run stops at the first check >= target, and a
     target above 1 uses the whole budget. Once an lr reaches the target the sweep skips the others."""
     import hybridlm.eval.mqar as ev
-    from hybridlm.commands.mqar import build_config
+    from hybridlm.eval.mqar_sweep import build_config
     seen = iter([0.2, 0.5, 0.995, 1.0])
     monkeypatch.setattr(ev, "accuracy", lambda *a, **k: next(seen))
     task = ev.MQARTask(seq_len=32, num_pairs=2, vocab_size=64, train_examples=64, test_examples=16)
@@ -227,7 +227,7 @@ def test_plot_cli(tmp_path, capsys):
 
 
 def test_layout_specs():
-    from hybridlm.commands.mqar import build_config, parse_layouts
+    from hybridlm.eval.mqar_sweep import build_config, parse_layouts
     specs = parse_layouts("t=transformer++, x=(AM)*3,r=R:rodimus_d_state=8", layers=2)
     assert specs == [("t", "transformer++", {}), ("x", "(AM)*3", {}), ("r", "(RM)*2", {"rodimus_d_state": 8})]
     cfgs = [build_config(v, o, d_model=16, seq_len=32, vocab_size=64, layers=2) for _, v, o in specs]
@@ -238,7 +238,7 @@ def test_layout_specs():
 
 
 def test_still_rising_marks_runs_cut_by_the_budget():
-    from hybridlm.commands.mqar import still_rising
+    from hybridlm.eval.mqar_sweep import still_rising
     assert still_rising([[250, 0.3], [750, 0.5], [1000, 0.6]], 1000)           # +0.1 over the last quarter
     assert not still_rising([[250, 0.3], [750, 0.6], [1000, 0.605]], 1000)     # flat at the end
     assert not still_rising([[250, 0.5], [500, 0.995]], 1000)                  # stopped early at the target
@@ -274,7 +274,8 @@ def test_merge_joins_runs_made_elsewhere_and_records_their_device(tmp_path, caps
 def test_state_size_figure(tmp_path):
     """Rodimus figure 1b: where both families ran at 3+ state sizes at one (d_model, T), mqar-families.png plots
     accuracy against state bytes, one line per family."""
-    from hybridlm.commands.mqar import plot_families, state_size_points
+    from hybridlm.eval.mqar_plots import plot_families
+    from hybridlm.eval.mqar_sweep import state_size_points
 
     def row(name, acc, state, d=64):
         return dict(name=name, d_model=d, seq_len=128, num_pairs=8, accuracy=acc, accuracy_min=acc, accuracy_max=acc,

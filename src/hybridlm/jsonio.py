@@ -16,3 +16,17 @@ def read_json_object(path: str, error: type[HybridLMError] = InputError) -> dict
     if not isinstance(obj, dict):
         raise error(f"{path} should hold a JSON object")
     return obj
+
+
+def parse_sets(items: list[str]) -> dict:
+    """["layout=(AM)*2", "n_heads=4"] -> {"layout": "(AM)*2", "n_heads": 4} (values JSON-parsed if possible)."""
+    out = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise InputError(f"--set expects field=value, got {item!r}")
+        try:
+            out[key.strip().replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip().replace("-", "_")] = value
+    return out

@@ -411,7 +411,7 @@ def _opt_step(model, ids, dtype):
 def part_steps(s: dict, device, budget: Budget, log) -> dict:
     """ms per optimizer step (bf16 autocast) of each ablation recipe's configurations at each scale and of the MQAR
     sweep's default layouts: small models whose steps a GPU runs at its launch latency, not its FLOP peak."""
-    from ..commands.mqar import DEFAULT_LAYOUTS, build_config, parse_layouts
+    from ..eval.mqar_sweep import DEFAULT_LAYOUTS, build_config, parse_layouts
     from ..models import CausalLM
     from ..train.recipes import list_recipes, load_recipe
     st, rows = s["steps"], []

@@ -1,6 +1,7 @@
 """Helpers shared by the command modules: output on rank 0, model config from --preset/--set, sizes."""
-import json
 import os
+
+from ..jsonio import parse_sets  # noqa: F401  (the commands take it from here)
 
 
 def is_main_rank() -> bool:
@@ -10,21 +11,6 @@ def is_main_rank() -> bool:
 def out(*parts):
     if is_main_rank():
         print(*parts, flush=True)
-
-
-def parse_sets(items: list[str]) -> dict:
-    """["layout=(AM)*2", "n_heads=4"] -> {"layout": "(AM)*2", "n_heads": 4} (values JSON-parsed if possible)."""
-    from ..errors import InputError
-    out = {}
-    for item in items or []:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise InputError(f"--set expects field=value, got {item!r}")
-        try:
-            out[key.strip().replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip().replace("-", "_")] = value
-    return out
 
 
 def model_config(args, vocab_size: int, seq_len: int | None = None):

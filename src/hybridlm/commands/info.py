@@ -1,24 +1,6 @@
 """`hybridlm info`: layout, parameter count and inference-cache size of a preset or checkpoint."""
+from ..models.sizing import cache_bytes
 from .common import add_model_args, count, human, layout_summary, model_config, out
-
-
-def cache_bytes(cfg, contexts: list[int], batch_size: int = 1, chunk: int = 512, seed: int = 0) -> list[int]:
-    """Inference cache nbytes after prefilling each context length with random ids (a real cache)."""
-    import torch
-    from ..models import CausalLM
-    cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, max(contexts)))
-    torch.manual_seed(seed)
-    model = CausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    with torch.inference_mode():
-        for n in contexts:
-            cache = model.make_cache(batch_size)
-            ids = torch.randint(0, cfg.vocab_size, (batch_size, n), generator=g)
-            for i in range(0, n, chunk):
-                model(ids[:, i: i + chunk], cache=cache, logits_to_keep=1)
-            out.append(cache.nbytes)
-    return out
 
 
 def main(args) -> int:

@@ -24,9 +24,14 @@ from ..errors import InputError
 IGNORE = -100
 
 
-def default_pairs(seq_len: int, hard: bool) -> int:
-    """zoology's (64, 4), (128, 8), (256, 16) -> T/16; the papers' harder task -> T/4."""
-    return max(1, seq_len // 4 if hard else seq_len // 16)
+def pairs_divisor(hard: bool) -> int:
+    """Key-value pairs are T / this: zoology's (64, 4), (128, 8), (256, 16) -> 16; the papers' harder task -> 4."""
+    return 4 if hard else 16
+
+
+def default_pairs(seq_len: int, hard: bool, divisor: int | None = None) -> int:
+    """The key-value pairs of an example of `seq_len` tokens: T / `divisor` (default `pairs_divisor(hard)`)."""
+    return max(1, seq_len // (divisor or pairs_divisor(hard)))
 
 
 def check_sizes(seq_len: int, num_pairs: int, vocab_size: int):

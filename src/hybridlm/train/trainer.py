@@ -38,7 +38,7 @@ from ..checkpoint import (ensure_writable, find_checkpoint, init_weights, load_c
                          mark_latest, save_checkpoint, set_rng_state, step_name)
 from .context_parallel import all_reduce_grads, context_parallel_forward
 from ..checkpoint.dcp import has_dcp, load_training_state, save_sharded_checkpoint
-from .faults import StopSignals, finite
+from .faults import StopSignals
 from ..optim import lr_at, make_optimizer
 from .parallel import MODES as PARALLEL_MODES
 from .parallel import parallelize
