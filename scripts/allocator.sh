@@ -4,7 +4,8 @@
 #   bash scripts/allocator.sh fsdp [REPEATS]      # 100M mamba2-attention, 2 FSDP2 ranks: peak rank RSS and wall
 #                                                 # under the run's own policy (release), keep, glibc's dynamic one
 #   bash scripts/allocator.sh seq16k [REPEATS]    # one process, one 16,384-token sequence per step: s/step under
-#                                                 # the run's own policy (keep) and release
+#                                                 # the run's own policy (keep) and release; with BEFORE=SRC also
+#                                                 # the hybridlm of another checkout's src/ (e.g. before a change)
 # Prints one line per run: case, policy, peak RSS of the largest process (GNU time), wall, s/step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,9 +41,11 @@ if [ "$what" = fsdp ]; then
     one "glibc-dynamic" "$DYNAMIC" "${cmd[@]}"
   done
 elif [ "$what" = seq16k ]; then
-  cmd=("$PY" -m hybridlm train --preset mamba2-attention --seq-len 16384 --batch-size 1 --steps 4 --warmup 1
-       --eval-tokens 0 --dtype float32 --save-every 0)
+  # --no-doc-mask: causal attention takes SDPA's tiled path (a [T, T] document mask would cost 1 GB per head)
+  cmd=("$PY" -m hybridlm train --preset mamba2-attention --seq-len 16384 --batch-size 1 --steps 3 --warmup 1
+       --eval-tokens 0 --dtype float32 --no-doc-mask)
   for _ in $(seq "$repeats"); do
+    [ -n "${BEFORE:-}" ] && one "before" "PYTHONPATH=$BEFORE" "${cmd[@]}"
     one "policy(keep)" "" "${cmd[@]}"
     one "release" "$RELEASE" "${cmd[@]}"
   done
