@@ -271,7 +271,7 @@ def test_allocator_in_force_says_what_applies():
     def said(setup, **env):
         code = f"{setup}\nfrom hybridlm.runtime import allocator_in_force\nprint(allocator_in_force())"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                              env=_clean_env(**env)).stdout.strip()
+                              env=_clean_env(**env)).stdout.strip().splitlines()[-1]
     assert said("import hybridlm").startswith("the default")
     assert said("from hybridlm.cli import main\nmain(['info', '--list'])").startswith("glibc keep: freed blocks")
     assert said("from hybridlm.runtime import set_allocator\nset_allocator('release')").startswith("glibc release")
