@@ -298,13 +298,14 @@ def _fsdp_runs(rank, tmp, text_path):
     from hybridlm.optim import make_optimizer
     from hybridlm.train.parallel import parallelize
     data, cfg = _data(text_path), tiny("mamba2-attention", vocab_size=257)
-    train(cfg, _train_cfg(), data, f"{tmp}/whole", progress=False)
-    train(cfg, _train_cfg(steps=2), data, f"{tmp}/cut", progress=False)
+    # sequential order: the 2 ranks read the 2 x 2 windows that one process reads as 2 micro-batches of 2
+    train(cfg, _train_cfg(data_order="sequential"), data, f"{tmp}/whole", progress=False)
+    train(cfg, _train_cfg(steps=2, data_order="sequential"), data, f"{tmp}/cut", progress=False)
     dist.barrier()
     if rank == 0:
         shutil.copytree(f"{tmp}/cut", f"{tmp}/cut1")       # resumed on one rank by the test itself
     dist.barrier()
-    train(cfg, _train_cfg(), data, f"{tmp}/cut", resume=True, progress=False)
+    train(cfg, _train_cfg(data_order="sequential"), data, f"{tmp}/cut", resume=True, progress=False)
     # the sharded model, loaded from the shards on 2 ranks: its logits must equal a one-process load's
     model = parallelize(CausalLM(cfg), "fsdp", world=WORLD).module
     load_training_state(model, make_optimizer(model, 1e-3), f"{tmp}/whole/step-000004")
@@ -365,6 +366,10 @@ def test_fsdp_checkpoint_resumes_on_two_and_one_ranks_and_loads_in_one_process(t
     load_training_state(model, opt, str(cut1 / "step-000002"))
     assert all(int(s["step"]) == 2 for s in opt.state.values())
     assert torch.equal(model.embed.weight, load_checkpoint(str(cut1))[0].embed.weight)
-    s = train(tiny("mamba2-attention", vocab_size=257), _train_cfg(steps=3, parallel="auto"),
+    # ... and trains on with the uninterrupted run's losses: the same global batch (1 rank x 2 micro-batches of 2
+    # = 2 ranks x 2) and, in sequential order, the same windows; AdamW's state resharded from 2 ranks to 1
+    s = train(tiny("mamba2-attention", vocab_size=257), _train_cfg(parallel="auto", grad_accum=2,
+                                                                     data_order="sequential"),
               _data(str(text)), str(cut1), resume=True, progress=False)
-    assert s["start_step"] == 2 and s["steps"] == 3 and _losses(cut1)[:2] == whole[:2]
+    assert s["start_step"] == 2 and s["steps"] == 4 and _losses(cut1)[:2] == whole[:2]
+    assert_close(torch.tensor(_losses(cut1)), torch.tensor(whole), rtol=1e-5, atol=1e-6, msg="resumed on 1 rank")

@@ -1,6 +1,7 @@
 """Training as a user meets it: one validation figure, data that cannot be misread, configs that say what they
 are, the fused LM-head loss, and the CLI's allocator setting."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -234,12 +235,48 @@ FAULTS = textwrap.dedent("""
 """)
 
 
+def _clean_env(**env) -> dict:
+    """No MALLOC_* or LD_PRELOAD of the caller's; this checkout's hybridlm."""
+    return {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_cli_entry_point_keeps_freed_memory_and_import_does_not():
     def faults(setup):
         r = subprocess.run([sys.executable, "-c", FAULTS.format(setup=setup)], capture_output=True, text=True,
-                           check=True, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                           check=True, env=_clean_env())
         return int(r.stdout.split()[-1])
     plain = faults("import hybridlm")
     cli = faults("from hybridlm.cli import main\nmain(['info', '--list'])")
     assert plain > 4 * 16000 and cli < 100, (plain, cli)        # 64 MiB = 16,384 pages per allocation
+    # the FSDP policy: a 64 MiB block goes back to the OS when freed, after the command line had kept it
+    release = faults("from hybridlm.cli import main\nmain(['info', '--list'])\n"
+                     "from hybridlm.runtime import set_allocator\nset_allocator('release')")
+    assert release > 4 * 16000, release
+
+
+@pytest.mark.parametrize("argv, world, policy", [
+    (["train"], 1, "keep"), (["train", "--parallel", "fsdp"], 1, "keep"),       # one process: nothing to shard
+    (["train", "--parallel", "fsdp"], 2, "release"), (["train", "--parallel", "ddp"], 2, "keep"),
+    (["train"], 2, "keep"), (["info", "--list"], 2, "keep")])
+def test_allocator_policy_per_run_kind(monkeypatch, argv, world, policy):
+    from hybridlm.cli import build_parser
+    from hybridlm.runtime import allocator_policy
+    monkeypatch.setenv("WORLD_SIZE", str(world))        # as torchrun sets it
+    assert allocator_policy(getattr(build_parser(argv).parse_args(argv), "parallel", None)) == policy
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_allocator_in_force_says_what_applies():
+    def said(setup, **env):
+        code = f"{setup}\nfrom hybridlm.runtime import allocator_in_force\nprint(allocator_in_force())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env=_clean_env(**env)).stdout.strip().splitlines()[-1]
+    assert said("import hybridlm").startswith("the default")
+    assert said("from hybridlm.cli import main\nmain(['info', '--list'])").startswith("glibc keep: freed blocks")
+    assert said("from hybridlm.runtime import set_allocator\nset_allocator('release')").startswith("glibc release")
+    assert said("from hybridlm.runtime import set_allocator\nset_allocator('release')",
+                MALLOC_MMAP_THRESHOLD_="131072") == "glibc, from the environment (MALLOC_MMAP_THRESHOLD_=131072)"
+    with pytest.raises(ValueError, match="keep, release"):
+        from hybridlm.runtime import set_allocator
+        set_allocator("hoard")

@@ -9,7 +9,8 @@ import importlib
 import os
 import sys
 
-from .runtime import command_line, tune_allocator  # noqa: F401  (command modules and users import them here too)
+# command modules and users import these from here too
+from .runtime import allocator_policy, command_line, set_allocator, tune_allocator  # noqa: F401
 
 # name -> (module, one-line help). A new command is a module with add_arguments/main and one row here.
 COMMANDS = {
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import HybridLMError
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    tune_allocator()
+    set_allocator(allocator_policy(getattr(args, "parallel", None)))   # before the command allocates anything
     try:
         return args.func(args) or 0
     except HybridLMError as e:

@@ -1,4 +1,4 @@
-"""Process-level facts a command needs: how it was typed, the machine it ran on, and the allocator settings of a
+"""Process-level facts a command needs: how it was typed, the machine it ran on, and the allocator policy of a
 command-line process.
 
 Below every package (train, bench and the commands use it), so none of them imports `cli`.
@@ -8,26 +8,79 @@ import os
 import platform
 import sys
 
-# glibc mallopt parameters, and the values the command sets for its own process: freed blocks up to 1 GiB stay
-# in the heap instead of going back to the OS, so a long-sequence step does not page-fault its activations
-# in again every time (2x the cost per token past ~4K tokens on CPU; README, "The allocator")
+# The allocator policy of a command-line process (README, "The allocator"; importing hybridlm changes nothing).
+# glibc mallopt parameters, and the values of each policy:
+#   keep     freed blocks up to 1 GiB stay in the heap, so a step that frees and reallocates the same activations
+#            does not page-fault them in again: 2x the cost per token past ~4K tokens on CPU otherwise. Right for one
+#            process, DDP and context parallelism, whose steps allocate the same sizes in the same order.
+#   release  glibc's own starting thresholds, held fixed: blocks from 128 KiB are mapped and unmapped, free heap
+#            top above 128 KiB is trimmed. For FSDP2: each block's parameters and gradients are gathered and freed
+#            between the sharded gradients it keeps, and in a heap that keeps everything the holes they leave are
+#            too small for the next gather, so the heap grows by ~0.3 GB a step (100M: 2.45 GB peak per rank, 1.44
+#            with release; 1.9 with glibc's dynamic ceiling of 32 MiB, which a parameter of 28 MB stays under;
+#            docs/memory.md).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MALLOPT = ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20))
+POLICIES = {
+    "keep": ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20)),
+    "release": ((_M_MMAP_THRESHOLD, 128 << 10), (_M_TRIM_THRESHOLD, 128 << 10), (_M_TOP_PAD, 128 << 10)),
+}
+_ABOUT = {"keep": "freed blocks up to 1 GiB stay in the heap (mmap threshold 1 GiB, trim threshold 2 GiB, top pad "
+                  "256 MiB)",
+          "release": "blocks from 128 KiB go back to the OS when freed (mmap and trim thresholds 128 KiB, fixed)"}
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_in_force = None   # what set_allocator last found or did, for run headers
+
+
+def allocator_policy(parallel: str | None = None, world: int | None = None) -> str:
+    """The policy for a run: release under FSDP on several ranks, keep otherwise (see above). `world` defaults to
+    torchrun's WORLD_SIZE."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    return "release" if parallel == "fsdp" and world > 1 else "keep"
+
+
+def _preloaded() -> str | None:
+    """jemalloc or tcmalloc when one replaces malloc in this process (LD_PRELOAD), else None."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = os.environ.get("LD_PRELOAD", "")
+    return next((name for name in ("jemalloc", "tcmalloc") if name in maps), None)
+
+
+def set_allocator(policy: str = "keep") -> str:
+    """Apply an allocator policy ("keep" | "release", see above) to this process through glibc's mallopt; returns
+    the one-line description of what is in force. Left alone where glibc is not the allocator, where jemalloc or
+    tcmalloc is preloaded, or where the user set the MALLOC_* variables themselves."""
+    global _in_force
+    if policy not in POLICIES:
+        raise ValueError(f"allocator policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    user = [f"{v}={os.environ[v]}" for v in _ENV if v in os.environ]
+    if platform.libc_ver()[0] != "glibc":
+        _in_force = "the platform's allocator, unchanged (not glibc)"
+    elif (lib := _preloaded()):
+        _in_force = f"{lib} (preloaded), unchanged"
+    elif user:
+        _in_force = f"glibc, from the environment ({' '.join(user)})"
+    else:
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            ok = all(libc.mallopt(param, value) == 1 for param, value in POLICIES[policy])
+        except OSError:
+            ok = False
+        _in_force = f"glibc {policy}: {_ABOUT[policy]}" if ok else "glibc, unchanged (mallopt refused)"
+    return _in_force
+
+
+def allocator_in_force() -> str:
+    """What the last set_allocator found or did; glibc's defaults when nothing set it."""
+    return _in_force or "the default (no policy applied; hybridlm.runtime.set_allocator)"
 
 
 def tune_allocator() -> bool:
-    """Raise glibc's mmap/trim thresholds and top pad for this process (a command-line entry point's choice;
-    importing hybridlm changes nothing). Skipped where glibc is not the allocator, where jemalloc/tcmalloc is
-    preloaded, or where the user set the MALLOC_* variables themselves. Returns whether it applied."""
-    if platform.libc_ver()[0] != "glibc" or "malloc" in os.environ.get("LD_PRELOAD", "") or \
-            any(v in os.environ for v in _ENV):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return all(libc.mallopt(param, value) == 1 for param, value in _MALLOPT)
+    """set_allocator("keep"), the policy of a single process (a command-line entry point's choice): whether
+    it applied."""
+    return set_allocator("keep").startswith("glibc keep")
 
 
 def command_line() -> str:

@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     from ..train.context_parallel import all_reduce_grads, context_parallel_forward
     from ..train.parallel import parallelize
     from ..train.trainer import _setup_distributed
+    from ..runtime import allocator_in_force, allocator_policy, set_allocator
+    set_allocator(allocator_policy(args.parallel))      # the allocator `hybridlm train` runs with
     rank, world, device, _ = _setup_distributed("auto")
     cp = args.context_parallel and world > 1
     if args.batch % world and not cp:
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
         print(json.dumps({"preset": args.preset, "d_model": args.d_model, "n_layers": args.n_layers,
                           "params": model.num_parameters(), "world": world,
                           "parallel": "context" if cp else par.mode,
-                          "compile": args.compile, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
+                          "allocator": allocator_in_force(), "compile": args.compile, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
                           "tokens_per_s": round(args.batch * args.seq_len / ms.median(times)),
                           "step_s": [round(t, 3) for t in times],
                           "peak_mb_per_rank": [round(b) for _, b, _ in peaks],

@@ -11,20 +11,23 @@ are those of `get_state_dict` (plain parameter names, whatever wraps the model),
 ranks resumes on M ranks, under DDP, or in one process, and `load_checkpoint` reads the weights without
 a process group when no consolidated file exists.
 """
+import json
 import os
 import shutil
+import struct
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from ..errors import CheckpointError
-from .files import (LATEST_FILE, MANIFEST_FILE, MODEL_FILE, _save_model, new_tmp_dir, publish, verify_checkpoint,
-                         write_manifest, write_metadata, write_run_index)
+from .files import (LATEST_FILE, MANIFEST_FILE, MODEL_FILE, _save_model, dedupe_tied, new_tmp_dir, publish,
+                    verify_checkpoint, write_manifest, write_metadata, write_run_index)
 
 DCP_DIR = "dcp"
 
@@ -37,9 +40,45 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _full_weights(model: nn.Module) -> dict:
-    """The whole model's weights on rank 0's CPU (every rank must call; the others get {})."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def save_full_weights(model: nn.Module, path: str):
+    """model.safetensors of an FSDP2-sharded model, written by rank 0 one tensor at a time: every rank gathers each
+    tensor in turn and rank 0 appends its bytes, so no rank holds more than one whole tensor (a full state dict on
+    rank 0 would be the model's size again: 4 GB at 1B parameters). Every rank must call; the file is the one
+    `_save_model` writes for the unsharded model (tied weights stored once, under the same names)."""
+    sd = get_model_state_dict(model)                       # this rank's shards, under the plain parameter names
+    box = [dedupe_tied(sd) if _rank0() else None]          # rank 0 decides; every rank gathers the same list
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    names, aliases = list(box[0][0]), box[0][1]
+    f = None
+    if _rank0():
+        header, offset = {}, 0
+        for n in names:
+            t = sd[n]
+            size = t.numel() * t.element_size()
+            header[n] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + size]}
+            offset += size
+        header["__metadata__"] = {"format": "pt", "aliases": json.dumps(aliases)}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)                      # the data starts 8-byte aligned
+        f = open(path, "wb")
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    try:
+        for n in names:
+            t = sd[n]
+            whole = t.full_tensor() if isinstance(t, DTensor) else t     # a collective: every rank, same order
+            if f is not None:
+                f.write(whole.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+            del whole
+    finally:
+        if f is not None:
+            f.close()
 
 
 def save_sharded_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
@@ -53,10 +92,9 @@ def save_sharded_checkpoint(directory: str, model: nn.Module, optimizer: torch.o
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, DCP_DIR))
-        full = _full_weights(model) if consolidate else None
+        if consolidate:
+            save_full_weights(model, os.path.join(tmp, MODEL_FILE))
         if _rank0():
-            if full is not None:
-                _save_model(full, os.path.join(tmp, MODEL_FILE))
             write_metadata(tmp, model.config, state, tokenizer)
             publish(tmp, directory, name)
     except BaseException:

@@ -53,18 +53,26 @@ def step_name(step: int) -> str:
 
 
 # --- writing ---------------------------------------------------------------------------------------------
-def _save_model(model: nn.Module | dict, path: str):
-    """Weights of a module, or a full state dict (as FSDP consolidation gathers it), to safetensors."""
+def dedupe_tied(state: dict) -> tuple[dict, dict]:
+    """-> (the state dict with each shared tensor once, {alias name: stored name}) (tied weights are stored once)."""
     tensors, aliases, seen = {}, {}, {}
-    for name, t in (model.state_dict() if isinstance(model, nn.Module) else model).items():
-        key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
+    for name, t in state.items():
+        local = t.to_local() if hasattr(t, "to_local") else t     # a DTensor: its shard shares storage as well
+        key = (local.data_ptr(), t.shape, t.dtype) if local.numel() else None
         if key in seen:
             aliases[name] = seen[key]
             continue
         if key is not None:
             seen[key] = name
-        tensors[name] = t.detach().contiguous()
-    save_file(tensors, path, metadata={"format": "pt", "aliases": json.dumps(aliases)})
+        tensors[name] = t
+    return tensors, aliases
+
+
+def _save_model(model: nn.Module | dict, path: str):
+    """Weights of a module, or a full state dict, to safetensors."""
+    tensors, aliases = dedupe_tied(model.state_dict() if isinstance(model, nn.Module) else model)
+    save_file({n: t.detach().contiguous() for n, t in tensors.items()}, path,
+              metadata={"format": "pt", "aliases": json.dumps(aliases)})
 
 
 def _save_optimizer(optimizer: torch.optim.Optimizer, path: str):

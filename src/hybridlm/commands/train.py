@@ -4,6 +4,7 @@ import os
 
 from ..dtypes import CHOICES as DTYPES
 from ..eval.perplexity import describe
+from ..runtime import allocator_in_force
 from .common import (add_model_args, config_diff, is_main_rank, layout_summary, model_config, out, param_split,
                      parse_sets)
 
@@ -54,6 +55,7 @@ def main(args) -> int:
     out(f"        config: {config_diff(model_cfg, ModelConfig(layout=model_cfg.layout))}")
     out(f"train   {config_diff(tcfg, TrainConfig())}")
     out(f"        compute {label}{', autocast with float32 weights' if dtype == 'bfloat16' else ''}")
+    out(f"        allocator {allocator_in_force()}")
     del model
     out(f"data    {data.source or 'stdlib'}: {len(data.tokens('train')):,} train / {len(data.tokens('val')):,} val "
         f"tokens ({tok.kind} tokenizer, vocab {tok.vocab_size})")
