@@ -460,31 +460,40 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", weights: bool
         if quantization is not None:   # the quantized modules' skeleton; the stored tensors fill it, as saved
             from ..models.quantize import quantize_
             quantize_(model, quantization["scheme"], quantization.get("group_size"), quantization["modules"])
-    if not weights:
-        pass
-    elif not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
-        from .dcp import load_dcp_weights   # saved under FSDP and not consolidated yet
+    if weights and _sharded_only(ckpt):    # saved under FSDP and not consolidated yet
         model.to_empty(device="cpu")
         model.tie_weights()                             # to_empty made one tensor per name
-        load_dcp_weights(model, ckpt)
-    else:
-        load_model_weights(model, os.path.join(ckpt, MODEL_FILE), assign=True)
+        _load_weights(model, ckpt)
+    elif weights:
+        _load_weights(model, ckpt, assign=True)
     state_path = os.path.join(ckpt, STATE_FILE)
     state = _read_json(state_path) if os.path.exists(state_path) else {}
     state["checkpoint_dir"] = ckpt
     return (model.to(device) if weights else model), state
 
 
-def init_weights(model: nn.Module, path: str):
-    """Copy a checkpoint's (or run directory's) weights into `model`, built from a config that may differ from the
-    saved one in anything that leaves the parameters alone (dsa_topk, dropout, ...)."""
-    ckpt = find_checkpoint(path)
-    verify_checkpoint(ckpt)
-    if not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and os.path.isdir(os.path.join(ckpt, "dcp")):
+def _sharded_only(ckpt: str) -> bool:
+    """No model.safetensors but DCP shards: a checkpoint saved under FSDP2 and not consolidated yet."""
+    from .dcp import has_dcp
+    return not os.path.exists(os.path.join(ckpt, MODEL_FILE)) and has_dcp(ckpt)
+
+
+def _load_weights(model: nn.Module, ckpt: str, assign: bool = False):
+    """The weights of checkpoint directory `ckpt` into `model`: from model.safetensors, else from its DCP shards."""
+    if _sharded_only(ckpt):
         from .dcp import load_dcp_weights
         load_dcp_weights(model, ckpt)
     else:
-        load_model_weights(model, os.path.join(ckpt, MODEL_FILE))
+        load_model_weights(model, os.path.join(ckpt, MODEL_FILE), assign=assign)
+
+
+def load_weights_into(model: nn.Module, path: str):
+    """Copy a checkpoint's (or run directory's) weights into `model`, built from a config that may differ from the
+    saved one in anything that leaves the parameters alone (dsa_topk, dropout, ...). (Random initialisation is
+    `init_weights`, the models' own.)"""
+    ckpt = find_checkpoint(path)
+    verify_checkpoint(ckpt)
+    _load_weights(model, ckpt)
 
 
 def load_pretrained(path: str, device: str | torch.device = "cpu"):

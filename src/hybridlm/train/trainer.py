@@ -34,7 +34,7 @@ from ..dtypes import resolve_dtype
 from ..errors import CheckpointError, ConfigError
 from ..eval.perplexity import DEFAULT_VAL_TOKENS, describe, validate
 from ..models import CausalLM, ModelConfig
-from ..checkpoint import (ensure_writable, find_checkpoint, init_weights, load_checkpoint, load_optimizer,
+from ..checkpoint import (ensure_writable, find_checkpoint, load_weights_into, load_checkpoint, load_optimizer,
                          mark_latest, save_checkpoint, set_rng_state, step_name)
 from .context_parallel import all_reduce_grads, context_parallel_forward
 from ..checkpoint.dcp import has_dcp, load_training_state, save_sharded_checkpoint
@@ -251,7 +251,7 @@ class Trainer:
             return model, state, ckpt
         if self.cfg.init_from:        # the weights come from a checkpoint (e.g. a dense model, before the warm-up)
             model = CausalLM(model_cfg)
-            init_weights(model, self.cfg.init_from)
+            load_weights_into(model, self.cfg.init_from)
             return model, {}, None
         with torch.device("meta"):
             return CausalLM(model_cfg), {}, None
