@@ -291,5 +291,5 @@ def test_old_short_conv_names_load():
     assert ModelConfig.from_dict(dict(before, layout="AM")) == base
     assert ModelConfig.from_dict(dict(before, layer_overrides={"0": {"conv_kernel": 2}})).layer_overrides == {
         0: {"d_conv": 2}}
-    with pytest.raises(ConfigError, match="'ssd_d_conv' = 4 and 'conv_kernel' = 3: two names of one field \\(d_conv\\)"):
+    with pytest.raises(ConfigError, match=r"'ssd_d_conv' = 4 and 'conv_kernel' = 3: two names of one field \(d_conv"):
         ModelConfig.from_dict(dict(before, layout="SM CM", ssd_headdim=16))

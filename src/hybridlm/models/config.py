@@ -72,8 +72,9 @@ def warn_unread(cfg, names=None, stacklevel: int = 2):
     found = not _QUIET.get() and unread(cfg, names)
     if found:
         listed = "; ".join(f"{k} (read by {', '.join(v)})" for k, v in found.items())
-        warnings.warn(f"layout {cfg.layout!r} has no letter that reads {listed}: "
-                      f"{'this field has' if len(found) == 1 else 'these fields have'} no effect", stacklevel=stacklevel + 1)
+        effect = "this field has" if len(found) == 1 else "these fields have"
+        warnings.warn(f"layout {cfg.layout!r} has no letter that reads {listed}: {effect} no effect",
+                      stacklevel=stacklevel + 1)
 
 
 def check_fields(keys, where: str = "config"):

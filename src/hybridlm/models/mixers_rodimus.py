@@ -37,7 +37,8 @@ def _validate_window_attention(cfg):
 def _rodimus(cfg, idx):
     from ..layers.rodimus import Rodimus
     return Rodimus(cfg.d_model, layer_idx=idx, d_state=cfg.rodimus_d_state, expand=cfg.rodimus_expand,
-                   d_inner=cfg.rodimus_d_inner, d_conv=cfg.d_conv, rank=cfg.rodimus_rank, chunk_size=cfg.rodimus_chunk_size,
+                   d_inner=cfg.rodimus_d_inner, d_conv=cfg.d_conv, rank=cfg.rodimus_rank,
+                   chunk_size=cfg.rodimus_chunk_size,
                    use_g=cfg.rodimus_use_g, use_tau=cfg.rodimus_use_tau, use_beta_hat=cfg.rodimus_use_beta_hat,
                    product_decay=cfg.rodimus_product_decay, norm_eps=cfg.norm_eps)
 
