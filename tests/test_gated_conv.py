@@ -53,7 +53,7 @@ def small(**kw):
 
 @pytest.mark.parametrize("kernel", [1, 3, 4])
 def test_decode_equals_full_forward(kernel):
-    m = small(conv_kernel=kernel, conv_bias=True)
+    m = small(d_conv=kernel, conv_bias=True)
     ids = torch.randint(0, 61, (2, 13))
     with torch.no_grad():
         full = m(ids).logits
@@ -84,7 +84,7 @@ def test_cache_holds_only_the_conv_tail():
 
 
 def test_impossible_sizes_fail_at_config_time():
-    with pytest.raises(ConfigError, match="conv_kernel"):
-        ModelConfig(layout="CM", d_model=32, conv_kernel=0)
-    with pytest.raises(ConfigError, match="conv_kernel"):
+    with pytest.raises(ConfigError, match="d_conv"):
+        ModelConfig(layout="CM", d_model=32, d_conv=0)
+    with pytest.raises(ConfigError, match="d_conv"):
         ModelConfig(layout="AM C", d_model=32, n_heads=2, layer_overrides={2: {"conv_kernel": 0}})

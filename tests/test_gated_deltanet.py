@@ -113,8 +113,8 @@ def test_trains():
 def test_impossible_sizes_fail_at_config_time():
     with pytest.raises(ConfigError, match="gdn_v_heads .* multiple of gdn_k_heads"):
         ModelConfig(**SMALL, layout="GM", gdn_k_heads=2, gdn_v_heads=3)
-    with pytest.raises(ConfigError, match="gdn_conv"):
-        ModelConfig(**SMALL, layout="GM", gdn_conv=0)
+    with pytest.raises(ConfigError, match="d_conv"):
+        ModelConfig(**SMALL, layout="GM", d_conv=0)
     with pytest.raises(ConfigError, match="gdn_k_dim"):
         ModelConfig(**SMALL, layout="GM", gdn_k_dim=0)
     with pytest.raises(ConfigError, match="attn_output_gate"):

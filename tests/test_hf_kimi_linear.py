@@ -72,7 +72,7 @@ def test_greedy_generate_matches(case):
 def test_config_mapping():
     cfg, sd = to_state_dict(kimi(**CASES["moe-groups-shared"]))
     assert cfg.layout == "KM (KO)*2 LO" and cfg.pos_embedding == "none"
-    assert (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_rank, cfg.kda_d_conv) == (4, 16, 16, 4)
+    assert (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_rank, cfg.d_conv) == (4, 16, 16, 4)
     assert (cfg.moe_router, cfg.moe_router_bias, cfg.moe_n_group, cfg.moe_topk_group, cfg.moe_scale) == \
         ("sigmoid", True, 4, 2, 2.446)
     assert sd["blocks.0.mixer.qkv.weight"].shape == (3 * 64, 64) and sd["blocks.0.mixer.A_log"].shape == (4,)

@@ -59,7 +59,7 @@ def test_greedy_generate_matches():
 
 def test_config_mapping():
     cfg, sd = to_state_dict(lfm2())
-    assert cfg.layout == "CM AM (CM)*2 AM" and cfg.conv_kernel == 3 and cfg.qk_norm and cfg.tie_embeddings
+    assert cfg.layout == "CM AM (CM)*2 AM" and cfg.d_conv == 3 and cfg.qk_norm and cfg.tie_embeddings
     assert cfg.mlp_hidden_size == 160          # int(2/3·160) = 106, ×1.5 = 159, rounded up to 32
     assert sd["blocks.0.mixer.conv.weight"].shape == (64, 3) and sd["blocks.0.mixer.in_proj.weight"].shape == (192, 64)
     assert to_state_dict(lfm2(block_ffn_dim_multiplier=1.0))[0].mlp_hidden_size == 128     # 106 rounded up

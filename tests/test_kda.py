@@ -138,8 +138,8 @@ def test_impossible_sizes_fail_at_config_time():
         ModelConfig(layout="KM", **{**SMALL, "n_heads": 3})               # 32 not divisible by 3 heads
     with pytest.raises(ConfigError, match="kda_heads must be >= 1"):
         ModelConfig(layout="KM", kda_heads=0, **SMALL)
-    with pytest.raises(ConfigError, match="kda_d_conv"):
-        ModelConfig(layout="KM", kda_d_conv=0, **SMALL)
+    with pytest.raises(ConfigError, match="d_conv"):
+        ModelConfig(layout="KM", d_conv=0, **SMALL)
     with pytest.raises(ConfigError, match="kda_rank"):
         ModelConfig(layout="KM", kda_rank=-1, **SMALL)
     with pytest.raises(ConfigError, match="mla_rope_dim"):

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def _presets_built(whole: bool) -> dict:
     imports torch._dynamo: seconds more in a fresh interpreter)."""
     out = {}
     for name in presets.names():
-        cfg = presets.get(name, n_layers=min(presets.PRESETS[name].n_layers, 10 if whole else 3), **SMALL)
+        with config.quiet_unread():          # SMALL sizes every letter, whichever ones the preset uses
+            cfg = presets.get(name, n_layers=min(presets.PRESETS[name].n_layers, 10 if whole else 3), **SMALL)
         if whole:
             with torch.device("meta"):
                 mods = list(CausalLM(cfg).named_modules())
@@ -174,3 +176,120 @@ def test_old_field_names_in_transformers_config_and_recipes():
     hf = HybridLMConfig(hybridlm=dict(layout="AO", d_model=32, n_heads=2, **OLD))
     assert hf.model_config == ModelConfig(layout="AO", d_model=32, n_heads=2, **NEW)
     assert "wm_moe_experts" not in hf.hybridlm and hf.hybridlm["moe_experts"] == 4
+
+
+# --- traits: the library asks the letter, never a list of letters ------------------------------------------------
+@pytest.fixture
+def throwaway():
+    """register(letter, **traits) for test letters (an MLP as module), removed from the table afterwards."""
+    made = []
+
+    def reg(letter: str, **traits):
+        register(letter, lambda cfg, idx: LETTERS["M"].build(cfg, idx), token=True, doc="test letter", **traits)
+        made.append(letter)
+    yield reg
+    for letter in made:
+        del LETTERS[letter]
+
+
+def test_a_letter_is_treated_by_its_traits_alone(throwaway):
+    """DDP's find_unused_parameters, context parallelism's refusal, the two-hop block's attention and the unread-field
+    warning follow a new letter's registry entry, with no edit anywhere else."""
+    from hybridlm.train.context_parallel import check_layout
+    from hybridlm.train.parallel import expects_unused_parameters
+    throwaway("Q", attention=True, reads=("swa_window",), unused_params=lambda cfg: cfg.dropout > 0,
+              no_context_parallel=lambda cfg: "Q drops whole sequences" if cfg.dropout else None)
+    throwaway("X", unused_params=True, no_context_parallel="X routes whole sequences")
+    throwaway("Y")
+    cfg = ModelConfig(layout="QM YM", d_model=32, n_heads=2)
+    assert not expects_unused_parameters(cfg)
+    check_layout(cfg)
+    on = cfg.replace(dropout=0.1)
+    assert expects_unused_parameters(on)
+    with pytest.raises(ConfigError, match="does not support layer 'Q' in layout 'QM YM': Q drops whole sequences"):
+        check_layout(on)
+    layer = cfg.replace(layer_overrides={0: {"dropout": 0.1}})         # a trait is asked of each layer's config
+    assert expects_unused_parameters(layer)
+    with pytest.raises(ConfigError, match="layer 'Q'"):
+        check_layout(layer)
+    assert expects_unused_parameters(cfg.replace(layout="YM XM"))
+    with pytest.raises(ConfigError, match="does not support layer 'X' in layout 'YM XM': X routes whole sequences"):
+        check_layout(cfg.replace(layout="YM XM"))
+    ModelConfig(layout="[RQM]", d_model=32, n_heads=2)                   # Q is attention-like, Y is not
+    with pytest.raises(ConfigError, match="missing its attention"):
+        ModelConfig(layout="[RYM]", d_model=32, n_heads=2)
+    with pytest.warns(UserWarning, match=r"swa_window \(read by W, Q\)"):
+        cfg.replace(layout="AM", swa_window=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg.replace(swa_window=8)                                          # Q reads it
+
+
+def test_the_library_keeps_no_set_of_letters():
+    """Outside models/ no code lists letters: it asks the registry for their traits."""
+    import re
+    root = os.path.join(hybridlm.__path__[0])
+    pattern = re.compile(r"""set\(["'][A-Z]{2,}["']\)|\{["'][A-Z]["'](, *["'][A-Z]["'])+\}|in ["'][A-Z]{2,}["']""")
+    for dirpath, _, files in os.walk(root):
+        if os.path.basename(dirpath) == "models":
+            continue
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f)) as fh:
+                    assert not pattern.search(fh.read()), os.path.join(dirpath, f)
+
+
+def test_a_field_no_letter_of_the_layout_reads_warns_once():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ModelConfig(layout="(AM)*2", d_model=32, n_heads=2, moe_experts=4, ssd_d_state=16, window=8,
+                    layer_overrides={1: {"mlp_hidden": 64}})
+    assert len(w) == 1 and w[0].filename == __file__                    # one warning, at the caller's line
+    msg = str(w[0].message)
+    assert "ssd_d_state (read by S)" in msg and "moe_experts (read by O)" in msg and "window" not in msg
+    with pytest.warns(UserWarning, match=r"'AM' has no letter that reads d_conv \(read by S, R, K, G, B, C\)"):
+        presets.get("transformer++", n_layers=1, layout="AM", d_conv=3)   # what a caller sets on a preset warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ModelConfig(layout="(AM)*2 SO", d_model=32, n_heads=2, moe_experts=4, ssd_d_state=16, ssd_headdim=16)
+        for name in presets.names():        # a preset's own fields serve every depth: Kimi-Linear's MLA comes at 4
+            for n in range(1, 9):
+                presets.get(name, n_layers=n)
+        with config.quiet_unread():
+            ModelConfig(layout="AM", moe_experts=4)
+
+
+def test_configs_converted_from_transformers_stay_silent():
+    """A converter fills every field of its family: Kimi-Linear's MLA fields too when no layer is MLA."""
+    transformers = pytest.importorskip("transformers")
+    from hybridlm.hf import config_from_transformers
+    hf = transformers.AutoConfig.for_model("kimi_linear", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                           intermediate_size=64, linear_attn_config={
+                                               "kda_layers": [1, 2], "full_attn_layers": [], "num_heads": 4,
+                                               "head_dim": 16, "short_conv_kernel_size": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = config_from_transformers(hf)
+    assert "L" not in cfg.layout and config.unread(cfg)                # there was something to warn about
+
+
+def test_old_short_conv_names_load():
+    """ssd_d_conv, rodimus_d_conv, kda_d_conv, gdn_conv, mamba1_d_conv and conv_kernel are one field, d_conv."""
+    assert set(config.MERGED) == {k for k, v in config.RENAMED.items() if v == "d_conv"} and len(config.MERGED) == 6
+    base = ModelConfig(layout="AM", d_model=32, n_heads=2)
+    ssd = ModelConfig(layout="SM", d_model=32, ssd_headdim=16, ssd_d_state=16)
+    for old in config.MERGED:
+        assert ssd.replace(**{old: 3}).d_conv == 3                                          # --set, a recipe
+        assert presets.get("lfm2", n_layers=3, **{old: 2}).d_conv == 2
+    # a config.json from before the merge carries all six; only the kernel of a letter in its layout counts
+    before = dict(base.to_dict(), layout="(CM)*2 AM", ssd_d_conv=4, rodimus_d_conv=4, kda_d_conv=4, gdn_conv=4,
+                  mamba1_d_conv=4, conv_kernel=3)
+    del before["d_conv"]
+    assert ModelConfig.from_dict(before) == base.replace(layout="(CM)*2 AM", d_conv=3)
+    assert ModelConfig.from_dict(dict(before, layout="SM", ssd_headdim=16, ssd_d_state=16)).d_conv == 4
+    assert ModelConfig.from_dict(dict(before, layout="AM")) == base
+    assert ModelConfig.from_dict(dict(before, layer_overrides={"0": {"conv_kernel": 2}})).layer_overrides == {
+        0: {"d_conv": 2}}
+    with pytest.raises(ConfigError, match=r"'ssd_d_conv' = 4 and 'conv_kernel' = 3: two names of one field \(d_conv"):
+        ModelConfig.from_dict(dict(before, layout="SM CM", ssd_headdim=16))

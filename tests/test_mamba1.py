@@ -16,7 +16,7 @@ SMALL = dict(vocab_size=61, d_model=32, mamba1_d_state=6, mamba1_chunk_size=4, n
 CASES = {"plain": dict(layout="(BM)*2"), "jamba-norms-bias": dict(layout="BM AM", mamba1_bcdt_norm="weight",
                                                                     mamba1_bias=True, pos_embedding="none"),
          "falcon-norms-no-conv-bias": dict(layout="B*2", mamba1_bcdt_norm="plain", mamba1_conv_bias=False,
-                                           mamba1_dt_rank=3, mamba1_expand=3, mamba1_d_conv=3)}
+                                           mamba1_dt_rank=3, mamba1_expand=3, d_conv=3)}
 
 
 def model(**kw):
@@ -92,7 +92,7 @@ def test_trains_and_keeps_its_init():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("mamba1_d_state", 0, "mamba1_d_state"), ("mamba1_d_conv", 0, "mamba1_d_conv"),
+    ("mamba1_d_state", 0, "mamba1_d_state"), ("d_conv", 0, "d_conv"),
     ("mamba1_expand", 0, "mamba1_expand"), ("mamba1_dt_rank", 0, "mamba1_dt_rank"),
     ("mamba1_bcdt_norm", "layer", "mamba1_bcdt_norm"), ("mamba1_norm_eps", 0.0, "mamba1_norm_eps"),
     ("mamba1_chunk_size", 0, "mamba1_chunk_size")])

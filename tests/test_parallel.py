@@ -264,7 +264,7 @@ def test_context_parallel_refuses_uncovered_letters(letter, layout):
     from hybridlm import ModelConfig
     from hybridlm.train.context_parallel import check_layout
     check_layout(ModelConfig(layout="S A L I F W R G K B E M Z@0 S".replace(" ", ""), dsa_kl_weight=0.0))  # pass
-    with pytest.raises(ConfigError, match="does not train the lightning indexer"):
+    with pytest.raises(ConfigError, match="does not support layer .I. in layout .IM.: its lightning indexer trains"):
         check_layout(ModelConfig(layout="IM"))
     with pytest.raises(ConfigError, match=f"does not support layer '{letter}' in layout"):
         check_layout(ModelConfig(layout=layout))

@@ -216,7 +216,7 @@ def _mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, 
     lim = (0.0, float("inf")) if lim is None else tuple(float(v) for v in lim)
     _need(len(lim) == 2 and 0 <= lim[0] < lim[1], arch, f"time_step_limit {lim}")
     d_inner = n_heads * head_dim
-    return dict(ssd_d_state=d_state, ssd_d_conv=d_conv, ssd_headdim=head_dim, ssd_ngroups=n_groups,
+    return dict(ssd_d_state=d_state, d_conv=d_conv, ssd_headdim=head_dim, ssd_ngroups=n_groups,
                 ssd_chunk_size=chunk_size, ssd_bias=proj_bias, ssd_conv_bias=conv_bias,
                 ssd_dt_limit=None if lim == (0.0, float("inf")) else lim,
                 **(dict(ssd_expand=d_inner // d_model) if d_inner % d_model == 0 else dict(ssd_d_inner=d_inner)))

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, quiet_unread, warn_unread
 from .common import (CONVERTERS, Converter, _activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get,
                      _head, convert_weights, _mamba2_fields, _mamba2_mixer, _need, _rope_base, _Tensors, _tied, register)
 
@@ -111,9 +111,12 @@ def config_from_transformers(hf_config, **overrides) -> ModelConfig:
     fields = CONVERTERS[mt].config(hf_config)
     fields.update(overrides)
     try:
-        return ModelConfig(**fields)
+        with quiet_unread():       # a family's fields, whatever letters this checkpoint's layout has
+            cfg = ModelConfig(**fields)
     except TypeError as e:
         raise ConfigError(str(e)) from None
+    warn_unread(cfg, overrides)
+    return cfg
 
 
 def to_state_dict(hf_model, **overrides) -> tuple[ModelConfig, dict[str, Tensor]]:

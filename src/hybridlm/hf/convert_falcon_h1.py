@@ -43,7 +43,7 @@ def falcon_h1_config(hf) -> dict:
         head_dim=_get(hf, "head_dim") or d // hf.num_attention_heads, rope_base=_rope_base(ARCH, hf),
         attn_bias=bool(_get(hf, "attention_bias", False)),
         mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True, mlp_bias=bool(_get(hf, "mlp_bias", False)),
-        ssd_d_state=int(hf.mamba_d_state), ssd_d_conv=int(hf.mamba_d_conv),
+        ssd_d_state=int(hf.mamba_d_state), d_conv=int(hf.mamba_d_conv),
         ssd_expand=int(expand) if float(expand).is_integer() else 2, ssd_d_inner=d_ssm,
         ssd_headdim=int(hf.mamba_d_head), ssd_ngroups=int(hf.mamba_n_groups),
         ssd_chunk_size=int(_get(hf, "mamba_chunk_size", 256)),

@@ -51,7 +51,7 @@ def kimi_config(hf) -> dict:
         mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True,
         mla_kv_lora_rank=hf.kv_lora_rank, mla_q_lora_rank=_get(hf, "q_lora_rank") or 0,
         mla_qk_nope_dim=hf.qk_nope_head_dim, mla_rope_dim=hf.qk_rope_head_dim, mla_v_dim=hf.v_head_dim,
-        kda_heads=hf.linear_num_heads, kda_head_dim=hf.linear_head_dim, kda_d_conv=hf.linear_conv_kernel_dim,
+        kda_heads=hf.linear_num_heads, kda_head_dim=hf.linear_head_dim, d_conv=hf.linear_conv_kernel_dim,
         kda_rank=hf.linear_head_dim,
     )
     # DeepSeek-V3's router: sigmoid scores, correction bias, groups, renormalised, scaled (set even when every layer
@@ -157,7 +157,7 @@ def kimi_twin(d_model: int, n_layers: int, vocab_size: int, max_seq_len: int):
         num_experts_per_tok=cfg.moe_topk, norm_topk_prob=True, hidden_act="silu",
         max_position_embeddings=max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False,
         num_local_experts=cfg.moe_experts, linear_head_dim=cfg.kda_head_dim, linear_num_heads=cfg.n_heads,
-        linear_conv_kernel_dim=cfg.kda_d_conv,
+        linear_conv_kernel_dim=cfg.d_conv,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)],
         mlp_layer_types=["dense" if i == 0 else "sparse" for i in range(n_layers)],
         pad_token_id=None, bos_token_id=None, eos_token_id=None)

@@ -41,7 +41,7 @@ def lfm2_config(hf) -> dict:
         n_kv_heads=_get(hf, "num_key_value_heads") or heads, head_dim=_get(hf, "head_dim") or d // heads,
         rope_base=_rope_base(ARCH, hf), qk_norm=True, attn_bias=False,
         mlp_hidden=lfm2_mlp_width(hf), mlp_act="silu", mlp_gated=True, mlp_bias=False,
-        conv_kernel=int(hf.conv_L_cache), conv_bias=bool(_get(hf, "conv_bias", False)),
+        d_conv=int(hf.conv_L_cache), conv_bias=bool(_get(hf, "conv_bias", False)),
     )
 
 

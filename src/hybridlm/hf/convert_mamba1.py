@@ -48,7 +48,7 @@ def _mamba_config(hf, arch: str, falcon: bool) -> dict:
         layout=f"B*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
         max_seq_len=int(_get(hf, "max_position_embeddings", 1 << 20)),   # no positional limit unless set
         tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
-        mamba1_d_state=hf.state_size, mamba1_d_conv=hf.conv_kernel, mamba1_expand=_expand(arch, hf.hidden_size, inner),
+        mamba1_d_state=hf.state_size, d_conv=hf.conv_kernel, mamba1_expand=_expand(arch, hf.hidden_size, inner),
         mamba1_dt_rank=int(hf.time_step_rank), mamba1_conv_bias=bool(_get(hf, "use_conv_bias", True)),
         mamba1_bias=bool(_get(hf, "use_bias", False)),
     )
@@ -101,7 +101,7 @@ def jamba_config(hf) -> dict:
         n_heads=n_heads, n_kv_heads=_get(hf, "num_key_value_heads") or n_heads,
         head_dim=_get(hf, "head_dim") or hf.hidden_size // n_heads,
         mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True,
-        mamba1_d_state=hf.mamba_d_state, mamba1_d_conv=hf.mamba_d_conv, mamba1_expand=int(hf.mamba_expand),
+        mamba1_d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv, mamba1_expand=int(hf.mamba_expand),
         mamba1_dt_rank=int(hf.mamba_dt_rank), mamba1_conv_bias=bool(hf.mamba_conv_bias),
         mamba1_bias=bool(hf.mamba_proj_bias), mamba1_bcdt_norm="weight",
     )

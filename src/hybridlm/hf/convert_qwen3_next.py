@@ -50,7 +50,7 @@ def qwen3_next_config(hf) -> dict:
         head_dim=head_dim, rope_base=rope_base, rope_dim=rope_dim, attn_bias=bool(_get(hf, "attention_bias", False)),
         qk_norm=True, attn_output_gate=True, mlp_act=act, mlp_gated=True,
         gdn_k_heads=hf.linear_num_key_heads, gdn_v_heads=hf.linear_num_value_heads,
-        gdn_k_dim=hf.linear_key_head_dim, gdn_v_dim=hf.linear_value_head_dim, gdn_conv=hf.linear_conv_kernel_dim,
+        gdn_k_dim=hf.linear_key_head_dim, gdn_v_dim=hf.linear_value_head_dim, d_conv=hf.linear_conv_kernel_dim,
     )
     if not all(sparse):                      # the dense MLP's width matters only where a layer has one
         fields["mlp_hidden"] = hf.intermediate_size

@@ -69,7 +69,7 @@ def zamba2_config(hf) -> dict:
         norm_eps=eps, pos_embedding="rope" if rope else "none", rope_base=_rope_base(ARCH, hf) if rope else 10000.0,
         n_heads=hf.num_attention_heads, n_kv_heads=n_kv, head_dim=hf.attention_head_dim,
         mlp_hidden=hf.intermediate_size, mlp_act=_ACTS[act], mlp_bias=bool(hf.add_bias_linear),
-        ssd_d_state=hf.mamba_d_state, ssd_d_conv=hf.mamba_d_conv, ssd_expand=int(expand),
+        ssd_d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv, ssd_expand=int(expand),
         ssd_headdim=d_inner // hf.n_mamba_heads, ssd_ngroups=hf.mamba_ngroups, ssd_chunk_size=int(hf.chunk_size),
         ssd_bias=bool(hf.add_bias_linear), ssd_conv_bias=True,     # Zamba2's conv1d always has a bias
         ssd_dt_min=float(hf.time_step_min), ssd_dt_max=float(hf.time_step_max),

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, quiet_unread
 from .common import _Tensors
 from .convert import CONVERTERS   # (importing convert registers every converter)
 
@@ -36,7 +36,7 @@ def _llama(cfg: ModelConfig, n: int, **special):
 def _mamba2(cfg: ModelConfig, n: int, **special):
     from transformers import Mamba2Config
     return Mamba2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=n,
-                        state_size=cfg.ssd_d_state, conv_kernel=cfg.ssd_d_conv, expand=cfg.ssd_expand,
+                        state_size=cfg.ssd_d_state, conv_kernel=cfg.d_conv, expand=cfg.ssd_expand,
                         head_dim=cfg.ssd_headdim, num_heads=cfg.ssd_expand * cfg.d_model // cfg.ssd_headdim,
                         n_groups=cfg.ssd_ngroups, chunk_size=cfg.ssd_chunk_size, use_bias=cfg.ssd_bias,
                         use_conv_bias=cfg.ssd_conv_bias, layer_norm_epsilon=cfg.norm_eps,
@@ -64,7 +64,9 @@ def native_config(cfg: ModelConfig, **special):
         raise ConfigError(f"--as-native: layout {cfg.layout!r} is neither a Llama '(AM)*n' nor a Mamba-2 'S*n'; "
                           "export without --as-native")
     fields = CONVERTERS[hf.model_type].config(hf)
-    ours, back, default = _normal(cfg), _normal(ModelConfig(**fields)), ModelConfig().to_dict()
+    with quiet_unread():
+        back = _normal(ModelConfig(**fields))
+    ours, default = _normal(cfg), ModelConfig().to_dict()
     bad = [k for k in fields if k not in _IGNORED and ours[k] != back[k]]
     bad += [k for k in _MUST_BE_DEFAULT if k not in fields and ours[k] != default[k]]
     if bad:

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..errors import CheckpointError, ConfigError, HybridLMError
 from ..jsonio import read_json_object
 from ..models.causal_lm import CausalLM
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, quiet_unread
 
 INDEX_FILE, WEIGHTS_FILE = "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -77,7 +77,7 @@ def rodimus_config(hf: dict, path: str = "config.json") -> dict:
              norm_eps=float(hf.get("norm_epsilon", 1e-5)), pos_embedding="rope",
              embed_scale=math.sqrt(n) if hf.get("use_scale_embedding") else 1.0,
              embed_norm=bool(hf.get("use_norm_embedding", False)),
-             rodimus_d_state=n, rodimus_d_conv=int(mixer.get("d_conv", 4)), rodimus_rank=rank,
+             rodimus_d_state=n, d_conv=int(mixer.get("d_conv", 4)), rodimus_rank=rank,
              rodimus_d_inner=_align8(int(d * float(mixer.get("expand_ratio", 2)))))
     if block == "rodimus_plus":
         f.update(_attention_fields(dict(hf.get("attn_cfg") or {}), d, path))
@@ -123,7 +123,8 @@ def model_config(hf: dict, path: str = "config.json") -> ModelConfig:
     if fields.get("swa_window") is None:
         fields.pop("swa_window", None)
     try:
-        return ModelConfig(**fields)
+        with quiet_unread():
+            return ModelConfig(**fields)
     except HybridLMError as e:
         raise ConfigError(f"{path}: {e}") from None
 
@@ -180,7 +181,7 @@ def release_shapes(hf: dict, cfg: ModelConfig | None = None) -> dict[str, tuple]
     """{their tensor name: shape} that config `hf` implies (`cfg` = model_config(hf), when already built)."""
     cfg = cfg or model_config(hf)
     d, V, n, m = cfg.d_model, cfg.vocab_size, cfg.rodimus_d_state, cfg.rodimus_d_inner
-    r, K = cfg.rodimus_rank, cfg.rodimus_d_conv
+    r, K = cfg.rodimus_rank, cfg.d_conv
     s = {"model.embeddings.weight": (V, d), "model.norm_f.weight": (d,), "lm_head.weight": (V, d)}
     if cfg.embed_norm:
         s["model.embed_norm.weight"] = (d,)

@@ -1,7 +1,10 @@
 """ModelConfig: every size and option of a model, plus its layout string."""
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import json
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 
 from ..errors import ConfigError
@@ -11,19 +14,67 @@ from .registry import lazy
 # with an old name still load (`renamed`).
 RENAMED = {"wm_moe_experts": "moe_experts", "wm_moe_topk": "moe_topk", "wm_moe_hidden": "moe_hidden",
            "wm_moe_shared": "moe_shared"}
+# the per-letter short-conv kernels merged into d_conv, and the letter that read each: a config.json from before
+# carries all six, of which only those of letters in its layout reached the model
+MERGED = {"ssd_d_conv": "S", "rodimus_d_conv": "R", "kda_d_conv": "K", "gdn_conv": "G", "mamba1_d_conv": "B",
+          "conv_kernel": "C"}
+RENAMED |= dict.fromkeys(MERGED, "d_conv")
 
 
 def renamed(d: dict, where: str = "config") -> dict:
     """`d` (config fields) with old field names replaced by their new ones (ModelConfig does the same to each of
-    its `layer_overrides`)."""
+    its `layer_overrides`); where `d` names the layout, a merged field of a letter absent from it is dropped."""
+    layout = d.get("layout")
     out, given = {}, {}
     for k, v in d.items():
+        if k in MERGED and isinstance(layout, str) and MERGED[k] not in layout:
+            continue
         new = RENAMED.get(k, k)
         if new in out and out[new] != v:
-            raise ConfigError(f"{where} sets {given[new]!r} = {out[new]!r} and {k!r} = {v!r}: the old and the new "
-                              f"name of one field ({new})")
+            raise ConfigError(f"{where} sets {given[new]!r} = {out[new]!r} and {k!r} = {v!r}: two names of one "
+                              f"field ({new})")
         out[new], given[new] = v, k
     return out
+
+
+_QUIET = contextvars.ContextVar("quiet_unread", default=False)
+
+
+@contextlib.contextmanager
+def quiet_unread():
+    """ModelConfigs made inside do not warn about fields their layout does not read (`unread`): converters from
+    transformers fill every field their family has, whatever letters one checkpoint uses, and a preset may set
+    fields for letters that only its deeper layouts contain."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
+def unread(cfg, names=None) -> dict[str, list[str]]:
+    """Fields of `cfg` (of `names`, if given) set away from their default whose letters, the only ones that read
+    them, are all absent from the layout: field -> those letters."""
+    from .registry import readers
+    used = set(cfg.layout)
+    out = {}
+    for f in fields(cfg):
+        if (names is None or f.name in names) and f.default is not dataclasses.MISSING:
+            who = readers(f.name)
+            if who and not used.intersection(who) and getattr(cfg, f.name) != f.default:
+                out[f.name] = who
+    return out
+
+
+def warn_unread(cfg, names=None, stacklevel: int = 2):
+    """One UserWarning naming each field of `unread(cfg, names)` and the letters that would read it (none inside
+    `quiet_unread`)."""
+    found = not _QUIET.get() and unread(cfg, names)
+    if found:
+        listed = "; ".join(f"{k} (read by {', '.join(v)})" for k, v in found.items())
+        effect = "this field has" if len(found) == 1 else "these fields have"
+        warnings.warn(f"layout {cfg.layout!r} has no letter that reads {listed}: {effect} no effect",
+                      stacklevel=stacklevel + 1)
 
 
 def check_fields(keys, where: str = "config"):
@@ -75,9 +126,10 @@ class ModelConfig:
     mlp_act: str = "silu"
     mlp_gated: bool = True
     mlp_bias: bool = False
+    # short causal depthwise conv of S, R, K, G, B and C: one kernel for the model (a layer's own: layer_overrides)
+    d_conv: int = 4                       # taps (Mamba, FLA and the hybrids built on them: 4; LFM2's C: 3)
     # SSD / Mamba-2 (S)
     ssd_d_state: int = 64
-    ssd_d_conv: int = 4
     ssd_expand: int = 2
     ssd_headdim: int = 64
     ssd_ngroups: int = 1
@@ -92,7 +144,6 @@ class ModelConfig:
     rodimus_expand: int = 2               # GLU width m = expand · d_model
     rodimus_d_inner: int | None = None    # m set directly (None = expand · d_model); the released code's
                                           # non-integer expand_ratio gives m = align8(int(d_model · expand_ratio))
-    rodimus_d_conv: int = 4               # ShortConv kernel
     rodimus_rank: int | None = None       # ℓ: rank of β̂'s projection; None = max(d_model // 64, 16)
     rodimus_chunk_size: int = 64
     rodimus_use_g: bool = True            # ablations (table 11): False makes g a learned constant,
@@ -157,7 +208,6 @@ class ModelConfig:
     # plain `L` with pos_embedding="none" (no rotation anywhere: the shared key part stays unrotated)
     kda_heads: int | None = None          # K: heads (None = n_heads)
     kda_head_dim: int | None = None       # K: key = value dim per head; state D × D per head (None = d_model // heads)
-    kda_d_conv: int = 4                   # K: short-conv kernel on q, k, v
     kda_rank: int | None = None           # K: rank of the low-rank forget-gate and output-gate projections
                                           # (None = kda_head_dim, as released)
     # Gated DeltaNet (G, models/mixers_delta.py) and Qwen3-Next's gated attention
@@ -165,13 +215,11 @@ class ModelConfig:
     gdn_v_heads: int | None = None        # G: value heads, a multiple of gdn_k_heads (None = gdn_k_heads)
     gdn_k_dim: int | None = None          # G: query/key head dim (None = head_dim)
     gdn_v_dim: int | None = None          # G: value head dim (None = gdn_k_dim)
-    gdn_conv: int = 4                     # G: depthwise causal short-conv kernel over q, k, v
     gdn_chunk_size: int = 64              # G: chunk of the chunked delta rule (speed only)
     attn_output_gate: bool = False        # A: q projection also yields a per-channel gate, sigmoid(gate) ⊙ attention
                                           # output before the out projection (Qwen3-Next)
     # Mamba-1 selective scan (B): Mamba, Falcon-Mamba, Jamba (models/mixers_mamba1.py)
     mamba1_d_state: int = 16              # N: states per channel (A is [d_inner, N])
-    mamba1_d_conv: int = 4                # depthwise causal conv kernel
     mamba1_expand: int = 2                # d_inner = expand · d_model channels
     mamba1_dt_rank: int | None = None     # rank of the dt projection; None = ceil(d_model / 16)
     mamba1_conv_bias: bool = True         # bias on the conv
@@ -189,7 +237,6 @@ class ModelConfig:
     # block {...} of the layout needs no field
     ssd_norm: str = "gated"               # S output: gated = RMSNorm(y·silu(z)) | norm_gate = RMSNorm(y)·silu(z) |
                                           # gate = y·silu(z) without a norm (Falcon-H1's mamba_rms_norm=False)
-    conv_kernel: int = 3                  # C: taps of the depthwise causal conv (LFM2's conv_L_cache)
     conv_bias: bool = False               # C: biases on in_proj, the conv and out_proj (LFM2's conv_bias)
     # Zamba2 (Z: shared transformer over concat(stream, embeddings) feeding the next layer; models/mixers_zamba.py).
     # Z reads n_heads, n_kv_heads, head_dim (over the 2·d_model input), rope_base, pos_embedding, mlp_hidden/act/bias
@@ -204,6 +251,7 @@ class ModelConfig:
         if self.ssd_dt_limit is not None:
             self.ssd_dt_limit = tuple(float(v) for v in self.ssd_dt_limit)
         self.validate()
+        warn_unread(self, stacklevel=3)          # __post_init__ <- __init__ <- the caller
 
     # derived sizes -------------------------------------------------------------------------------
     @property
@@ -227,8 +275,8 @@ class ModelConfig:
         if not over:
             return self
         check_fields(over, f"layer_overrides[{idx}]")
-        cfg = dataclasses.replace(self, **{**over, "layer_overrides": {}}) if over else self
-        return cfg
+        with quiet_unread():       # the whole config has warned already
+            return dataclasses.replace(self, **{**over, "layer_overrides": {}})
 
     def validate(self):
         from .layout import flatten, parse_layout, shared_groups
@@ -282,12 +330,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        """From to_dict()'s output (config.json, checkpoints), old field names (RENAMED) included."""
+        """From to_dict()'s output (config.json, checkpoints), old field names (RENAMED) included; silent about
+        unread fields (`warn_unread`): they were set, and warned of, where the config was made."""
         d = renamed(d)
         check_fields(d)
-        return cls(**d)
+        with quiet_unread():
+            return cls(**d)
 
     def replace(self, **kw) -> "ModelConfig":
         kw = renamed(kw)
         check_fields(kw)
-        return dataclasses.replace(self, **kw)
+        with quiet_unread():
+            cfg = dataclasses.replace(self, **kw)
+        warn_unread(cfg, set(unread(cfg)) - set(unread(self)))      # only what this change leaves unread
+        return cfg

@@ -22,12 +22,12 @@ def _validate_gdn(cfg):
     hk, hv, _, _ = gdn_sizes(cfg)
     need(hv % hk == 0, f"gdn_v_heads ({hv}) must be a multiple of gdn_k_heads ({hk}): each key head serves a group "
          f"of value heads")
-    need(cfg.gdn_conv >= 1, f"gdn_conv must be >= 1, got {cfg.gdn_conv}")
+    need(cfg.d_conv >= 1, f"d_conv must be >= 1, got {cfg.d_conv}")
     need(cfg.gdn_chunk_size >= 1, f"gdn_chunk_size must be >= 1, got {cfg.gdn_chunk_size}")
 
 
 def _gated_deltanet(cfg, idx):
     from ..layers.gated_deltanet import GatedDeltaNet
     hk, hv, dk, dv = gdn_sizes(cfg)
-    return GatedDeltaNet(cfg.d_model, layer_idx=idx, k_heads=hk, v_heads=hv, k_dim=dk, v_dim=dv, d_conv=cfg.gdn_conv,
+    return GatedDeltaNet(cfg.d_model, layer_idx=idx, k_heads=hk, v_heads=hv, k_dim=dk, v_dim=dv, d_conv=cfg.d_conv,
                          chunk_size=cfg.gdn_chunk_size, norm_eps=cfg.norm_eps)

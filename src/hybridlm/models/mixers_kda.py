@@ -17,11 +17,11 @@ def _validate_kda(cfg):
     _, dim, rank = kda_sizes(cfg)
     need(dim >= 1, f"kda_head_dim must be >= 1, got {dim}")
     need(rank >= 1, f"kda_rank must be >= 1, got {rank}")
-    need(cfg.kda_d_conv >= 1, f"kda_d_conv must be >= 1, got {cfg.kda_d_conv}")
+    need(cfg.d_conv >= 1, f"d_conv must be >= 1, got {cfg.d_conv}")
 
 
 def _kda(cfg, idx):
     from ..layers.kda import KimiDeltaAttention
     heads, dim, rank = kda_sizes(cfg)
-    return KimiDeltaAttention(cfg.d_model, layer_idx=idx, n_heads=heads, head_dim=dim, d_conv=cfg.kda_d_conv,
+    return KimiDeltaAttention(cfg.d_model, layer_idx=idx, n_heads=heads, head_dim=dim, d_conv=cfg.d_conv,
                               rank=rank, norm_eps=cfg.norm_eps)

@@ -8,7 +8,7 @@ from .registry import need
 
 def _validate_mamba1(cfg):
     need(cfg.mamba1_d_state >= 1, f"mamba1_d_state must be >= 1, got {cfg.mamba1_d_state}")
-    need(cfg.mamba1_d_conv >= 1, f"mamba1_d_conv must be >= 1, got {cfg.mamba1_d_conv}")
+    need(cfg.d_conv >= 1, f"d_conv must be >= 1, got {cfg.d_conv}")
     need(cfg.mamba1_expand >= 1, f"mamba1_expand must be >= 1, got {cfg.mamba1_expand}")
     need(cfg.mamba1_dt_rank is None or cfg.mamba1_dt_rank >= 1,
          f"mamba1_dt_rank must be >= 1 (or None for ceil(d_model/16)), got {cfg.mamba1_dt_rank}")
@@ -21,7 +21,7 @@ def _validate_mamba1(cfg):
 
 def _mamba1(cfg, idx):
     from ..layers.mamba1 import Mamba1
-    return Mamba1(cfg.d_model, layer_idx=idx, d_state=cfg.mamba1_d_state, d_conv=cfg.mamba1_d_conv,
+    return Mamba1(cfg.d_model, layer_idx=idx, d_state=cfg.mamba1_d_state, d_conv=cfg.d_conv,
                   expand=cfg.mamba1_expand, dt_rank=cfg.mamba1_dt_rank, conv_bias=cfg.mamba1_conv_bias,
                   bias=cfg.mamba1_bias, bcdt_norm=cfg.mamba1_bcdt_norm,
                   norm_eps=cfg.mamba1_norm_eps if cfg.mamba1_norm_eps is not None else cfg.norm_eps,

@@ -13,9 +13,6 @@ from ..layers.residual import TwoHopResidual
 from .layout import Hop
 from .registry import LETTERS, _attention, _validate_attention, need
 
-# letters that are attention-like token mixers (A W F L I); the middle of a two-hop block
-ATTENTION_LETTERS = {"A", "W", "F", "L", "I"}
-
 
 def _validate_rodimus(cfg):
     m = cfg.rodimus_d_inner or cfg.rodimus_expand * cfg.d_model
@@ -23,8 +20,7 @@ def _validate_rodimus(cfg):
          f"rodimus_d_inner (m) must be >= 1, got {cfg.rodimus_d_inner}")
     need(cfg.rodimus_d_state >= 1, f"rodimus_d_state (n) must be >= 1, got {cfg.rodimus_d_state}")
     need(cfg.rodimus_expand >= 1, f"rodimus_expand must be >= 1, got {cfg.rodimus_expand}")
-    need(cfg.rodimus_d_conv >= 1 and cfg.rodimus_chunk_size >= 1,
-         "rodimus_d_conv and rodimus_chunk_size must be >= 1")
+    need(cfg.d_conv >= 1 and cfg.rodimus_chunk_size >= 1, "d_conv and rodimus_chunk_size must be >= 1")
     if cfg.rodimus_rank is not None:
         need(1 <= cfg.rodimus_rank <= m, f"rodimus_rank (ℓ = {cfg.rodimus_rank}) must be between 1 and the Rodimus "
              f"width m = {m}")
@@ -41,7 +37,8 @@ def _validate_window_attention(cfg):
 def _rodimus(cfg, idx):
     from ..layers.rodimus import Rodimus
     return Rodimus(cfg.d_model, layer_idx=idx, d_state=cfg.rodimus_d_state, expand=cfg.rodimus_expand,
-                   d_inner=cfg.rodimus_d_inner, d_conv=cfg.rodimus_d_conv, rank=cfg.rodimus_rank, chunk_size=cfg.rodimus_chunk_size,
+                   d_inner=cfg.rodimus_d_inner, d_conv=cfg.d_conv, rank=cfg.rodimus_rank,
+                   chunk_size=cfg.rodimus_chunk_size,
                    use_g=cfg.rodimus_use_g, use_tau=cfg.rodimus_use_tau, use_beta_hat=cfg.rodimus_use_beta_hat,
                    product_decay=cfg.rodimus_product_decay, norm_eps=cfg.norm_eps)
 
@@ -68,9 +65,9 @@ def _check_hops(cfg, items):
         name = "[" + "".join(it) + "]"
         shape = "a two-hop block is [token mixer, attention, channel mixer], e.g. [RWM]"
         token = [LETTERS[letter].token for letter in it]
-        need(any(letter in ATTENTION_LETTERS for letter in it[1:]),
+        need(any(LETTERS[letter].attention for letter in it[1:]),
              f"two-hop block {name} is missing its attention: {shape}")
         need(not all(token), f"two-hop block {name} is missing its MLP (channel mixer): {shape}")
-        need(len(it) == 3 and token[0] and it[1] in ATTENTION_LETTERS and not token[2],
+        need(len(it) == 3 and token[0] and LETTERS[it[1]].attention and not token[2],
              f"two-hop block {name} has the wrong structure: {shape}")
         need(not cfg.residual_scale, "residual_scale (learnable residual weights) is not supported in two-hop blocks")

@@ -76,7 +76,7 @@ def _rope_ssd(cfg, idx):
                    headdim=cfg.ssd_headdim, ngroups=cfg.ssd_ngroups, chunk_size=cfg.ssd_chunk_size,
                    bias=cfg.ssd_bias, dt_min=cfg.ssd_dt_min, dt_max=cfg.ssd_dt_max,
                    A_init_range=cfg.ssd_A_init_range, rope_base=cfg.rope_base,
-                   rope_interleaved=cfg.rope_interleaved, position=cfg.wm_ssd_position, d_conv=cfg.ssd_d_conv)
+                   rope_interleaved=cfg.rope_interleaved, position=cfg.wm_ssd_position, d_conv=cfg.d_conv)
 
 
 def _cdmoe(cfg, idx):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ConfigError
-from .config import ModelConfig, check_fields, renamed
+from .config import ModelConfig, check_fields, quiet_unread, renamed, warn_unread
 from .layout import fold_layout
 
 
@@ -53,7 +53,10 @@ def get(name: str, **overrides) -> ModelConfig:
     fields = p.fields(n)
     fields.update(overrides)
     seen = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | fields   # what the functions read
-    return ModelConfig(**{k: v(seen) if callable(v) else v for k, v in fields.items()})
+    with quiet_unread():             # a preset's fields serve all its depths (Kimi-Linear's MLA starts at 4 layers)
+        cfg = ModelConfig(**{k: v(seen) if callable(v) else v for k, v in fields.items()})
+    warn_unread(cfg, overrides)      # what the caller set, though
+    return cfg
 
 
 _llama_like = dict(norm="rms", pos_embedding="rope", mlp_gated=True, mlp_act="silu", attn_bias=False,
@@ -230,7 +233,7 @@ register("qwen3-next", "Qwen3-Next: layers of Gated DeltaNet, every 4th gated at
                         n_heads=lambda f: 2 * max(1, f["d_model"] // 128), n_kv_heads=2,
                         head_dim=64, rope_base=10_000_000.0, rope_dim=16, qk_norm=True, attn_output_gate=True,
                         gdn_k_heads=lambda f: max(1, f["d_model"] // 128),
-                        gdn_v_heads=lambda f: 2 * max(1, f["d_model"] // 128), gdn_k_dim=64, gdn_v_dim=64, gdn_conv=4,
+                        gdn_v_heads=lambda f: 2 * max(1, f["d_model"] // 128), gdn_k_dim=64, gdn_v_dim=64,
                         moe_experts=8, moe_topk=2, moe_hidden=lambda f: f["d_model"], moe_shared=True,
                         moe_shared_gate=True, norm_eps=1e-6, tie_embeddings=False))
 
@@ -289,4 +292,4 @@ register("lfm2", "LFM2: gated short convolutions (C, 3 taps) with q/k-normed GQA
                         else max(1, f["d_model"] // 64),
                         head_dim=lambda f: f["d_model"] // max(1, f["d_model"] // 64), qk_norm=True,
                         mlp_hidden=lambda f: 3 * f["d_model"], mlp_act="silu", mlp_gated=True,
-                        conv_kernel=3, conv_bias=False))
+                        d_conv=3, conv_bias=False))

@@ -28,7 +28,8 @@ the chunk's first document, which a reset ends (the ops zero the decay and the c
 Layers (`check_layout`): a layer keeping a `RecurrentCache` with a state (S, R, G, K, B) relays it; one keeping
 keys (A, W with or without a window, F, Z's shared attention: `KVCache`/`WindowKVCache`; L: MLA's `LatentCache`;
 I: the indexer's keys and those of the attention under it) gathers them; channel mixers (M, E) need nothing.
-C and O are refused by letter with the reason (`UNSUPPORTED`), and I while its indexer trains (dsa_kl_weight > 0).
+The letters say which they refuse and why (models/registry.py `no_context_parallel`): C and O, and I while its
+indexer trains (dsa_kl_weight > 0).
 """
 from dataclasses import dataclass
 
@@ -39,27 +40,16 @@ from torch import Tensor, nn
 from ..cache import IndexerCache, InferenceCache, KVCache, LatentCache, RecurrentCache, WindowKVCache
 from ..errors import ConfigError, InputError
 
-# letter -> why context parallelism cannot run it
-UNSUPPORTED = {
-    "C": "the gated short conv keeps only a conv tail, which travels with a recurrent state",
-    "O": "the routed MoE's load-balancing loss is a function of the whole sequence's routing",
-}
-
 
 def check_layout(cfg):
-    """A ConfigError naming the first layer letter of `cfg.layout` that context parallelism cannot run."""
-    from ..models.layout import flatten, parse_layout
-    from ..models.registry import LETTERS
-    for letter in dict.fromkeys(str(x) for x in flatten(parse_layout(cfg.layout, LETTERS))):
-        letter = letter[0]
-        if letter in UNSUPPORTED:
-            raise ConfigError(f"--context-parallel does not support layer {letter!r} in layout {cfg.layout!r}: "
-                              f"{UNSUPPORTED[letter]}")
-        if letter == "I" and cfg.dsa_kl_weight:
-            raise ConfigError(f"--context-parallel does not train the lightning indexer of layer 'I' in layout "
-                              f"{cfg.layout!r} (its KL target is each query's attention over the whole sequence): "
-                              f"set dsa_kl_weight=0 to train with a fixed indexer, or train it without context "
-                              f"parallelism")
+    """A ConfigError naming the first layer letter of `cfg.layout` that context parallelism cannot run, and why
+    (models/registry.py `no_context_parallel`)."""
+    from ..models.registry import LETTERS, layer_configs, trait
+    for letter, c in layer_configs(cfg):
+        why = trait(LETTERS[letter].no_context_parallel, c)
+        if why:
+            raise ConfigError(f"--context-parallel does not support layer {letter!r} in layout {cfg.layout!r}: {why}")
+
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 12        # per tensor: ndim (0 = none), dtype code, 4 sizes

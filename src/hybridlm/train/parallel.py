@@ -116,6 +116,13 @@ def _materialise(model: nn.Module, device: torch.device | None, sharded: bool):
     model.init_weights(part=_whole if sharded else None)
 
 
+def expects_unused_parameters(cfg) -> bool:
+    """Whether DDP must look for parameters without a gradient each step (find_unused_parameters): some layer's
+    letter says so (models/registry.py `unused_params`: routed experts that get no token, a frozen indexer)."""
+    from ..models.registry import LETTERS, layer_configs, trait
+    return any(trait(LETTERS[letter].unused_params, c) for letter, c in layer_configs(cfg))
+
+
 def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device: torch.device | None = None,
                 dtype: str = "float32", compile: bool = False, checkpointing: bool = False) -> Parallel:
     """Wrap `model` (on `device`, or on the meta device: then materialised and initialised here, see above) for
@@ -138,9 +145,6 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
         _materialise(model, device, sharded=True)
         return Parallel(model, "fsdp", mixed_precision=mp)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    # routed experts may get no tokens in a step; an indexer not trained by its KL gets no gradient at all
-    unused = bool(set(model.config.layout) & set("OE")) or ("I" in model.config.layout and
-                                                            not model.config.dsa_kl_weight)
     ddp = DDP(model, device_ids=[device.index] if device is not None and device.type == "cuda" else None,
-              find_unused_parameters=unused)
+              find_unused_parameters=expects_unused_parameters(model.config))
     return Parallel(ddp, "ddp")

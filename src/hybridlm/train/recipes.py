@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from ..errors import ConfigError
-from ..models.config import RENAMED, ModelConfig, renamed
+from ..models.config import RENAMED, ModelConfig, quiet_unread, renamed, warn_unread
 from ..models.sizing import count_parameters, fit_params, parse_count
 
 if sys.version_info >= (3, 11):
@@ -110,11 +110,16 @@ class Recipe:
         if c.layout is not None:
             over["layout"] = c.layout.replace("{n}", str(n if n is not None else 1))
         try:
-            if c.preset is not None:
-                return presets.get(c.preset, n_layers=n if n is not None and c.layout is None else c.n_layers, **over)
-            return ModelConfig(**over)
+            with quiet_unread():      # the recipe's [model] fields serve every configuration, whatever its letters
+                if c.preset is not None:
+                    cfg = presets.get(c.preset, n_layers=n if n is not None and c.layout is None else c.n_layers,
+                                      **over)
+                else:
+                    cfg = ModelConfig(**over)
         except ConfigError as e:
             raise ConfigError(f"recipe {self.name!r}, configuration {c.name!r}: {str(e).splitlines()[0]}") from None
+        warn_unread(cfg, c.fields)
+        return cfg
 
     def model_config(self, c: RunConfig, vocab_size: int) -> tuple[ModelConfig, int]:
         """-> (config sized to the budget when the recipe or `c` sets params, its parameter count)."""
