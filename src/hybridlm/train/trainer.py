@@ -402,8 +402,8 @@ class Trainer:
             is_last = done == cfg.steps
             do_eval = cfg.eval_tokens != 0 and (is_last or (cfg.eval_every and done % cfg.eval_every == 0))
             do_save = is_last or (cfg.save_every and done % cfg.save_every == 0)
-            do_log = done % cfg.log_every == 0 or done == start + 1
-            if do_log or do_eval or do_save:
+            do_log = done % cfg.log_every == 0 or done == 1
+            if do_log or do_eval or do_save or done == start + 1:     # the first step's loss is the summary's
                 self.read(out)
                 first_loss = self.loss_val if first_loss is None else first_loss
                 bar.set_postfix(loss=f"{self.loss_val:.4f}", lr=f"{cfg.lr_for(step):.2e}",
