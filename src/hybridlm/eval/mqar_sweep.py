@@ -79,9 +79,9 @@ def parse_layouts(text: str, layers: int) -> list[tuple[str, str, dict]]:
 def build_config(value: str, over: dict, *, d_model: int, seq_len: int, vocab_size: int, layers: int):
     """ModelConfig of one sweep point: the spec at this width; single attention heads (the Wonderful Matrices paper
     table 6) and SSD head dims that divide the SSD width, unless the spec sets them."""
-    from ..models import presets
     from ..errors import ConfigError
-    from ..models import ModelConfig
+    from ..models import ModelConfig, presets
+    from ..models.config import quiet_unread, warn_unread
     if value in presets.PRESETS:
         fields = {**presets.PRESETS[value].fields(layers)}
     else:
@@ -90,9 +90,12 @@ def build_config(value: str, over: dict, *, d_model: int, seq_len: int, vocab_si
     fields["ssd_headdim"] = math.gcd(64, fields.get("ssd_expand", 2) * d_model)
     fields.update(over)
     try:
-        return ModelConfig(**fields)
+        with quiet_unread():            # n_heads and ssd_headdim are set for whichever letters the spec uses
+            cfg = ModelConfig(**fields)
     except TypeError as e:  # an unknown field
         raise ConfigError(f"--layouts: {e}") from None
+    warn_unread(cfg, over)              # what the spec itself sets must be read by one of its letters
+    return cfg
 
 
 def _trial_key(t: dict) -> tuple:
