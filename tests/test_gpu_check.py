@@ -23,7 +23,9 @@ def _finite(x) -> bool:
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "gpu-check.json"
-    res = gpu.run_gpu_check(dry_run=True, log=lambda *_: None, write=lambda r: gpu.write(r, str(out)))
+    # generous budgets: a loaded CI machine must not cut a part (the run itself takes well under a minute)
+    res = gpu.run_gpu_check(dry_run=True, log=lambda *_: None, write=lambda r: gpu.write(r, str(out)), time_limit=900)
+    assert all(not res[p]["cut"] for p in gpu.PARTS), [res[p]["cut"] for p in gpu.PARTS]
     return res, out
 
 
@@ -49,7 +51,7 @@ def test_dry_run_measures_every_part(dry):
 def test_budget_cuts_with_a_note():
     b = gpu.Budget(0.0)
     assert not b.fits("the big one", 1.0) and b.cut == ["the big one"]
-    res = gpu.run_gpu_check(dry_run=True, parts=["memory"], log=lambda *_: None)
+    res = gpu.run_gpu_check(dry_run=True, parts=["memory"], log=lambda *_: None, time_limit=120)
     assert res["memory"]["rows"] and res["memory"]["cut"] == []
 
 

@@ -124,14 +124,12 @@ def _compare(name: str, fast: Callable, ref: Callable, leaves: list, dtype: torc
 
 
 def _no_triton(fn: Callable) -> Callable:
-    """fn with the Triton dispatch off (our PyTorch ops)."""
+    """fn with the Triton dispatch off (our PyTorch ops: the reference on CUDA)."""
+    from ..ops.triton import disabled
+
     def run(*a, **kw):
-        old = os.environ.get("HYBRIDLM_TRITON")
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
+        with disabled():
             return fn(*a, **kw)
-        finally:
-            os.environ.pop("HYBRIDLM_TRITON") if old is None else os.environ.__setitem__("HYBRIDLM_TRITON", old)
     return run
 
 

@@ -7,7 +7,6 @@ the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`
     hybridlm bench --kernels                       # batch 8, T 2048 / 8192 / 16384, bf16
     hybridlm bench --kernels --shapes 8x4096 --repeats 20
 """
-import os
 from typing import Callable
 
 import torch
@@ -39,13 +38,12 @@ def _measure(fn: Callable[[], tuple], grads: tuple, repeats: int) -> dict:
 
 def _pytorch(fn, *args, **kw):
     """fn(*args, **kw) on our PyTorch ops (the Triton dispatch off)."""
+    from ..ops.triton import disabled
+
     def run():
-        os.environ["HYBRIDLM_TRITON"] = "0"
-        try:
+        with disabled():
             out = fn(*args, **kw)
-            return out if isinstance(out, tuple) else (out,)
-        finally:
-            del os.environ["HYBRIDLM_TRITON"]
+        return out if isinstance(out, tuple) else (out,)
     return run
 
 

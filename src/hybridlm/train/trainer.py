@@ -322,9 +322,8 @@ class Trainer:
         """The optimizer step, or none for a non-finite step (ok False). on_nan "stop" records the first such step
         and steps anyway: `read` raises before any log line, validation or checkpoint sees the spoiled weights.
         "skip" drops the update, on the device with a fused optimizer, else after reading the flag (a sync)."""
-        first = self.bad_step < 0 if self.cfg.on_nan == "stop" else torch.ones((), dtype=torch.bool,
-                                                                                 device=self.device)
-        hit = ~ok & first                       # the step and loss a message names: the first (stop), last (skip)
+        # the step and loss a message names: the first non-finite one (stop), the last since the last read (skip)
+        hit = ~ok & (self.bad_step < 0) if self.cfg.on_nan == "stop" else ~ok
         self.bad_step = torch.where(hit, step + 1, self.bad_step)
         self.bad_loss = torch.where(hit, loss, self.bad_loss)
         if self.cfg.on_nan == "stop":

@@ -11,6 +11,7 @@ them without a GPU).
 HYBRIDLM_TRITON=0 turns the automatic dispatch off. The entry points are opaque to torch.compile (a graph
 break per call): the kernels are already fused, and tracing them is not what a compiled model needs to gain.
 """
+import contextlib
 import functools
 import os
 
@@ -30,6 +31,20 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def disabled():
+    """The PyTorch ops inside (HYBRIDLM_TRITON=0), whatever the variable was before: references and comparisons."""
+    old = os.environ.get("HYBRIDLM_TRITON")
+    os.environ["HYBRIDLM_TRITON"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["HYBRIDLM_TRITON"]
+        else:
+            os.environ["HYBRIDLM_TRITON"] = old
 
 
 def enabled(*tensors: torch.Tensor) -> bool:
