@@ -424,8 +424,9 @@ class CausalLM(nn.Module):
         call switches the cache to static decoding (`InferenceCache.make_static`)."""
         fn = partial(CausalLM._static_decode_step, self)
         cuda = self.embed.weight.device.type == "cuda"
-        if graph and not cuda:
-            raise ConfigError("graph=True captures a CUDA graph: the model must be on a CUDA device")
+        if graph and (not cuda or compile):
+            raise ConfigError("graph=True captures the eager step as a CUDA graph: the model must be on a CUDA "
+                              "device, and compile=True (which makes its own CUDA graphs) must be off")
         if compile:
             if not cuda and cxx_compiler() is None:
                 raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile generates C++ "
@@ -435,7 +436,7 @@ class CausalLM(nn.Module):
                 _COMPILED[key] = torch.compile(CausalLM._static_decode_step, dynamic=False,
                                                mode="reduce-overhead" if cuda else None)
             fn = partial(_COMPILED[key], self)
-        graphs = {}
+        captured = [None, None]     # (cache, replay): one captured cache at a time, held so it cannot be freed
 
         def step(ids: Tensor, cache: InferenceCache) -> Tensor:
             if cache.static_pos is None:
@@ -443,10 +444,9 @@ class CausalLM(nn.Module):
             if cache.seen >= cache.max_tokens:
                 raise InputError(f"the cache is full: max_tokens {cache.max_tokens}")
             if graph:
-                if id(cache) not in graphs:
-                    graphs.clear()      # one captured cache at a time: a graph holds its cache's buffers
-                    graphs[id(cache)] = self._graphed(fn, ids, cache)
-                logits = graphs[id(cache)](ids)
+                if captured[0] is not cache:     # a graph replays on its cache's buffers: capture anew per cache
+                    captured[:] = cache, self._graphed(fn, ids, cache)
+                logits = captured[1](ids)
             else:
                 logits = fn(ids, cache)
             cache.advance()
