@@ -127,3 +127,14 @@ def test_decode_bench_suite_quick(monkeypatch):
     assert out["settings"]["steps"] == 3
     row = out["ms_per_token"]["mamba2"]
     assert set(row) == {"growing", "static"} | ({"static+graph"} if CUDA else set()) and min(row.values()) > 0
+
+
+def test_graph_needs_cuda_and_no_compile():
+    """The eager CUDA-graph step (the GPU check's decode) is refused with one line off CUDA or with compile."""
+    from hybridlm import CausalLM, presets
+    from hybridlm.errors import ConfigError
+    m = CausalLM(presets.get("mamba2", n_layers=1, d_model=32, vocab_size=64))
+    with pytest.raises(ConfigError, match="CUDA graph"):
+        m.static_decode_step(graph=True)
+    with pytest.raises(ConfigError, match="compile=True"):
+        m.static_decode_step(compile=True, graph=True)
