@@ -1,16 +1,7 @@
 """`hybridlm mqar`: multi-query associative recall accuracy over a sweep of layouts, d_model and sequence length.
 
-The protocol is zoology's (eval/mqar.py): per point, a fresh 2-layer model trained on a fixed set of 100k examples
-(too many to memorise) with AdamW (weight decay on matrices only), warmup + cosine over a large step budget, early
-stopping once held-out accuracy reaches 0.99, and a learning-rate sweep keeping the best (lrs run in the given
-order; once one reaches the target the rest are skipped, as they cannot do better, and once a run is still rising
-at the end of its budget the smaller lrs are skipped: they learn slower still, so only a run that plateaued or
-collapsed below the target gets a smaller lr). Why: recall is a phase change after
-thousands of steps, so a short budget reports 1/pairs for every architecture; early stopping makes the large budget
-cheap where recall is easy. Attention rows say their position encoding: `attention` (and `inner-fn-dynmask`) use
-zoology's learned absolute positions, the baseline every MQAR paper draws; `attention-rope` is the library's
-default RoPE. The recurrent mixers get no position embedding (their recurrence orders tokens), as in zoology. The curriculum is for `--hard` (the
-Mamba-2 / Wonderful Matrices variant), off by default.
+The protocol (zoology's: a lr sweep with early stopping over a large step budget) and the sweep engine are in
+eval/mqar_sweep.py; `--help` shows the protocol.
 
 Output under --out: mqar.json ({"meta", "rows"}; meta.trials holds every run with its accuracy-against-steps curve),
 mqar.csv (the rows: per point the best lr of each seed, accuracy = mean over seeds), mqar.png (accuracy against
@@ -19,9 +10,6 @@ several state sizes, mqar-families.png (Rodimus figure 1b: accuracy against stat
 mqar.json is rewritten after every run, and a rerun with the same protocol into the same --out skips the runs it
 already holds: an interrupted sweep resumes. `--merge DIR...` adds the runs of sweeps written elsewhere (another
 machine, a GPU) to --out without training; every run records the device it ran on.
-
-A layout spec is NAME=VALUE[:FIELD=JSON...]: VALUE is a preset name, a layout string, or one token-mixer letter X,
-which becomes zoology's mixer + MLP stack `(XM)*LAYERS`; FIELD=JSON sets any ModelConfig field.
 """
 import argparse
 
@@ -33,7 +21,8 @@ from .common import out
 
 
 def add_arguments(p):
-    p.description = __doc__.split("\n\n")[1]
+    from ..eval import mqar_sweep
+    p.description = mqar_sweep.__doc__.split("\n\n")[1]
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, metavar="NAME=SPEC,...",
                    help="comma-separated NAME=VALUE[:FIELD=JSON...]; VALUE a preset, a layout string, or one mixer "
                         "letter X meaning (XM)*LAYERS (default: attention with learned positions and with RoPE, "

@@ -9,6 +9,11 @@ at the end of its budget the smaller lrs are skipped: they learn slower still, s
 collapsed below the target gets a smaller lr). Why: recall is a phase change after thousands of steps, so a short
 budget reports 1/pairs for every architecture; early stopping makes the large budget cheap where recall is easy.
 
+The default rows name their position encoding: `attention` (and `inner-fn-dynmask`) use zoology's learned absolute
+positions, the baseline every MQAR paper draws; `attention-rope` is the library's default RoPE. The recurrent mixers
+get no position embedding (their recurrence orders tokens), as in zoology. The curriculum is for `--hard` (the
+Mamba-2 / Wonderful Matrices variant), off by default.
+
 A layout spec is NAME=VALUE[:FIELD=JSON...]: VALUE is a preset name, a layout string, or one token-mixer letter X,
 which becomes zoology's mixer + MLP stack `(XM)*LAYERS`; FIELD=JSON sets any ModelConfig field.
 """
