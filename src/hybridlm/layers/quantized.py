@@ -3,14 +3,16 @@
 
 Buffers (what the state dict and a checkpoint hold): int8: `weight_q` int8 [N, K], `scale` [N]; int4: `weight_q`
 uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if any. The float buffers follow `model.to(dtype)`
-like any parameter. On a CPU the forward reads the quantized weight with PyTorch's int8 / int4 kernels; int4's kernel
-layout is derived from `weight_q` on first use and kept (not saved: the stored form is portable); other devices run
-the reference form (dequantize, then F.linear).
+like any parameter. On a CPU, decode (at most `cpu_kernels.MAX_ROWS` rows of input) reads the stored weight with the
+project's matrix-vector kernels (ops/cpu_kernels.py), or PyTorch's int8 / int4 kernels where those cannot be compiled;
+prefill dequantizes the weight once into the activations' dtype and runs one matmul. Other devices run the reference
+form (dequantize, then F.linear).
 """
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops import quant
+from ..ops import cpu_kernels, quant
 
 
 class QuantizedLinear(nn.Module):
@@ -32,7 +34,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("zero", torch.empty(out_features, G, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
-        self._kernel = None    # int4: (key, packed weight, scales and zeros) in the kernel's layout
+        self._packed = None    # int4 without our kernel: (key, weight, scales and zeros) in PyTorch's layout
 
     @classmethod
     @torch.no_grad()
@@ -55,23 +57,44 @@ class QuantizedLinear(nn.Module):
         """The float32 weight [N, K] the quantized one stands for."""
         return quant.dequantize(self.scheme, self.stored())[:, :self.in_features]
 
-    def _int4_kernel(self, dtype: torch.dtype):
+    def _int4_packed(self, dtype: torch.dtype):
+        """PyTorch's int4 kernel layout of the stored weight (built on first use, kept; only without our kernel)."""
         key = (self.weight_q.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(), dtype)
-        if self._kernel is None or self._kernel[0] != key:
-            self._kernel = (key, quant.int4_kernel_weight(self.weight_q),
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, quant.int4_kernel_weight(self.weight_q),
                             quant.int4_scales_and_zeros(self.scale, self.zero, dtype))
-        return self._kernel[1:]
+        return self._packed[1:]
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu":
             return quant.linear_reference(x, self.scheme, self.stored(), self.bias)
-        if x.dtype != self.scale.dtype:     # the kernels compute in the scales' dtype (autocast leaves them alone)
-            x = x.to(self.scale.dtype)
-        if self.scheme == "int8":
-            return quant.int8_linear(x, self.weight_q, self.scale, self.bias)
-        return quant.int4_linear(x, *self._int4_kernel(x.dtype), self.group_size, self.out_features, self.bias)
+        if cpu_kernels.serves(x):           # decode: the project's kernel reads the stored weight once
+            fn = cpu_kernels.int8_linear if self.scheme == "int8" else cpu_kernels.int4_linear
+            return fn(x, *self.stored(), self.bias)
+        if x.numel() <= cpu_kernels.MAX_ROWS * x.shape[-1]:     # decode without a compiler: PyTorch's kernels
+            xs = x.to(self.scale.dtype)
+            if self.scheme == "int8":
+                return quant.int8_linear(xs, self.weight_q, self.scale, self.bias).to(x.dtype)
+            return quant.int4_linear(xs, *self._int4_packed(xs.dtype), self.group_size, self.out_features,
+                                     self.bias).to(x.dtype)
+        # prefill (many rows): the weight dequantized once into x's dtype, then one matmul
+        w = self.dequantized().to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{group}, "
                 f"bias={self.bias is not None}")
+
+
+class KernelLinear(nn.Linear):
+    """An `nn.Linear` whose decode-sized CPU calls (no gradient) run the project's matrix-vector kernel
+    (ops/cpu_kernels.py) on the float32 / bfloat16 weight as stored; every other call is nn.Linear's. Set by
+    `models.quantize.use_cpu_kernels_` as a class swap: the same parameters, the same state dict."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if (w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and w.requires_grad) and cpu_kernels.serves(x)):
+            return cpu_kernels.linear(x, w, self.bias)
+        return super().forward(x)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..layers.quantized import QuantizedLinear
+from ..layers.quantized import KernelLinear, QuantizedLinear
 from ..ops.quant import check_shape
 
 # last name component -> why it stays in float
@@ -79,4 +79,16 @@ def quantize_(model: nn.Module, scheme: str, group_size: int | None = DEFAULT_GR
             q = done[id(lin.weight)] = QuantizedLinear.from_linear(lin, scheme, group_size)
         parent, _, leaf = n.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, q)
+    return model
+
+
+def use_cpu_kernels_(model: nn.Module) -> nn.Module:
+    """Route the decode-sized CPU calls of every float `nn.Linear` of `model` through the project's matrix-vector
+    kernel (layers.quantized.KernelLinear, a class swap: no copy, the same state dict); quantized layers use theirs
+    already. A no-op where the kernels cannot be built (ops/cpu_kernels.py says why once). Returns `model`."""
+    from ..ops import cpu_kernels
+    if cpu_kernels.available():
+        for m in model.modules():
+            if type(m) is nn.Linear:
+                m.__class__ = KernelLinear
     return model

@@ -1,0 +1,142 @@
+"""The project's own CPU matrix-vector kernels (csrc/matvec.cpp) for decode: y = x Wᵀ for a few rows of x, W read once
+in its stored dtype (float32, bfloat16, int8 per channel, int4 per group), threads over output rows.
+
+Why: batch-1 decode is bound by how fast the weights stream from memory, and PyTorch's paths stream them slowly on
+some CPUs (its int8 / int4 kernels are vectorised for AVX-512 only; bf16 `F.linear` converts as it goes). The kernel
+is one C++ file, compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
+(`-O3 -march=native -fopenmp`), cached under `$HYBRIDLM_CACHE` (default ~/.cache/hybridlm) by a hash of the source,
+the compiler and the CPU's flags, and called through ctypes with the tensors' pointers (no copy). OpenMP links to
+the runtime torch already loaded, so the kernel's threads are torch's (`torch.set_num_threads` sets both).
+
+Where the compiler is missing or fails, `available()` is False (one warning says why) and callers keep PyTorch's
+path; `HYBRIDLM_CPU_KERNELS=0` turns the kernels off. Shapes and semantics are ops/quant.py's: tests hold each kernel
+to the float32 reference.
+"""
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import torch
+from torch import Tensor
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "matvec.cpp")
+MAX_ROWS = 8       # rows of x the kernels take (decode, speculative steps); more go to PyTorch's matmul
+_lib = None        # the loaded library, False once it could not be built
+
+
+def _cache_dir() -> str:
+    return os.path.join(os.environ.get("HYBRIDLM_CACHE", os.path.expanduser("~/.cache/hybridlm")), "kernels")
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _build() -> str:
+    """Compile the kernel for this CPU (once; cached) and return the library's path; raises on failure."""
+    from ..dtypes import cpu_flags
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + version.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"matvec-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(_cache_dir(), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+    os.close(fd)
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    done = subprocess.run([cxx, *flags, SOURCE, "-o", tmp], capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+    os.replace(tmp, path)           # atomic: a concurrent process sees the whole library or none
+    return path
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        _lib = False
+        if os.environ.get("HYBRIDLM_CPU_KERNELS", "1") == "0":
+            return _lib
+        if sys.platform != "linux" or "OpenMP" not in torch.__config__.parallel_info():
+            warnings.warn("hybridlm's CPU decode kernels need Linux and torch's OpenMP build; using PyTorch's "
+                          "matmul instead", stacklevel=3)
+            return _lib
+        try:
+            lib = ctypes.CDLL(_build())
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+            warnings.warn(f"hybridlm's CPU decode kernels could not be compiled with {_compiler()!r} ({e}); using "
+                          f"PyTorch's matmul instead (set CXX to a C++ compiler with OpenMP to enable them)",
+                          stacklevel=3)
+            return _lib
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        lib.mv_f32.argtypes = lib.mv_bf16.argtypes = [p, i64, i64, p, i64, p]
+        lib.mv_int8.argtypes = [p, i64, i64, p, p, i64, p]
+        lib.mv_int4.argtypes = [p, p, p, i64, i64, p, p, p, i64, i64, p]
+        for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_int8, lib.mv_int4):
+            fn.restype = None
+        _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """True when the kernels are compiled and loaded (builds them on first call)."""
+    return bool(_load())
+
+
+def serves(x: Tensor) -> bool:
+    """True when `x` [..., K] is a decode-sized CPU input the kernels take (and they are available)."""
+    return x.device.type == "cpu" and x.numel() <= MAX_ROWS * x.shape[-1] and not x.requires_grad and available()
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]).float().contiguous()
+
+
+def _out(x: Tensor, y: Tensor, bias: Tensor | None) -> Tensor:
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ w [N, K]ᵀ (+ bias) -> [..., N] in x's dtype, w float32 or bfloat16 (contiguous)."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape[0], w.shape[0])
+    fn = _lib.mv_bf16 if w.dtype == torch.bfloat16 else _lib.mv_f32
+    fn(x2.data_ptr(), x2.shape[0], x2.shape[1], w.data_ptr(), w.shape[0], y.data_ptr())
+    return _out(x, y, bias)
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ (scale[:, None] · q)ᵀ (+ bias) -> [..., N]: q int8 [N, K], scale [N]."""
+    x2 = _rows(x)
+    s = scale.float().contiguous()
+    y = torch.empty(x2.shape[0], q.shape[0])
+    _lib.mv_int8(x2.data_ptr(), x2.shape[0], x2.shape[1], q.data_ptr(), s.data_ptr(), q.shape[0], y.data_ptr())
+    return _out(x, y, bias)
+
+
+def int4_linear(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ Wᵀ (+ bias) -> [..., N] for ops/quant.py's int4 form: q uint8 [N, K'/2], scale, zero [N, G]
+    (K' = K padded to the group; the padding columns meet zeros of x)."""
+    N, G = scale.shape
+    x2 = _rows(x)
+    Kp = q.shape[1] * 2
+    if x2.shape[1] != Kp:
+        x2 = torch.nn.functional.pad(x2, (0, Kp - x2.shape[1]))
+    xe, xo = x2[:, 0::2].contiguous(), x2[:, 1::2].contiguous()
+    xsum = x2.reshape(x2.shape[0], G, -1).sum(-1)
+    s, z = scale.float().contiguous(), zero.float().contiguous()
+    y = torch.empty(x2.shape[0], N)
+    _lib.mv_int4(xe.data_ptr(), xo.data_ptr(), xsum.data_ptr(), x2.shape[0], Kp, q.data_ptr(), s.data_ptr(),
+                 z.data_ptr(), G, N, y.data_ptr())
+    return _out(x, y, bias)

@@ -1,0 +1,95 @@
+"""The project's CPU matrix-vector kernels (ops/cpu_kernels.py) against the float32 reference: every dtype, odd sizes
+(K not a multiple of the vector width, N not of the row block, int4's padded groups), 1-8 rows; the layers that use
+them (QuantizedLinear, KernelLinear) on the decode path and off it; decode = forward with the kernels on; and the
+fallback when the compiler is missing (one warning, PyTorch's path, the same numbers)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import assert_close, decode_logits
+from hybridlm.layers.quantized import KernelLinear, QuantizedLinear
+from hybridlm.models.quantize import quantize_, use_cpu_kernels_
+from hybridlm.ops import cpu_kernels, quant
+from test_models import tiny
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
+
+
+@pytest.mark.parametrize("N,K", [(37, 200), (64, 67), (1, 8), (5, 3)])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_float_kernels_equal_matmul(N, K, M):
+    torch.manual_seed(0)
+    w, x, b = torch.randn(N, K), torch.randn(M, K), torch.randn(N)
+    assert_close(cpu_kernels.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    wb = w.bfloat16()
+    assert_close(cpu_kernels.linear(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-5, msg="bf16 weights, f32 acts")
+    out = cpu_kernels.linear(x.bfloat16(), wb)
+    assert out.dtype == torch.bfloat16
+    assert_close(out.float(), x.bfloat16().float() @ wb.float().T, rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("scheme,g", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("N,K", [(37, 200), (16, 128), (3, 290)])
+def test_quantized_kernels_equal_reference(scheme, g, N, K):
+    torch.manual_seed(0)
+    w, x, b = torch.randn(N, K), torch.randn(2, 3, K), torch.randn(N)
+    t = quant.quantize(w, scheme, g)
+    fn = cpu_kernels.int8_linear if scheme == "int8" else cpu_kernels.int4_linear
+    assert_close(fn(x, *t, b), quant.linear_reference(x, scheme, t, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_linear_paths_agree(scheme, monkeypatch):
+    """Decode rows go to the kernel, prefill rows to dequantize + matmul, and without the kernel to PyTorch's
+    int8 / int4 kernels: all three equal the reference."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    q = QuantizedLinear.from_linear(lin, scheme, 32)
+    calls = []
+    real = cpu_kernels.int8_linear if scheme == "int8" else cpu_kernels.int4_linear
+    monkeypatch.setattr(cpu_kernels, f"{scheme}_linear", lambda *a: calls.append(1) or real(*a))
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(rows, 96)
+        assert_close(q(x), quant.linear_reference(x, scheme, q.stored(), q.bias), rtol=1e-5, atol=1e-4)
+    assert len(calls) == 2                                # 1 and 8 rows: the kernel; 9 and 64: a matmul
+    monkeypatch.setattr(cpu_kernels, "_lib", False)       # as without a compiler
+    x = torch.randn(2, 96)
+    assert_close(q(x), quant.linear_reference(x, scheme, q.stored(), q.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_linear_is_a_class_swap():
+    torch.manual_seed(0)
+    m = tiny("transformer++")
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = torch.randint(0, 97, (2, 19))
+    ref = m(ids).logits
+    use_cpu_kernels_(m)
+    assert any(type(x) is KernelLinear for x in m.modules()) and not any(type(x) is nn.Linear for x in m.modules())
+    assert m.state_dict().keys() == sd.keys()
+    assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), ref, atol=2e-5)
+    loss = F.cross_entropy(m(ids).logits.flatten(0, 1), ids.flatten())      # training still runs nn.Linear's path
+    loss.backward()
+    assert m.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("name,scheme", [("rodimus++", "int4"), ("mamba2", "int8")])
+def test_decode_equals_forward_with_kernels(name, scheme):
+    torch.manual_seed(0)
+    m = use_cpu_kernels_(quantize_(tiny(name), scheme, 32))
+    ids = torch.randint(0, 97, (2, 19))
+    assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), m(ids).logits, atol=2e-5, msg=name)
+
+
+def test_missing_compiler_warns_once_and_falls_back(tmp_path):
+    code = ("import warnings, torch\nfrom hybridlm.ops import cpu_kernels\nfrom hybridlm.layers.quantized import "
+            "QuantizedLinear\nwith warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
+            "    q = QuantizedLinear.from_linear(torch.nn.Linear(64, 8), 'int8')\n    q(torch.randn(1, 64)); "
+            "q(torch.randn(1, 64))\nprint(cpu_kernels.available(), len(w), str(w[0].message))")
+    env = dict(os.environ, CXX="/nonexistent/c++", HYBRIDLM_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.startswith("False 1 ") and "could not be compiled" in out and "CXX" in out
