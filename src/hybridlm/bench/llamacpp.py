@@ -101,7 +101,11 @@ _CONVERT = """
 import sys
 sys.path.insert(0, {gguf_py!r}); sys.path.insert(0, {src!r})
 import convert_hf_to_gguf as c
-c.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+try:
+    from conversion.base import TextModel       # llama.cpp of 2026: the model classes live in conversion/
+except ImportError:
+    TextModel = c.TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 sys.argv = ["convert_hf_to_gguf.py", {hf!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
 c.main()
 """
@@ -151,13 +155,17 @@ def llamacpp_job(gguf: str, vocab: int, prompt: int, new: int, threads: int) -> 
     t0 = time.perf_counter()
     llm.eval(ids)
     t1 = time.perf_counter()
-    last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    n_vocab = llm.n_vocab()
+
+    def logits():          # the last position's (llama-cpp-python keeps them only with logits_all)
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+    last = logits().copy()
     tok, out = int(last.argmax()), []
     t2 = time.perf_counter()
     for _ in range(new):
         out.append(tok)
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(logits().argmax())
     t3 = time.perf_counter()
     perf = llama_cpp.llama_perf_context(llm.ctx)
     return {"prefill_tokens_per_s": prompt / (t1 - t0), "decode_tokens_per_s": new / (t3 - t2),
