@@ -3,6 +3,7 @@
 them (QuantizedLinear, KernelLinear) on the decode path and off it; decode = forward with the kernels on; and the
 fallback when the compiler is missing (one warning, PyTorch's path, the same numbers)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,8 +17,14 @@ from hybridlm.layers.quantized import KernelLinear, QuantizedLinear
 from hybridlm.models.quantize import quantize_, use_cpu_kernels_
 from hybridlm.ops import cpu_kernels, quant
 from test_models import tiny
+from test_quant import int16_bound
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
+# skipped only where there is no compiler at all: a kernel that fails to compile where one exists fails here
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+
+
+def test_kernels_build():
+    assert cpu_kernels.available()
 
 
 @pytest.mark.parametrize("N,K", [(37, 200), (64, 67), (1, 8), (5, 3)])
@@ -34,13 +41,14 @@ def test_float_kernels_equal_matmul(N, K, M):
 
 
 @pytest.mark.parametrize("scheme,g", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
-@pytest.mark.parametrize("N,K", [(37, 200), (16, 128), (3, 290)])
+@pytest.mark.parametrize("N,K", [(37, 200), (16, 128), (3, 290), (9, 600)])
 def test_quantized_kernels_equal_reference(scheme, g, N, K):
     torch.manual_seed(0)
     w, x, b = torch.randn(N, K), torch.randn(2, 3, K), torch.randn(N)
     t = quant.quantize(w, scheme, g)
     fn = cpu_kernels.int8_linear if scheme == "int8" else cpu_kernels.int4_linear
-    assert_close(fn(x, *t, b), quant.linear_reference(x, scheme, t, b), rtol=1e-5, atol=1e-4)
+    err = (fn(x, *t, b) - quant.linear_reference(x, scheme, t, b)).abs()
+    assert (err <= int16_bound(x, scheme, t)).all(), err.max()
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -55,7 +63,8 @@ def test_quantized_linear_paths_agree(scheme, monkeypatch):
     monkeypatch.setattr(cpu_kernels, f"{scheme}_linear", lambda *a: calls.append(1) or real(*a))
     for rows in (1, 8, 9, 64):
         x = torch.randn(rows, 96)
-        assert_close(q(x), quant.linear_reference(x, scheme, q.stored(), q.bias), rtol=1e-5, atol=1e-4)
+        err = (q(x) - quant.linear_reference(x, scheme, q.stored(), q.bias)).abs()
+        assert (err <= int16_bound(x, scheme, q.stored())).all()
     assert len(calls) == 2                                # 1 and 8 rows: the kernel; 9 and 64: a matmul
     monkeypatch.setattr(cpu_kernels, "_lib", False)       # as without a compiler
     x = torch.randn(2, 96)

@@ -26,6 +26,14 @@ def _rounding_bound(scheme, tensors, K):
     return step / 2 * (1 + 1e-5) + 1e-7
 
 
+def int16_bound(x, scheme, t):
+    """What rounding x to int16 per row may cost: half a step of x times |W| summed over k (+ float32 slack)."""
+    w = quant.dequantize(scheme, t)[:, :x.shape[-1]]
+    x2 = x.reshape(-1, x.shape[-1])
+    step = x2.abs().amax(1, keepdim=True) / 32767
+    return (step / 2 * w.abs().sum(1) + 1e-5 * (x2.abs() @ w.abs().T) + 1e-5).reshape(*x.shape[:-1], -1)
+
+
 @pytest.mark.parametrize("scheme,g", SCHEMES)
 def test_dequantize_within_half_a_step(scheme, g):
     w = torch.randn(48, 256) * torch.logspace(-2, 1, 48)[:, None]     # rows of very different ranges
@@ -49,7 +57,7 @@ def test_fast_equals_reference(scheme, g, N):
         lin.bias.copy_(bias)
     q = QuantizedLinear.from_linear(lin, scheme, g)
     ref = quant.linear_reference(x, scheme, q.stored(), q.bias)
-    assert_close(q(x), ref, rtol=1e-5, atol=1e-4, msg="float32")
+    assert ((q(x) - ref).abs() <= int16_bound(x, scheme, q.stored())).all()     # decode rows: the CPU kernel
     qb = QuantizedLinear.from_linear(lin, scheme, g).to(torch.bfloat16)
     refb = quant.linear_reference(x.bfloat16(), scheme, qb.stored(), qb.bias).float()
     assert_close(qb(x.bfloat16()).float(), refb, rtol=2e-2, atol=0.5, msg="bfloat16")

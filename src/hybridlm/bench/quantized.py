@@ -32,14 +32,14 @@ def variants(model, group_size: int) -> dict:
     """{"float": model, "int8": ..., "int4": ...}: the quantized ones are new CausalLMs holding the float model's
     tensors (no copy) with their linears swapped."""
     from ..models import CausalLM
-    from ..models.quantize import quantize_
-    out = {"float": model}
+    from ..models.quantize import quantize_, use_cpu_kernels_
+    out = {"float": use_cpu_kernels_(model)}
     for scheme in SCHEMES[1:]:
         with torch.device("meta"):
             m = CausalLM(model.config)
         m.load_state_dict(model.state_dict(), assign=True)
         m.tie_weights()
-        out[scheme] = quantize_(m.eval(), scheme, group_size)
+        out[scheme] = use_cpu_kernels_(quantize_(m.eval(), scheme, group_size))
     return out
 
 

@@ -2,7 +2,7 @@
 format at the largest Rodimus+ size of the paper's tables (Rodimus++-1.6B: d 2048, 24 blocks, their 126,340-token
 vocabulary, bfloat16 shards), convert it (time, peak RSS), then decode it and a Transformer++ of about the same
 parameter count at two context lengths (tokens/s, inference-cache bytes, peak RSS), with float, int8 and int4 weights
-(models/quantize.py, `--weights`). Each measurement runs in a process of its own (measure.fresh), so each peak RSS is
+(models/quantize.py, `--weights`), through the project's CPU kernels (ops/cpu_kernels.py). Each measurement runs in a process of its own (measure.fresh), so each peak RSS is
 its own (measure.peak_memory); the rows go to stdout and, with --out, to a JSON file.
 
     python -m hybridlm.bench.rodimus_release --dir /tmp/rodimus-release [--quick] [--out runs/bench/release.json]
@@ -80,8 +80,8 @@ def convert_job(src: str, out: str) -> dict:
     return _measured(lambda: {"seconds": ms.clock({"c": lambda: convert_rodimus_dir(src, out)}, 1, 0)["c"][0]})
 
 
-def _transformer_like(params: int, size: dict):
-    """Transformer++ (heads of 128, SwiGLU 8/3·d) with the depth that comes closest to `params`, bf16, random."""
+def _transformer_like(params: int, size: dict, dtype: torch.dtype):
+    """Transformer++ (heads of 128, SwiGLU 8/3·d) with the depth that comes closest to `params`, random."""
     from ..models import presets
     from ..models import CausalLM
     d, V = size["d_model"], size["vocab_size"]
@@ -92,7 +92,7 @@ def _transformer_like(params: int, size: dict):
         n = max(1, round((params - (per.num_parameters() - 2 * one)) / one))
         model = CausalLM(presets.get("transformer++", n_layers=n, d_model=d, vocab_size=V, n_heads=d // 128,
                                      max_seq_len=8192))
-    model = model.to(torch.bfloat16).to_empty(device="cpu")   # bf16 while still on meta: no float32 copy
+    model = model.to(dtype).to_empty(device="cpu")   # the dtype set while still on meta: no second copy
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -100,30 +100,32 @@ def _transformer_like(params: int, size: dict):
     return model.eval()
 
 
-def decode_job(which: str, ckpt: str, context: int, steps: int, size: dict, weights: str = "float") -> dict:
+def decode_job(which: str, ckpt: str, context: int, steps: int, size: dict, weights: str = "float",
+               dtype: str = "bfloat16") -> dict:
     """Prefill `context` random tokens (chunks of 512), then time `steps` greedy one-token decode steps."""
-    return _measured(lambda: _decode(which, ckpt, context, steps, size, weights))
+    return _measured(lambda: _decode(which, ckpt, context, steps, size, weights, dtype))
 
 
-def _decode(which: str, ckpt: str, context: int, steps: int, size: dict, weights: str = "float") -> dict:
+def _decode(which: str, ckpt: str, context: int, steps: int, size: dict, weights: str, dtype: str) -> dict:
     from ..models import CausalLM
     from ..checkpoint import load_checkpoint, load_config
+    from ..models.quantize import quantize_, use_cpu_kernels_
     if which == "transformer++":
         with torch.device("meta"):
             params = CausalLM(load_config(ckpt)).num_parameters()
-        model = _transformer_like(params, size)
+        model = _transformer_like(params, size, getattr(torch, dtype))
     else:
-        model = load_checkpoint(ckpt)[0].eval()
+        model = load_checkpoint(ckpt)[0].to(getattr(torch, dtype)).eval()
     if weights != "float":
-        from ..models.quantize import quantize_
         quantize_(model, weights, 64)
+    use_cpu_kernels_(model)
     model.config.max_seq_len = max(model.config.max_seq_len, context + steps + 1)
     built = {}
     prefill = ms.clock({"prefill": lambda: built.update(d=ms.prefilled(
         model, context, chunk=512, max_tokens=context + steps + 1, step_fn=model._decode_step))}, 1, 0)["prefill"][0]
     step, cache = built["d"]
     dt = sum(ms.clock({"decode": step}, steps, warmup=1)["decode"])
-    return {"model": which, "weights": weights, "layout": model.config.layout, "parameters": model.num_parameters(), "context": context,
+    return {"model": which, "weights": weights, "dtype": dtype, "layout": model.config.layout, "parameters": model.num_parameters(), "context": context,
             "prefill_s": prefill, "decode_tokens_per_s": steps / dt, "cache_mib": cache.nbytes / 2 ** 20}
 
 
@@ -136,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-write", action="store_true", help="reuse the release directory already in --dir")
     p.add_argument("--weights", nargs="+", choices=["float", "int8", "int4"], default=["float", "int8", "int4"],
                    help="weights to decode with (int4: groups of 64)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="activations and float weights (auto: bfloat16 where the CPU has bf16 units, else float32)")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     a = p.parse_args(argv)
+    from ..dtypes import resolve_dtype
+    dtype, why = resolve_dtype(a.dtype, "cpu")
+    print(f"dtype {dtype} ({why}); CPU {machine_meta()['cpu_model']}", flush=True)
     size = SIZES["quick" if a.quick else "full"]
     src, run = os.path.join(a.dir, "release"), os.path.join(a.dir, "run")
     if not a.skip_write:
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in a.contexts:
         for which, weights in [(w, q) for w in ("rodimus+", "transformer++") for q in a.weights]:
             rows.append(ms.fresh(decode_job, which=which, ckpt=os.path.join(run, "checkpoint"), context=ctx,
-                                 steps=a.steps, size=size, weights=weights))
+                                 steps=a.steps, size=size, weights=weights, dtype=dtype))
             r = rows[-1]
             print(f"{r['model']:<14} {weights:<5} {r['layout']:<10} {r['parameters'] / 1e9:.2f}B  context {ctx:>5}: "
                   f"{r['decode_tokens_per_s']:6.2f} tok/s, cache {r['cache_mib']:7.1f} MiB, peak RSS "

@@ -78,86 +78,128 @@ static void matvec(const float* x, int64_t M, int64_t K, const T* w, int64_t N, 
     }
 }
 
-extern "C" {
-
-void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+extern "C" void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
     matvec(x, M, K, w, N, nullptr, y);
 }
 
-void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
     matvec(x, M, K, w, N, nullptr, y);
 }
 
 // int8 and int4 take x rounded to int16 per row, x ≈ xs[m] · xq[m, k] (|xq| <= 32767: a relative error of
 // 1.5e-5, far below the weights' rounding), so that a multiply-add is an integer one, 16 lanes at a time
-// (vpmaddwd), summed exactly in int32 over blocks short enough never to overflow, then scaled in float32.
-void mv_int8(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* q, const float* scale,
-             int64_t N, float* y) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t* row = q + n * K;
-        for (int64_t m = 0; m < M; m++) {
-            const int16_t* x = xq + m * K;
-            float out = 0.f;
-            int64_t k = 0;
+// (vpmaddwd), exact in int32 over blocks short enough never to overflow, then scaled in float32. Rows of W go four
+// at a time (R = 4): one load of x serves four rows.
+
+// sum_k x[k] * row[k] over [k0, k1) for R rows of int8 (int32 blocks of <= 256: |sum| < 2^31)
+template <int R>
+static inline void int8_rows(const int16_t* x, const int8_t* const* rows, int64_t K, float* out) {
+    for (int r = 0; r < R; r++) out[r] = 0.f;
+    int64_t k = 0;
 #if defined(__AVX2__)
-            for (; k + 16 <= K;) {                   // blocks of <= 256: |sum| <= 16 · 2 · 32767 · 127 per lane
-                __m256i acc = _mm256_setzero_si256();
-                for (const int64_t end = k + 256 <= K ? k + 256 : K & ~int64_t(15); k < end; k += 16) {
-                    __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x + k)), w));
-                }
-                out += hsum((f8)_mm256_cvtepi32_ps(acc));
+    for (; k + 16 <= K;) {
+        __m256i acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
+        for (const int64_t end = k + 256 <= K ? k + 256 : K & ~int64_t(15); k < end; k += 16) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + k));
+            for (int r = 0; r < R; r++) {
+                __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(rows[r] + k)));
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(xv, w));
             }
+        }
+        for (int r = 0; r < R; r++) out[r] += hsum((f8)_mm256_cvtepi32_ps(acc[r]));
+    }
 #endif
-            int64_t rest = 0;
-            for (; k < K; k++) {
-                rest += int32_t(x[k]) * int32_t(row[k]);
-                if ((k & 255) == 255) { out += float(rest); rest = 0; }
+    for (int r = 0; r < R; r++) {
+        int32_t rest = 0;
+        for (int64_t j = k; j < K; j++) {
+            rest += int32_t(x[j]) * int32_t(rows[r][j]);
+            if (((j - k) & 255) == 255) { out[r] += float(rest); rest = 0; }
+        }
+        out[r] += float(rest);
+    }
+}
+
+extern "C" void mv_int8(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* q, const float* scale,
+             int64_t N, float* y) {
+    const int64_t blocks = (N + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * 4, R = N - n0 < 4 ? N - n0 : 4;
+        const int8_t* rows[4];
+        for (int64_t r = 0; r < 4; r++) rows[r] = q + (n0 + (r < R ? r : 0)) * K;
+        for (int64_t m = 0; m < M; m++) {
+            float out[4];
+            if (R == 4) int8_rows<4>(xq + m * K, rows, K, out);
+            else for (int64_t r = 0; r < R; r++) int8_rows<1>(xq + m * K, rows + r, K, out + r);
+            for (int64_t r = 0; r < R; r++) y[m * N + n0 + r] = out[r] * xs[m] * scale[n0 + r];
+        }
+    }
+}
+
+// sum_g s[g] * sum_{j in g} (e[j] * lo(row[j]) + o[j] * hi(row[j])) for R rows of int4 (hg bytes a group)
+template <int R>
+static inline void int4_rows(const int16_t* e, const int16_t* o, const uint8_t* const* rows,
+                             const float* const* sc, int64_t G, int64_t hg, float* out) {
+    for (int r = 0; r < R; r++) out[r] = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t j0 = g * hg;
+        int64_t j = j0;
+#if defined(__AVX2__)
+        const __m128i low = _mm_set1_epi8(15);
+        __m256i acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
+        for (; j + 16 <= j0 + hg; j += 16) {             // 16 bytes: 32 weights a row
+            __m256i ev = _mm256_loadu_si256((const __m256i*)(e + j));
+            __m256i ov = _mm256_loadu_si256((const __m256i*)(o + j));
+            for (int r = 0; r < R; r++) {
+                __m128i b = _mm_loadu_si128((const __m128i*)(rows[r] + j));
+                __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
+                __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(ev, lo),
+                                                                   _mm256_madd_epi16(ov, hi)));
             }
-            y[m * N + n] = (out + float(rest)) * xs[m] * scale[n];
+        }
+        f8 part[R];
+        for (int r = 0; r < R; r++) part[r] = (f8)_mm256_cvtepi32_ps(acc[r]);
+        for (int r = 0; r < R; r++) out[r] += sc[r][g] * hsum(part[r]);
+#endif
+        for (int r = 0; r < R; r++) {
+            int32_t rest = 0;
+            for (int64_t i = j; i < j0 + hg; i++)
+                rest += int32_t(e[i]) * (rows[r][i] & 15) + int32_t(o[i]) * (rows[r][i] >> 4);
+            out[r] += sc[r][g] * float(rest);
         }
     }
 }
 
 // xe / xo: x's even / odd columns as int16 [M, K/2] (the low / high nibbles' inputs), scaled by xs [M];
-// xsum: the float x summed per group [M, G]. Bytes per group and row, K / 2 / G, are 16, 32 or 64.
-void mv_int4(const int16_t* xe, const int16_t* xo, const float* xs, const float* xsum, int64_t M, int64_t K,
+// xsum: the float x summed per group [M, G] (for the zero points).
+extern "C" void mv_int4(const int16_t* xe, const int16_t* xo, const float* xs, const float* xsum, int64_t M, int64_t K,
              const uint8_t* q, const float* scale, const float* zero, int64_t G, int64_t N, float* y) {
-    const int64_t half = K / 2, hg = half / G;
+    const int64_t half = K / 2, hg = half / G, blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* row = q + n * half;
-        const float* s = scale + n * G;
-        const float* z = zero + n * G;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * 4, R = N - n0 < 4 ? N - n0 : 4;
+        const uint8_t* rows[4];
+        const float* sc[4];
+        for (int64_t r = 0; r < 4; r++) {
+            const int64_t n = n0 + (r < R ? r : 0);
+            rows[r] = q + n * half;
+            sc[r] = scale + n * G;
+        }
         for (int64_t m = 0; m < M; m++) {
-            const int16_t* e = xe + m * half;
-            const int16_t* o = xo + m * half;
-            const float* xg = xsum + m * G;
-            f8 out = {};
-            float tail = 0.f, bias = 0.f;
-            for (int64_t g = 0; g < G; g++) {
-                int64_t j = g * hg, end = j + hg;
-#if defined(__AVX2__)
-                __m256i acc = _mm256_setzero_si256();
-                const __m128i low = _mm_set1_epi8(15);
-                for (; j + 16 <= end; j += 16) {        // 16 bytes: 32 weights
-                    __m128i b = _mm_loadu_si128((const __m128i*)(row + j));
-                    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
-                    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(e + j)), lo));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(o + j)), hi));
-                }
-                out += s[g] * (f8)_mm256_cvtepi32_ps(acc);
-#endif
-                int32_t rest = 0;
-                for (; j < end; j++) rest += int32_t(e[j]) * (row[j] & 15) + int32_t(o[j]) * (row[j] >> 4);
-                tail += s[g] * float(rest);
-                bias += (z[g] - 8.f * s[g]) * xg[g];
+            float out[4];
+            const int16_t *e = xe + m * half, *o = xo + m * half;
+            if (R == 4) int4_rows<4>(e, o, rows, sc, G, hg, out);
+            else for (int64_t r = 0; r < R; r++) int4_rows<1>(e, o, rows + r, sc + r, G, hg, out + r);
+            for (int64_t r = 0; r < R; r++) {      // the zero points: sum_g (zero - 8 scale) * (x summed over g)
+                const float *s = sc[r], *z = zero + (n0 + r) * G, *xg = xsum + m * G;
+                float bias = 0.f;
+                for (int64_t g = 0; g < G; g++) bias += (z[g] - 8.f * s[g]) * xg[g];
+                y[m * N + n0 + r] = out[r] * xs[m] + bias;
             }
-            y[m * N + n] = (hsum(out) + tail) * xs[m] + bias;
         }
     }
 }
 
-}  // extern "C"
