@@ -10,7 +10,9 @@
 // scale [N]. int4: q uint8 [N, K/2] (k even in the low nibble), scale and zero [N, G], K = G * group; the
 // dequantized weight is (v - 8) * scale + zero, v in 0..15.
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -86,120 +88,101 @@ extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
     matvec(x, M, K, w, N, nullptr, y);
 }
 
-// int8 and int4 take x rounded to int16 per row, x ≈ xs[m] · xq[m, k] (|xq| <= 32767: a relative error of
-// 1.5e-5, far below the weights' rounding), so that a multiply-add is an integer one, 16 lanes at a time
-// (vpmaddwd), exact in int32 over blocks short enough never to overflow, then scaled in float32. Rows of W go four
-// at a time (R = 4): one load of x serves four rows.
+// int8 and int4 round x to int16 per row first, x ≈ xs[m] · xq[m, k] (|xq| <= 32767: a relative error of 1.5e-5,
+// far below the weights' rounding), so that a multiply-add is an integer one, 16 lanes at a time (vpmaddwd), exact
+// in int32 over blocks short enough never to overflow, then scaled in float32. One row of W at a time: on the CPUs
+// measured, blocking rows (as the float kernels do) made the integer loops slower.
 
-// sum_k x[k] * row[k] over [k0, k1) for R rows of int8 (int32 blocks of <= 256: |sum| < 2^31)
-template <int R>
-static inline void int8_rows(const int16_t* x, const int8_t* const* rows, int64_t K, float* out) {
-    for (int r = 0; r < R; r++) out[r] = 0.f;
-    int64_t k = 0;
-#if defined(__AVX2__)
-    for (; k + 16 <= K;) {
-        __m256i acc[R];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
-        for (const int64_t end = k + 256 <= K ? k + 256 : K & ~int64_t(15); k < end; k += 16) {
-            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + k));
-            for (int r = 0; r < R; r++) {
-                __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(rows[r] + k)));
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(xv, w));
-            }
-        }
-        for (int r = 0; r < R; r++) out[r] += hsum((f8)_mm256_cvtepi32_ps(acc[r]));
-    }
-#endif
-    for (int r = 0; r < R; r++) {
-        int32_t rest = 0;
-        for (int64_t j = k; j < K; j++) {
-            rest += int32_t(x[j]) * int32_t(rows[r][j]);
-            if (((j - k) & 255) == 255) { out[r] += float(rest); rest = 0; }
-        }
-        out[r] += float(rest);
+// x [M, K] float -> xq [M, K] int16 and the row scales xs [M]
+static void round_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xm = x + m * K;
+        float mx = 0.f;
+        for (int64_t k = 0; k < K; k++) mx = std::fmax(mx, std::fabs(xm[k]));
+        const float s = mx > 0.f ? mx / 32767.f : 1.f, inv = 1.f / s;
+        for (int64_t k = 0; k < K; k++) xq[m * K + k] = int16_t(std::nearbyint(xm[k] * inv));
+        xs[m] = s;
     }
 }
 
-extern "C" void mv_int8(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* q, const float* scale,
-             int64_t N, float* y) {
-    const int64_t blocks = (N + 3) / 4;
+extern "C" void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
+                        float* y) {
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> xs(M);
+    round_rows(x, M, K, xq.data(), xs.data());
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * 4, R = N - n0 < 4 ? N - n0 : 4;
-        const int8_t* rows[4];
-        for (int64_t r = 0; r < 4; r++) rows[r] = q + (n0 + (r < R ? r : 0)) * K;
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* row = q + n * K;
         for (int64_t m = 0; m < M; m++) {
-            float out[4];
-            if (R == 4) int8_rows<4>(xq + m * K, rows, K, out);
-            else for (int64_t r = 0; r < R; r++) int8_rows<1>(xq + m * K, rows + r, K, out + r);
-            for (int64_t r = 0; r < R; r++) y[m * N + n0 + r] = out[r] * xs[m] * scale[n0 + r];
-        }
-    }
-}
-
-// sum_g s[g] * sum_{j in g} (e[j] * lo(row[j]) + o[j] * hi(row[j])) for R rows of int4 (hg bytes a group)
-template <int R>
-static inline void int4_rows(const int16_t* e, const int16_t* o, const uint8_t* const* rows,
-                             const float* const* sc, int64_t G, int64_t hg, float* out) {
-    for (int r = 0; r < R; r++) out[r] = 0.f;
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t j0 = g * hg;
-        int64_t j = j0;
+            const int16_t* xm = xq.data() + m * K;
+            float out = 0.f;
+            int64_t k = 0;
 #if defined(__AVX2__)
-        const __m128i low = _mm_set1_epi8(15);
-        __m256i acc[R];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
-        for (; j + 16 <= j0 + hg; j += 16) {             // 16 bytes: 32 weights a row
-            __m256i ev = _mm256_loadu_si256((const __m256i*)(e + j));
-            __m256i ov = _mm256_loadu_si256((const __m256i*)(o + j));
-            for (int r = 0; r < R; r++) {
-                __m128i b = _mm_loadu_si128((const __m128i*)(rows[r] + j));
-                __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
-                __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(ev, lo),
-                                                                   _mm256_madd_epi16(ov, hi)));
+            for (; k + 16 <= K;) {                   // blocks of <= 256: |sum| <= 16 · 2 · 32767 · 127 per lane
+                __m256i acc = _mm256_setzero_si256();
+                for (const int64_t end = k + 256 <= K ? k + 256 : K & ~int64_t(15); k < end; k += 16) {
+                    __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(xm + k)), w));
+                }
+                out += hsum((f8)_mm256_cvtepi32_ps(acc));
             }
-        }
-        f8 part[R];
-        for (int r = 0; r < R; r++) part[r] = (f8)_mm256_cvtepi32_ps(acc[r]);
-        for (int r = 0; r < R; r++) out[r] += sc[r][g] * hsum(part[r]);
 #endif
-        for (int r = 0; r < R; r++) {
             int32_t rest = 0;
-            for (int64_t i = j; i < j0 + hg; i++)
-                rest += int32_t(e[i]) * (rows[r][i] & 15) + int32_t(o[i]) * (rows[r][i] >> 4);
-            out[r] += sc[r][g] * float(rest);
-        }
-    }
-}
-
-// xe / xo: x's even / odd columns as int16 [M, K/2] (the low / high nibbles' inputs), scaled by xs [M];
-// xsum: the float x summed per group [M, G] (for the zero points).
-extern "C" void mv_int4(const int16_t* xe, const int16_t* xo, const float* xs, const float* xsum, int64_t M, int64_t K,
-             const uint8_t* q, const float* scale, const float* zero, int64_t G, int64_t N, float* y) {
-    const int64_t half = K / 2, hg = half / G, blocks = (N + 3) / 4;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * 4, R = N - n0 < 4 ? N - n0 : 4;
-        const uint8_t* rows[4];
-        const float* sc[4];
-        for (int64_t r = 0; r < 4; r++) {
-            const int64_t n = n0 + (r < R ? r : 0);
-            rows[r] = q + n * half;
-            sc[r] = scale + n * G;
-        }
-        for (int64_t m = 0; m < M; m++) {
-            float out[4];
-            const int16_t *e = xe + m * half, *o = xo + m * half;
-            if (R == 4) int4_rows<4>(e, o, rows, sc, G, hg, out);
-            else for (int64_t r = 0; r < R; r++) int4_rows<1>(e, o, rows + r, sc + r, G, hg, out + r);
-            for (int64_t r = 0; r < R; r++) {      // the zero points: sum_g (zero - 8 scale) * (x summed over g)
-                const float *s = sc[r], *z = zero + (n0 + r) * G, *xg = xsum + m * G;
-                float bias = 0.f;
-                for (int64_t g = 0; g < G; g++) bias += (z[g] - 8.f * s[g]) * xg[g];
-                y[m * N + n0 + r] = out[r] * xs[m] + bias;
+            for (int64_t j = k; j < K; j++) {
+                rest += int32_t(xm[j]) * int32_t(row[j]);
+                if (((j - k) & 255) == 255) { out += float(rest); rest = 0; }
             }
+            y[m * N + n] = (out + float(rest)) * xs[m] * scale[n];
         }
     }
 }
 
+// x [M, K] float (K = G · group, the weight's padded width). The low nibble of byte j holds column 2j, the high
+// one column 2j + 1: x is split into its even and odd columns (int16) so that both meet their nibbles in order.
+extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
+                        const float* zero, int64_t G, int64_t N, float* y) {
+    const int64_t half = K / 2, hg = half / G;
+    std::vector<int16_t> xq(M * K), xe(M * half), xo(M * half);
+    std::vector<float> xs(M), xsum(M * G, 0.f);
+    round_rows(x, M, K, xq.data(), xs.data());
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < half; j++) {
+            xe[m * half + j] = xq[m * K + 2 * j];
+            xo[m * half + j] = xq[m * K + 2 * j + 1];
+            xsum[m * G + j / hg] += x[m * K + 2 * j] + x[m * K + 2 * j + 1];
+        }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* row = q + n * half;
+        const float* s = scale + n * G;
+        const float* z = zero + n * G;
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t* e = xe.data() + m * half;
+            const int16_t* o = xo.data() + m * half;
+            const float* xg = xsum.data() + m * G;
+            f8 out = {};
+            float tail = 0.f, bias = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                int64_t j = g * hg;
+                const int64_t end = j + hg;
+#if defined(__AVX2__)
+                __m256i acc = _mm256_setzero_si256();
+                const __m128i low = _mm_set1_epi8(15);
+                for (; j + 16 <= end; j += 16) {        // 16 bytes: 32 weights
+                    __m128i b = _mm_loadu_si128((const __m128i*)(row + j));
+                    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
+                    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(e + j)), lo));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(o + j)), hi));
+                }
+                out += s[g] * (f8)_mm256_cvtepi32_ps(acc);
+#endif
+                int32_t rest = 0;
+                for (; j < end; j++) rest += int32_t(e[j]) * (row[j] & 15) + int32_t(o[j]) * (row[j] >> 4);
+                tail += s[g] * float(rest);
+                bias += (z[g] - 8.f * s[g]) * xg[g];
+            }
+            y[m * N + n] = (hsum(out) + tail) * xs[m] + bias;
+        }
+    }
+}
