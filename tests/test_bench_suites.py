@@ -52,3 +52,28 @@ def test_parallel_quick(capsys):
     assert parallel(["--quick"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["world"] == 1 and res["tokens_per_s"] > 0 and res["train_peak_mb_per_rank"][0] > 0
+
+
+def test_llamacpp_suite_says_what_it_needs(monkeypatch):
+    from hybridlm.bench.llamacpp import llama_cpp_sources
+    from hybridlm.errors import ConfigError
+    monkeypatch.setenv("HYBRIDLM_LLAMACPP_SRC", "/nonexistent")
+    with pytest.raises(ConfigError, match="HYBRIDLM_LLAMACPP_SRC.*convert_hf_to_gguf"):
+        llama_cpp_sources()
+
+
+def test_llamacpp_suite_quick(tmp_path, monkeypatch):
+    """Where llama-cpp-python and its sources are installed: the tiny models through both runtimes, and llama.cpp's
+    float32 logits equal ours (the same weights, read by two programs)."""
+    import os
+    pytest.importorskip("llama_cpp")
+    if not os.path.isfile(os.path.join(os.environ.get("HYBRIDLM_LLAMACPP_SRC", ""), "convert_hf_to_gguf.py")):
+        pytest.skip("HYBRIDLM_LLAMACPP_SRC is not set to llama.cpp's sources")
+    monkeypatch.setenv("HYBRIDLM_LLAMACPP_BENCH", f"dir={tmp_path};runtimes=f32,q4_0")
+    out = tmp_path / "llamacpp.json"
+    assert main(["bench", "--suite", "llamacpp", "--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name, m in res["models"].items():
+        agree = m["float32_agreement"]
+        assert agree["max_abs_logit_diff"] < 1e-3 * max(1.0, agree["logit_scale"]), name
+    assert {(r["runtime"], r["weights"]) for r in res["rows"]} >= {("llama.cpp", "q4_0"), ("hybridlm", "int4")}

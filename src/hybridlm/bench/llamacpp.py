@@ -204,6 +204,13 @@ def hybridlm_job(checkpoint: str, weights: str, vocab: int, prompt: int, new: in
 def llamacpp_suite(quick: bool = False, log=print) -> dict:
     from ..dtypes import cpu_flags
     from ..runtime import cpu_model
+    from ..errors import ConfigError
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise ConfigError('the llamacpp suite needs llama-cpp-python, built for this CPU: CMAKE_ARGS="-DGGML_NATIVE=ON" '
+                          'pip install --no-binary llama-cpp-python llama-cpp-python') from None
+    llama_cpp_sources()
     s = _settings(quick)
     threads = torch.get_num_threads()
     sizes = QUICK if quick else MODELS

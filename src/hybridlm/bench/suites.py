@@ -420,4 +420,6 @@ SUITES = {
     "gpu": (None, "the GPU check: correctness, kernels vs FLA, training MFU, decode, memory (--dry-run: on CPU)"),
     "quantize": (lazy_suite("quantized", "quantize_suite"),
                  "float vs int8 vs int4 weights: prefill and decode tokens/s, a profile of one step"),
+    "llamacpp": (lazy_suite("llamacpp", "llamacpp_suite"),
+                 "llama.cpp beside hybridlm on the same Llama / Mamba-2 weights (needs llama-cpp-python)"),
 }

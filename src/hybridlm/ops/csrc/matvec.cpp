@@ -121,6 +121,7 @@ extern "C" void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, c
             for (; k + 16 <= K;) {                   // blocks of <= 256: |sum| <= 16 · 2 · 32767 · 127 per lane
                 __m256i acc = _mm256_setzero_si256();
                 for (const int64_t end = k + 256 <= K ? k + 256 : K & ~int64_t(15); k < end; k += 16) {
+                    _mm_prefetch((const char*)(row + k + 2048), _MM_HINT_T0);     // more rows in flight
                     __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k)));
                     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(xm + k)), w));
                 }
@@ -137,52 +138,77 @@ extern "C" void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, c
     }
 }
 
-// x [M, K] float (K = G · group, the weight's padded width). The low nibble of byte j holds column 2j, the high
-// one column 2j + 1: x is split into its even and odd columns (int16) so that both meet their nibbles in order.
+// x [M, K] float (K = G · group, the weight's padded width). Byte j of a row holds column 2j in its low nibble and
+// 2j + 1 in its high one. The AVX2 loop takes 32 bytes (64 columns, two groups of 32 or part of a larger one) a
+// step: its nibbles widen to int16 within each 128-bit half, so x is laid out in that order once per call
+// (`xp`: per 64 columns, the even columns of bytes 0-7 and 16-23, of bytes 8-15 and 24-31, then the odd ones) and
+// each half of the int32 sums belongs to one group. The zero points add sum_g (zero - 8 scale)[g] · (x summed over g).
 extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
                         const float* zero, int64_t G, int64_t N, float* y) {
-    const int64_t half = K / 2, hg = half / G;
-    std::vector<int16_t> xq(M * K), xe(M * half), xo(M * half);
+    const int64_t half = K / 2, hg = half / G, chunks = half / 32;   // bytes: a row, a group; 32-byte steps
+    std::vector<int16_t> xq(M * K), xp(M * K);
     std::vector<float> xs(M), xsum(M * G, 0.f);
     round_rows(x, M, K, xq.data(), xs.data());
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < half; j++) {
-            xe[m * half + j] = xq[m * K + 2 * j];
-            xo[m * half + j] = xq[m * K + 2 * j + 1];
-            xsum[m * G + j / hg] += x[m * K + 2 * j] + x[m * K + 2 * j + 1];
+    for (int64_t m = 0; m < M; m++) {
+        const int16_t* a = xq.data() + m * K;
+        int16_t* p = xp.data() + m * K;
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t j = c * 32 + (i < 8 ? i : i + 8);      // bytes 0-7, 16-23, then +8
+                p[c * 64 + i] = a[2 * j];
+                p[c * 64 + 16 + i] = a[2 * (j + 8)];
+                p[c * 64 + 32 + i] = a[2 * j + 1];
+                p[c * 64 + 48 + i] = a[2 * (j + 8) + 1];
+            }
+        for (int64_t j = chunks * 32; j < half; j++) {                 // the rest in column order
+            p[2 * j] = a[2 * j];
+            p[2 * j + 1] = a[2 * j + 1];
         }
+        for (int64_t k = 0; k < K; k++) xsum[m * G + k / (2 * hg)] += x[m * K + k];
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t* row = q + n * half;
         const float* s = scale + n * G;
         const float* z = zero + n * G;
         for (int64_t m = 0; m < M; m++) {
-            const int16_t* e = xe.data() + m * half;
-            const int16_t* o = xo.data() + m * half;
+            const int16_t* p = xp.data() + m * K;
             const float* xg = xsum.data() + m * G;
-            f8 out = {};
-            float tail = 0.f, bias = 0.f;
-            for (int64_t g = 0; g < G; g++) {
-                int64_t j = g * hg;
-                const int64_t end = j + hg;
+            float out = 0.f, bias = 0.f;
+            int64_t c = 0;
 #if defined(__AVX2__)
-                __m256i acc = _mm256_setzero_si256();
-                const __m128i low = _mm_set1_epi8(15);
-                for (; j + 16 <= end; j += 16) {        // 16 bytes: 32 weights
-                    __m128i b = _mm_loadu_si128((const __m128i*)(row + j));
-                    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
-                    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(e + j)), lo));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(o + j)), hi));
-                }
-                out += s[g] * (f8)_mm256_cvtepi32_ps(acc);
-#endif
-                int32_t rest = 0;
-                for (; j < end; j++) rest += int32_t(e[j]) * (row[j] & 15) + int32_t(o[j]) * (row[j] >> 4);
-                tail += s[g] * float(rest);
-                bias += (z[g] - 8.f * s[g]) * xg[g];
+            f8 acc8 = {};
+            const __m256i low = _mm256_set1_epi8(15), zero8 = _mm256_setzero_si256();
+            for (; c < chunks; c++) {
+                _mm_prefetch((const char*)(row + c * 32 + 1024), _MM_HINT_T0);
+                __m256i b = _mm256_loadu_si256((const __m256i*)(row + c * 32));
+                __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+                const int16_t* pc = p + c * 64;
+                __m256i sum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)pc), _mm256_unpacklo_epi8(lo, zero8));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 16)),
+                                                              _mm256_unpackhi_epi8(lo, zero8)));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 32)),
+                                                              _mm256_unpacklo_epi8(hi, zero8)));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 48)),
+                                                              _mm256_unpackhi_epi8(hi, zero8)));
+                const int64_t g0 = c * 32 / hg, g1 = (c * 32 + 16) / hg;          // each 128-bit half's group
+                __m256 sv = _mm256_set_m128(_mm_set1_ps(s[g1]), _mm_set1_ps(s[g0]));
+                acc8 = (f8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sv, (__m256)acc8);
             }
-            y[m * N + n] = (hsum(out) + tail) * xs[m] + bias;
+            out = hsum(acc8);
+#endif
+            for (int64_t j = c * 32; j < half; j++)
+                out += s[j / hg] * float(int32_t(p[2 * j]) * (row[j] & 15) + int32_t(p[2 * j + 1]) * (row[j] >> 4));
+            int64_t g = 0;
+            f8 zb = {}, sb = {};
+            for (; g + 8 <= G; g += 8) {
+                f8 xv = load(xg + g);
+                zb += load(z + g) * xv;
+                sb += load(s + g) * xv;
+            }
+            bias = hsum(zb) - 8.f * hsum(sb);
+            for (; g < G; g++) bias += (z[g] - 8.f * s[g]) * xg[g];
+            y[m * N + n] = out * xs[m] + bias;
         }
     }
 }
