@@ -118,3 +118,14 @@ def test_rms_norms():
     parts = g.view(3, 5, 3, 4)
     ref = (parts / torch.sqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)).view(3, 5, 12) * w
     assert_close(gated_rms_norm(x, z, w, group_size=4), ref)
+
+
+@pytest.mark.parametrize("Hq,Hk,Hv", [(8, 8, 8), (8, 2, 2), (8, 1, 8), (4, 1, 1)])   # MHA, GQA, shared keys, MQA
+def test_decode_attention_reads_heads_unexpanded(Hq, Hk, Hv):
+    from hybridlm.ops.attention import decode_attention
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 1, Hq, 16), torch.randn(2, 37, Hk, 16), torch.randn(2, 37, Hv, 12)
+    ref = attention_ref(q, k.repeat_interleave(Hq // Hk, 2), v.repeat_interleave(Hq // Hv, 2), causal=False)
+    torch.testing.assert_close(decode_attention(q, k, v), ref, rtol=1e-5, atol=1e-5)
+    ring = torch.randn(2, 64, Hk, 16)[:, :37]                  # a view of a larger cache buffer
+    torch.testing.assert_close(decode_attention(q, ring, v), decode_attention(q, ring.clone(), v))

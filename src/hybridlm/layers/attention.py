@@ -6,7 +6,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache, WindowKVCache
 from ..context import SeqContext
-from ..ops.attention import attention
+from ..ops.attention import attention, decode_attention
 from ..ops.indexer_loss import attention_target
 from ..ops.rope import apply_rope
 from .init import normal_, reset_
@@ -110,10 +110,14 @@ class Attention(nn.Module):
             q, k = norm_and_rope(self, q.view(B, T, H, D), k.view(B, T, Hk, D), ctx)
             v = v.view(B, T, Hv, D)
         k, v, causal, window, key_mask = cache_keys_values(self, cache, k, v, ctx, ring_step=bias is None)
-        if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
-            k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)
         masks = dict(causal=causal, key_mask=key_mask, window=window, segment_ids=ctx.segment_ids, bias=bias)
-        y = attention(q, k, v, **masks)
+        if T == 1 and cache is not None and window is None and key_mask is None and bias is None \
+                and ctx.segment_ids is None and not need_weights:
+            y = decode_attention(q, k, v)   # one query sees every cached key: read them once, unexpanded
+        else:
+            if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
+                k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)
+            y = attention(q, k, v, **masks)
         if gate is not None:
             y = y * torch.sigmoid(gate)
         y = self.drop(self.out(y.reshape(B, T, H * D)))

@@ -70,6 +70,19 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_m
     return torch.einsum("bhts,bshd->bthd", probs, vf).to(q.dtype)
 
 
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """One query per row over every cached key, no mask: q [B, 1, Hq, D], k [B, S, Hk, D], v [B, S, Hv, Dv] with Hk
+    and Hv dividing Hq (grouped-query heads; shared keys, Hk = 1 with Hv = Hq) -> [B, 1, Hq, Dv]. Two batched
+    matmuls on views of the cache: every key and value is read once, never expanded to Hq heads (a decode step's
+    attention costs what reading its cache costs)."""
+    B, _, Hq, D = q.shape
+    S, Hk, Hv, Dv = k.shape[1], k.shape[2], v.shape[2], v.shape[3]
+    qg = q.reshape(B, Hk, Hq // Hk, D)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * (scale if scale is not None else D ** -0.5)  # [B, Hk, ., S]
+    p = torch.softmax(scores.float(), dim=-1).to(v.dtype).reshape(B, Hv, Hq // Hv, S)
+    return torch.matmul(p, v.transpose(1, 2)).reshape(B, 1, Hq, Dv)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_mask: Tensor | None = None,
               window: int | None = None, bias: Tensor | None = None, scale: float | None = None,
               segment_ids: tuple[Tensor, Tensor] | None = None) -> Tensor:
