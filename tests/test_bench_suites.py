@@ -58,7 +58,7 @@ def test_llamacpp_suite_says_what_it_needs(monkeypatch):
     from hybridlm.bench.llamacpp import llama_cpp_sources
     from hybridlm.errors import ConfigError
     monkeypatch.setenv("HYBRIDLM_LLAMACPP_SRC", "/nonexistent")
-    with pytest.raises(ConfigError, match="HYBRIDLM_LLAMACPP_SRC.*convert_hf_to_gguf"):
+    with pytest.raises(ConfigError, match="convert_hf_to_gguf.*HYBRIDLM_LLAMACPP_SRC"):
         llama_cpp_sources()
 
 

@@ -45,9 +45,8 @@ def main(args) -> int:
         model, tok = load_pretrained(args.checkpoint)
     model = quantized(model, args)     # from the saved weights, before a cast to bf16
     model = model.to(getattr(torch, resolve_dtype(args.dtype, "cpu")[0]))   # no header: stdout is the text
-    if not args.compile:               # decode's matrix-vector products through the project's CPU kernels
-        from ..models.quantize import use_cpu_kernels_
-        use_cpu_kernels_(model)
+    from ..models.quantize import use_cpu_kernels_
+    use_cpu_kernels_(model)            # decode's matrix-vector products through the project's CPU kernels
     prompt = args.prompt
     if args.chat:  # the tokenizer's chat template around one user turn, ending where the assistant speaks
         from ..data.tokenizer import apply_chat_template

@@ -107,8 +107,7 @@ def _out(x: Tensor, y: Tensor, bias: Tensor | None) -> Tensor:
     return y.to(x.dtype)
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ w [N, K]ᵀ (+ bias) -> [..., N] in x's dtype, w float32 or bfloat16 (contiguous)."""
+def _linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     x2 = _rows(x)
     y = torch.empty(x2.shape[0], w.shape[0])
     fn = _lib.mv_bf16 if w.dtype == torch.bfloat16 else _lib.mv_f32
@@ -116,9 +115,7 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return _out(x, y, bias)
 
 
-def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ (scale[:, None] · q)ᵀ (+ bias) -> [..., N]: q int8 [N, K], scale [N]. The kernel rounds x to
-    int16 per row (relative error 1.5e-5, far below the weight's)."""
+def _int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     x2 = _rows(x)
     s = scale.float().contiguous()
     y = torch.empty(x2.shape[0], q.shape[0])
@@ -126,9 +123,7 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None)
     return _out(x, y, bias)
 
 
-def int4_linear(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ Wᵀ (+ bias) -> [..., N] for ops/quant.py's int4 form: q uint8 [N, K'/2], scale, zero [N, G]
-    (K' = K padded to the group; the padding columns meet zeros of x). x is rounded to int16 as in int8_linear."""
+def _int4_linear(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None) -> Tensor:
     N, G = scale.shape
     x2 = _rows(x)
     Kp = q.shape[1] * 2
@@ -138,3 +133,36 @@ def int4_linear(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor 
     y = torch.empty(x2.shape[0], N)
     _lib.mv_int4(x2.data_ptr(), x2.shape[0], Kp, q.data_ptr(), s.data_ptr(), z.data_ptr(), G, N, y.data_ptr())
     return _out(x, y, bias)
+
+
+# the same functions as torch custom ops, which torch.compile keeps as calls inside its graph (a ctypes call would
+# break the graph); eager code calls the plain functions (a custom op's dispatch costs microseconds per call)
+def _custom_op(name: str, fn, out_features):
+    op = torch.library.custom_op(f"hybridlm::{name}", fn, mutates_args=())
+
+    @op.register_fake
+    def _(x, *args):
+        return x.new_empty(*x.shape[:-1], out_features(*args))
+    return op
+
+
+_ops = {"linear": _custom_op("cpu_linear", _linear, lambda w, bias=None: w.shape[0]),
+        "int8": _custom_op("cpu_int8_linear", _int8_linear, lambda q, scale, bias=None: q.shape[0]),
+        "int4": _custom_op("cpu_int4_linear", _int4_linear, lambda q, scale, zero, bias=None: scale.shape[0])}
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ w [N, K]ᵀ (+ bias) -> [..., N] in x's dtype, w float32 or bfloat16 (contiguous)."""
+    return (_ops["linear"] if torch.compiler.is_compiling() else _linear)(x, w, bias)
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ (scale[:, None] · q)ᵀ (+ bias) -> [..., N]: q int8 [N, K], scale [N]. The kernel rounds x to
+    int16 per row (relative error 1.5e-5, far below the weight's)."""
+    return (_ops["int8"] if torch.compiler.is_compiling() else _int8_linear)(x, q, scale, bias)
+
+
+def int4_linear(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ Wᵀ (+ bias) -> [..., N] for ops/quant.py's int4 form: q uint8 [N, K'/2], scale, zero [N, G]
+    (K' = K padded to the group; the padding columns meet zeros of x). x is rounded to int16 as in int8_linear."""
+    return (_ops["int4"] if torch.compiler.is_compiling() else _int4_linear)(x, q, scale, zero, bias)
