@@ -77,3 +77,15 @@ def test_llamacpp_suite_quick(tmp_path, monkeypatch):
         agree = m["float32_agreement"]
         assert agree["max_abs_logit_diff"] < 1e-3 * max(1.0, agree["logit_scale"]), name
     assert {(r["runtime"], r["weights"]) for r in res["rows"]} >= {("llama.cpp", "q4_0"), ("hybridlm", "int4")}
+
+
+def test_release_bench_quick(tmp_path):
+    """The released-size Rodimus+ bench, tiny: write, convert, decode float / int8 / int4 in fresh processes, JSON."""
+    from hybridlm.bench.rodimus_release import main as release
+    out = tmp_path / "release.json"
+    assert release(["--quick", "--dir", str(tmp_path), "--contexts", "16", "--steps", "2", "--dtype", "float32",
+                    "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {(r["model"], r["weights"]) for r in res["decode"]}
+    assert rows == {(m, w) for m in ("rodimus+", "transformer++") for w in ("float", "int8", "int4")}
+    assert all(r["decode_tokens_per_s"] > 0 and r["dtype"] == "float32" for r in res["decode"])

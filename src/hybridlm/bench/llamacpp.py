@@ -2,7 +2,7 @@
 weights, the same prompt and the same threads, interleaved in one run.
 
 Two models with random weights (hybridlm's own init): a Llama (`(AM)*30`, d 2048, 32 heads / 4 KV heads, SwiGLU 5632,
-vocabulary 32000: 1.45B) and a Mamba-2 (`S*48`, d 2048, state 128, vocabulary 50280: the 1.3B shape). Each is saved
+vocabulary 32000: 1.45B) and a Mamba-2 (`S*48`, d 2048, state 128, vocabulary 50288: the 1.3B shape; llama.cpp pads Mamba vocabularies to 16). Each is saved
 as a hybridlm checkpoint, exported as transformers' own class (`convert --to-hf --as-native`), turned into a float32
 GGUF by llama.cpp's own converter (`convert_hf_to_gguf.py` from the llama.cpp sources the package was built from)
 and quantized by llama.cpp to Q8_0 and Q4_0. Then, round by round, each runtime in a fresh process: prefill the same
@@ -30,7 +30,7 @@ from . import measure as ms
 
 MODELS = {"llama": dict(preset="llama", d_model=2048, n_layers=30, n_heads=32, n_kv_heads=4, mlp_hidden=5632,
                         vocab_size=32000),
-          "mamba2": dict(preset="mamba2", d_model=2048, n_layers=48, vocab_size=50280)}
+          "mamba2": dict(preset="mamba2", d_model=2048, n_layers=48, vocab_size=50288)}
 QUICK = {"llama": dict(preset="llama", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=256,
                        vocab_size=512),
          "mamba2": dict(preset="mamba2", d_model=128, n_layers=2, vocab_size=512)}

@@ -171,6 +171,12 @@ extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, 
         const uint8_t* row = q + n * half;
         const float* s = scale + n * G;
         const float* z = zero + n * G;
+#if defined(__AVX2__)
+        for (int64_t i = 0; i < G; i += 16) {            // the next rows' scales and zeros, ahead of their use
+            _mm_prefetch((const char*)(s + 2 * G + i), _MM_HINT_T0);
+            _mm_prefetch((const char*)(z + 2 * G + i), _MM_HINT_T0);
+        }
+#endif
         for (int64_t m = 0; m < M; m++) {
             const int16_t* p = xp.data() + m * K;
             const float* xg = xsum.data() + m * G;
