@@ -2,8 +2,8 @@
 weights, the same prompt and the same threads, interleaved in one run.
 
 Two models with random weights (hybridlm's own init): a Llama (`(AM)*30`, d 2048, 32 heads / 4 KV heads, SwiGLU 5632,
-vocabulary 32000: 1.45B) and a Mamba-2 (`S*48`, d 2048, state 128, vocabulary 50288: the 1.3B shape; llama.cpp pads Mamba vocabularies to 16). Each is saved
-as a hybridlm checkpoint, exported as transformers' own class (`convert --to-hf --as-native`), turned into a float32
+vocabulary 32000: 1.45B) and a Mamba-2 (`S*48`, d 2048, state 128, vocabulary 50288: the 1.3B shape; llama.cpp
+pads Mamba vocabularies to 16). Each is saved as a hybridlm checkpoint, exported as transformers' own class (`convert --to-hf --as-native`), turned into a float32
 GGUF by llama.cpp's own converter (`convert_hf_to_gguf.py` from the llama.cpp sources the package was built from)
 and quantized by llama.cpp to Q8_0 and Q4_0. Then, round by round, each runtime in a fresh process: prefill the same
 128 random token ids, then 64 greedy tokens; llama.cpp at f32 / bf16 / Q8_0 / Q4_0 against hybridlm at float32 /
@@ -208,8 +208,8 @@ def llamacpp_suite(quick: bool = False, log=print) -> dict:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        raise ConfigError('the llamacpp suite needs llama-cpp-python, built for this CPU: CMAKE_ARGS="-DGGML_NATIVE=ON" '
-                          'pip install --no-binary llama-cpp-python llama-cpp-python') from None
+        raise ConfigError('the llamacpp suite needs llama-cpp-python, built for this CPU: '
+                          'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python llama-cpp-python') from None
     llama_cpp_sources()
     s = _settings(quick)
     threads = torch.get_num_threads()

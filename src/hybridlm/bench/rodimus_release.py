@@ -2,8 +2,8 @@
 format at the largest Rodimus+ size of the paper's tables (Rodimus++-1.6B: d 2048, 24 blocks, their 126,340-token
 vocabulary, bfloat16 shards), convert it (time, peak RSS), then decode it and a Transformer++ of about the same
 parameter count at two context lengths (tokens/s, inference-cache bytes, peak RSS), with float, int8 and int4 weights
-(models/quantize.py, `--weights`), through the project's CPU kernels (ops/cpu_kernels.py). Each measurement runs in a process of its own (measure.fresh), so each peak RSS is
-its own (measure.peak_memory); the rows go to stdout and, with --out, to a JSON file.
+(models/quantize.py, `--weights`), through the project's CPU kernels (ops/cpu_kernels.py). Each measurement runs
+in a process of its own (measure.fresh), so each peak RSS is its own (measure.peak_memory); the rows go to stdout and, with --out, to a JSON file.
 
     python -m hybridlm.bench.rodimus_release --dir /tmp/rodimus-release [--quick] [--out runs/bench/release.json]
     hybridlm generate --checkpoint /tmp/rodimus-release/run --chat --prompt hi --max-new-tokens 8 [--dtype float32]
@@ -116,6 +116,7 @@ def _decode(which: str, ckpt: str, context: int, steps: int, size: dict, weights
         model = _transformer_like(params, size, getattr(torch, dtype))
     else:
         model = load_checkpoint(ckpt)[0].to(getattr(torch, dtype)).eval()
+    params = model.num_parameters()               # before quantization (buffers are no parameters)
     if weights != "float":
         quantize_(model, weights, 64)
     use_cpu_kernels_(model)
@@ -125,7 +126,8 @@ def _decode(which: str, ckpt: str, context: int, steps: int, size: dict, weights
         model, context, chunk=512, max_tokens=context + steps + 1, step_fn=model._decode_step))}, 1, 0)["prefill"][0]
     step, cache = built["d"]
     dt = sum(ms.clock({"decode": step}, steps, warmup=1)["decode"])
-    return {"model": which, "weights": weights, "dtype": dtype, "layout": model.config.layout, "parameters": model.num_parameters(), "context": context,
+    return {"model": which, "weights": weights, "dtype": dtype, "layout": model.config.layout,
+            "parameters": params, "context": context,
             "prefill_s": prefill, "decode_tokens_per_s": steps / dt, "cache_mib": cache.nbytes / 2 ** 20}
 
 
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from ..dtypes import resolve_dtype
     dtype, why = resolve_dtype(a.dtype, "cpu")
-    print(f"dtype {dtype} ({why}); CPU {machine_meta()['cpu_model']}", flush=True)
+    print(f"dtype {why}; CPU {machine_meta()['cpu_model']}", flush=True)
     size = SIZES["quick" if a.quick else "full"]
     src, run = os.path.join(a.dir, "release"), os.path.join(a.dir, "run")
     if not a.skip_write:

@@ -2,8 +2,8 @@
 `models/quantize.py` swaps for an `nn.Linear` from outside the model.
 
 Buffers (what the state dict and a checkpoint hold): int8: `weight_q` int8 [N, K], `scale` [N]; int4: `weight_q`
-uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if any. The float buffers follow `model.to(dtype)`
-like any parameter. On a CPU, decode (at most `cpu_kernels.MAX_ROWS` rows of input) reads the stored weight with the
+uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if
+any. The float buffers follow `model.to(dtype)` like any parameter. On a CPU, decode (at most `cpu_kernels.MAX_ROWS` rows of input) reads the stored weight with the
 project's matrix-vector kernels (ops/cpu_kernels.py), or PyTorch's int8 / int4 kernels where those cannot be compiled;
 prefill dequantizes the weight once into the activations' dtype and runs one matmul. Other devices run the reference
 form (dequantize, then F.linear).

@@ -190,7 +190,8 @@ extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, 
                 __m256i b = _mm256_loadu_si256((const __m256i*)(row + c * 32));
                 __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
                 const int16_t* pc = p + c * 64;
-                __m256i sum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)pc), _mm256_unpacklo_epi8(lo, zero8));
+                __m256i sum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)pc),
+                                                _mm256_unpacklo_epi8(lo, zero8));
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 16)),
                                                               _mm256_unpackhi_epi8(lo, zero8)));
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 32)),
