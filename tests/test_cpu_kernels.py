@@ -102,3 +102,24 @@ def test_missing_compiler_warns_once_and_falls_back(tmp_path):
     env = dict(os.environ, CXX="/nonexistent/c++", HYBRIDLM_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.startswith("False 1 ") and "could not be compiled" in out and "CXX" in out
+
+
+def test_portable_build_equals_native(tmp_path, monkeypatch):
+    """The loops for CPUs without AVX2 (ARM, older x86), built with no -march, give the native build's numbers."""
+    import ctypes
+    assert cpu_kernels.available()
+    so = tmp_path / "generic.so"
+    subprocess.run([os.environ.get("CXX", "c++"), "-O2", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi",
+                    cpu_kernels.SOURCE, "-o", str(so)], check=True, capture_output=True)
+    native = {n: getattr(cpu_kernels, n) for n in ("linear", "int8_linear", "int4_linear")}
+    torch.manual_seed(0)
+    w, x = torch.randn(37, 224), torch.randn(3, 224)
+    want = {"f32": native["linear"](x, w), "bf16": native["linear"](x, w.bfloat16()),
+            "int8": native["int8_linear"](x, *quant.quantize(w, "int8")),
+            "int4": native["int4_linear"](x, *quant.quantize(w, "int4", 32))}
+    monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels.bind(ctypes.CDLL(str(so))))
+    got = {"f32": cpu_kernels.linear(x, w), "bf16": cpu_kernels.linear(x, w.bfloat16()),
+           "int8": cpu_kernels.int8_linear(x, *quant.quantize(w, "int8")),
+           "int4": cpu_kernels.int4_linear(x, *quant.quantize(w, "int4", 32))}
+    for k in want:
+        assert_close(got[k], want[k], rtol=1e-5, atol=2e-4, msg=k)

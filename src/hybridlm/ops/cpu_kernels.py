@@ -76,14 +76,19 @@ def _load():
                           f"PyTorch's matmul instead (set CXX to a C++ compiler with OpenMP to enable them)",
                           stacklevel=3)
             return _lib
-        i64, p = ctypes.c_int64, ctypes.c_void_p
-        lib.mv_f32.argtypes = lib.mv_bf16.argtypes = [p, i64, i64, p, i64, p]
-        lib.mv_int8.argtypes = [p, i64, i64, p, p, i64, p]
-        lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
-        for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_int8, lib.mv_int4):
-            fn.restype = None
-        _lib = lib
+        _lib = bind(lib)
     return _lib
+
+
+def bind(lib):
+    """Declare the kernels' C signatures on a loaded library (ctypes.CDLL of matvec.cpp); returns it."""
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.mv_f32.argtypes = lib.mv_bf16.argtypes = [p, i64, i64, p, i64, p]
+    lib.mv_int8.argtypes = [p, i64, i64, p, p, i64, p]
+    lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
+    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_int8, lib.mv_int4):
+        fn.restype = None
+    return lib
 
 
 def available() -> bool:

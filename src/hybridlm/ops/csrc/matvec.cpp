@@ -1,8 +1,8 @@
 // Matrix-vector products for decode on a CPU: y[m, n] = sum_k x[m, k] * W[n, k] for a few rows m, W read once in the
 // dtype it is stored in (float32, bfloat16, int8 per channel, int4 per group). Decode on a CPU is bound by how fast
-// the weights stream from memory, so the loops do one multiply-add per weight in float32, four rows of W at a time
+// the weights stream from memory. Float weights: one multiply-add per weight in float32, four rows of W at a time
 // (four independent accumulators hide the FMA latency; one load of x serves four rows), in GCC/Clang vector types
-// of 8 floats that -march=native maps to the CPU's SIMD. Threads split the output rows (OpenMP: the runtime torch
+// of 8 floats that -march=native maps to the CPU's SIMD; int8 / int4: integer multiply-adds (below). Threads split the output rows (OpenMP: the runtime torch
 // itself loaded, so the two never compete). Compiled on first use by ops/cpu_kernels.py; tests hold each kernel to
 // ops/quant.py's float32 reference.
 //
@@ -19,7 +19,6 @@
 
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8x __attribute__((vector_size(32)));
-typedef int8_t s8 __attribute__((vector_size(8)));
 typedef uint16_t h8 __attribute__((vector_size(16)));
 
 static inline f8 load(const float* p) { f8 v; std::memcpy(&v, p, 32); return v; }
@@ -30,29 +29,20 @@ static inline f8 wvec(const uint16_t* p) {          // bfloat16 -> float32: the 
     __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return (f8)_mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
-static inline f8 wvec(const int8_t* p) {
-    return (f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
 #else
 static inline f8 wvec(const uint16_t* p) {
     h8 h; std::memcpy(&h, p, 16);
     i8x u = __builtin_convertvector(h, i8x) << 16;
     f8 f; std::memcpy(&f, &u, 32); return f;
 }
-static inline f8 wvec(const int8_t* p) {
-    s8 v; std::memcpy(&v, p, 8);
-    return __builtin_convertvector(__builtin_convertvector(v, i8x), f8);
-}
 #endif
 static inline float wone(float v) { return v; }
-static inline float wone(int8_t v) { return float(v); }
 static inline float wone(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 static inline float hsum(f8 v) { float s = 0.f; for (int i = 0; i < 8; i++) s += v[i]; return s; }
 
-// rows [n0, n0 + R) of W (R <= 4) against x's M rows; out[m * N + n] = dot * (scale ? scale[n] : 1).
+// rows [n0, n0 + R) of W (R <= 4) against x's M rows -> y[m * N + n]
 template <typename T, int R>
-static inline void rows_dot(const float* x, int64_t M, int64_t K, const T* w, int64_t n0, int64_t N,
-                            const float* scale, float* y) {
+static inline void rows_dot(const float* x, int64_t M, int64_t K, const T* w, int64_t n0, int64_t N, float* y) {
     const int64_t K8 = K & ~int64_t(7);
     for (int64_t m = 0; m < M; m++) {
         const float* xm = x + m * K;
@@ -64,28 +54,28 @@ static inline void rows_dot(const float* x, int64_t M, int64_t K, const T* w, in
         for (int r = 0; r < R; r++) {
             float s = hsum(acc[r]);
             for (int64_t k = K8; k < K; k++) s += xm[k] * wone(w[(n0 + r) * K + k]);
-            y[m * N + n0 + r] = scale ? s * scale[n0 + r] : s;
+            y[m * N + n0 + r] = s;
         }
     }
 }
 
 template <typename T>
-static void matvec(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const float* scale, float* y) {
+static void matvec(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y) {
     const int64_t blocks = (N + 3) / 4;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * 4;
-        if (n0 + 4 <= N) rows_dot<T, 4>(x, M, K, w, n0, N, scale, y);
-        else for (int64_t n = n0; n < N; n++) rows_dot<T, 1>(x, M, K, w, n, N, scale, y);
+        if (n0 + 4 <= N) rows_dot<T, 4>(x, M, K, w, n0, N, y);
+        else for (int64_t n = n0; n < N; n++) rows_dot<T, 1>(x, M, K, w, n, N, y);
     }
 }
 
 extern "C" void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
-    matvec(x, M, K, w, N, nullptr, y);
+    matvec(x, M, K, w, N, y);
 }
 
 extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
-    matvec(x, M, K, w, N, nullptr, y);
+    matvec(x, M, K, w, N, y);
 }
 
 // int8 and int4 round x to int16 per row first, x ≈ xs[m] · xq[m, k] (|xq| <= 32767: a relative error of 1.5e-5,
@@ -146,13 +136,18 @@ extern "C" void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, c
 extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
                         const float* zero, int64_t G, int64_t N, float* y) {
     const int64_t half = K / 2, hg = half / G, chunks = half / 32;   // bytes: a row, a group; 32-byte steps
+#if defined(__AVX2__)
+    const int64_t laid = chunks;       // 32-byte steps laid out for the vector loop; the scalar loop reads the rest
+#else
+    const int64_t laid = 0;
+#endif
     std::vector<int16_t> xq(M * K), xp(M * K);
     std::vector<float> xs(M), xsum(M * G, 0.f);
     round_rows(x, M, K, xq.data(), xs.data());
     for (int64_t m = 0; m < M; m++) {
         const int16_t* a = xq.data() + m * K;
         int16_t* p = xp.data() + m * K;
-        for (int64_t c = 0; c < chunks; c++)
+        for (int64_t c = 0; c < laid; c++)
             for (int64_t i = 0; i < 16; i++) {
                 const int64_t j = c * 32 + (i < 8 ? i : i + 8);      // bytes 0-7, 16-23, then +8
                 p[c * 64 + i] = a[2 * j];
@@ -160,7 +155,7 @@ extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, 
                 p[c * 64 + 32 + i] = a[2 * j + 1];
                 p[c * 64 + 48 + i] = a[2 * (j + 8) + 1];
             }
-        for (int64_t j = chunks * 32; j < half; j++) {                 // the rest in column order
+        for (int64_t j = laid * 32; j < half; j++) {                   // the rest in column order
             p[2 * j] = a[2 * j];
             p[2 * j + 1] = a[2 * j + 1];
         }
