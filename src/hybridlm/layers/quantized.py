@@ -3,10 +3,11 @@
 
 Buffers (what the state dict and a checkpoint hold): int8: `weight_q` int8 [N, K], `scale` [N]; int4: `weight_q`
 uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if
-any. The float buffers follow `model.to(dtype)` like any parameter. On a CPU, decode (at most `cpu_kernels.MAX_ROWS` rows of input) reads the stored weight with the
-project's matrix-vector kernels (ops/cpu_kernels.py), or PyTorch's int8 / int4 kernels where those cannot be compiled;
-prefill dequantizes the weight once into the activations' dtype and runs one matmul. Other devices run the reference
-form (dequantize, then F.linear).
+any. The float buffers follow `model.to(dtype)` like any parameter. On a CPU, decode (at most
+`cpu_kernels.MAX_ROWS` rows of input) reads the stored weight with the project's matrix-vector kernels
+(ops/cpu_kernels.py), or PyTorch's int8 / int4 kernels where those cannot be compiled; prefill dequantizes the
+weight once into the activations' dtype and runs one matmul. Other devices run the reference form (dequantize, then
+F.linear).
 """
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ class QuantizedLinear(nn.Module):
         if cpu_kernels.serves(x):           # decode: the project's kernel reads the stored weight once
             fn = cpu_kernels.int8_linear if self.scheme == "int8" else cpu_kernels.int4_linear
             return fn(x, *self.stored(), self.bias)
-        if x.numel() <= cpu_kernels.MAX_ROWS * x.shape[-1]:     # decode without a compiler: PyTorch's kernels
+        if cpu_kernels.decode_sized(x):     # decode without a compiler: PyTorch's kernels
             xs = x.to(self.scale.dtype)
             if self.scheme == "int8":
                 return quant.int8_linear(xs, self.weight_q, self.scale, self.bias).to(x.dtype)

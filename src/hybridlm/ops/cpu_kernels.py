@@ -96,9 +96,14 @@ def available() -> bool:
     return bool(_load())
 
 
+def decode_sized(x: Tensor) -> bool:
+    """True when `x` [..., K] has at most MAX_ROWS rows (a decode step's input)."""
+    return x.numel() <= MAX_ROWS * x.shape[-1]
+
+
 def serves(x: Tensor) -> bool:
     """True when `x` [..., K] is a decode-sized CPU input the kernels take (and they are available)."""
-    return x.device.type == "cpu" and x.numel() <= MAX_ROWS * x.shape[-1] and not x.requires_grad and available()
+    return x.device.type == "cpu" and decode_sized(x) and not x.requires_grad and available()
 
 
 def _rows(x: Tensor) -> Tensor:
