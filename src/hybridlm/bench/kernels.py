@@ -66,9 +66,29 @@ def _theirs(row: dict, ref: str, fn, grads: tuple, repeats: int, ours_out: torch
     if fn is None:
         row[ref] = {"error": "not installed"}
     else:
-        row[ref] = _measure(fn, grads, repeats)
+        try:
+            row[ref] = _measure(fn, grads, repeats)
+        except RuntimeError as e:
+            if "#640" not in str(e) or not _fla_hopper_guard_off():
+                raise
+            row[ref] = _measure(fn, grads, repeats)
+            row[ref]["note"] = FLA_GUARD_NOTE
         row[ref]["max_abs_diff"] = (fn()[0].detach().float() - ours_out.float()).abs().max().item()
     _ratio(row, ref)
+
+
+FLA_GUARD_NOTE = ("FLA refuses its gated backward on Hopper with Triton < 3.7.1 (wrong gradients there, fla issue "
+                  "#640); its guard was lifted to time it: the time is what FLA costs once Triton is fixed")
+
+
+def _fla_hopper_guard_off() -> bool:
+    """Lift FLA's Triton-version guard on its gated chunk backward (True when there was one to lift)."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        return False
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return True
 
 
 def bench_ssd(b: int, T: int, repeats: int, log=print, heads: dict = SSD_HEADS, device="cuda") -> dict:

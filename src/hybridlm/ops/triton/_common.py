@@ -21,3 +21,26 @@ def dot(a, b, LOWP: tl.constexpr):
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     else:
         return tl.dot(a, b, input_precision="ieee")
+
+
+# num_stages that compiled for a kernel and its compile-time arguments: a launch that ran out of shared memory
+# (fp32 tiles at n 128 need 337 KB at Triton's default 3 stages; an H100 / H200 has 227 KB, consumer GPUs 99 KB)
+# is retried with fewer stages once, then launched with what worked from there on.
+_STAGES: dict = {}
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), with pipelining stages lowered (3 -> 2 -> 1) where the default needs more
+    shared memory than the GPU has."""
+    from triton.runtime.errors import OutOfResources
+    key = (kernel.fn.__name__, tuple(sorted((k, v) for k, v in kwargs.items() if not hasattr(v, "data_ptr"))))
+    stages = _STAGES.get(key)
+    for ns in ((stages,) if stages else (None, 2, 1)):
+        try:
+            out = kernel[grid](*args, **kwargs, **({"num_stages": ns} if ns else {}))
+        except OutOfResources:
+            if ns == 1:
+                raise
+            continue
+        _STAGES[key] = ns or 0
+        return out

@@ -7,6 +7,7 @@ import triton
 
 from ...errors import InputError
 from . import CDMOE_ACTS as ACTS
+from ._common import launch
 from .cdmoe_kernels import cdmoe_bwd_kernel, cdmoe_fwd_kernel
 
 _BD = 64    # d is walked in blocks of this many columns ([k, 64] tiles: ptxas spilled [64, 128] at 4 warps)
@@ -25,11 +26,11 @@ class _Experts(torch.autograd.Function):
         y = torch.empty_like(x)
         h = x.new_empty(N, k, dtype=torch.float32)                     # pre-activations before `scale`
         if N and k:
-            cdmoe_fwd_kernel[(N,)](x, down, up, ids, gates if gates is not None else x,
-                                   scale if scale is not None else x, y, h, D, k,
-                                   BKE=max(16, triton.next_power_of_2(k)), BD=min(_BD, triton.next_power_of_2(D)),
-                                   ACT=act, HAS_GATE=gates is not None, HAS_SCALE=scale is not None,
-                                   num_warps=NUM_WARPS)
+            launch(cdmoe_fwd_kernel, (N,), x, down, up, ids, gates if gates is not None else x,
+                   scale if scale is not None else x, y, h, D, k,
+                   BKE=max(16, triton.next_power_of_2(k)), BD=min(_BD, triton.next_power_of_2(D)),
+                   ACT=act, HAS_GATE=gates is not None, HAS_SCALE=scale is not None,
+                   num_warps=NUM_WARPS)
         else:
             y.zero_()
         ctx.save_for_backward(x, down, up, ids, gates, scale, h)
@@ -49,12 +50,12 @@ class _Experts(torch.autograd.Function):
         dgate = torch.empty(N, k, dtype=torch.float32, device=x.device) if gates is not None else None
         dscale = torch.empty(N, k, dtype=torch.float32, device=x.device) if scale is not None else None
         if N and k:
-            cdmoe_bwd_kernel[(N,)](x, down, up, ids, gates if gates is not None else x,
-                                   scale if scale is not None else x, h, dy, dx, ddown, dup,
-                                   dgate if dgate is not None else h, dscale if dscale is not None else h, D, k,
-                                   BKE=max(16, triton.next_power_of_2(k)), BD=min(_BD, triton.next_power_of_2(D)),
-                                   ACT=ctx.act, HAS_GATE=gates is not None, HAS_SCALE=scale is not None,
-                                   num_warps=NUM_WARPS)
+            launch(cdmoe_bwd_kernel, (N,), x, down, up, ids, gates if gates is not None else x,
+                   scale if scale is not None else x, h, dy, dx, ddown, dup,
+                   dgate if dgate is not None else h, dscale if dscale is not None else h, D, k,
+                   BKE=max(16, triton.next_power_of_2(k)), BD=min(_BD, triton.next_power_of_2(D)),
+                   ACT=ctx.act, HAS_GATE=gates is not None, HAS_SCALE=scale is not None,
+                   num_warps=NUM_WARPS)
         else:
             dx.zero_()
         return (dx, ddown.to(down.dtype), dup.to(up.dtype), None,

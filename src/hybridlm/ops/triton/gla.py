@@ -6,6 +6,7 @@ import triton
 
 from ...errors import InputError
 from ..gla import LOG_DECAY_MIN, _check
+from ._common import launch
 from .gla_kernels import gla_bwd_kernel, gla_fwd_kernel
 
 
@@ -34,11 +35,11 @@ class _GLA(torch.autograd.Function):
         final = q.new_empty(B, H, K, V, dtype=torch.float32)
         states = q.new_empty(B, H, NC, K, V, dtype=torch.float32) if save else final
         if T:
-            gla_fwd_kernel[(B * H,)](q, k, v, w, r if r is not None else q, h0c if h0c is not None else q,
-                                     o, states, final, T, H, K, V, NC, scale, LOG_DECAY_MIN,
-                                     Q=Q, BK=_block(K), BV=_block(V), HAS_H0=h0 is not None,
-                                     HAS_RESETS=r is not None, SAVE_STATES=save, LOWP=q.dtype != torch.float32,
-                                     num_warps=NUM_WARPS)
+            launch(gla_fwd_kernel, (B * H,), q, k, v, w, r if r is not None else q, h0c if h0c is not None else q,
+                   o, states, final, T, H, K, V, NC, scale, LOG_DECAY_MIN,
+                   Q=Q, BK=_block(K), BV=_block(V), HAS_H0=h0 is not None,
+                   HAS_RESETS=r is not None, SAVE_STATES=save, LOWP=q.dtype != torch.float32,
+                   num_warps=NUM_WARPS)
         else:
             final.copy_(h0c if h0c is not None else torch.zeros_like(final))
         if save:
@@ -57,11 +58,11 @@ class _GLA(torch.autograd.Function):
         dq, dk, dv, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(w)
         dh0 = q.new_empty(B, H, K, V, dtype=torch.float32) if ctx.has_h0 else None
         if T:
-            gla_bwd_kernel[(B * H,)](q, k, v, w, r if r is not None else q, states, do, dfinal,
-                                     dq, dk, dv, dw, dh0 if dh0 is not None else q,
-                                     T, H, K, V, states.shape[2], ctx.scale, LOG_DECAY_MIN,
-                                     Q=ctx.Q, BK=_block(K), BV=_block(V), HAS_H0=ctx.has_h0,
-                                     HAS_RESETS=r is not None, LOWP=q.dtype != torch.float32, num_warps=NUM_WARPS)
+            launch(gla_bwd_kernel, (B * H,), q, k, v, w, r if r is not None else q, states, do, dfinal,
+                   dq, dk, dv, dw, dh0 if dh0 is not None else q,
+                   T, H, K, V, states.shape[2], ctx.scale, LOG_DECAY_MIN,
+                   Q=ctx.Q, BK=_block(K), BV=_block(V), HAS_H0=ctx.has_h0,
+                   HAS_RESETS=r is not None, LOWP=q.dtype != torch.float32, num_warps=NUM_WARPS)
         elif ctx.has_h0:
             dh0.copy_(dfinal)
         return dq, dk, dv, dw, dh0, None, None, None, None

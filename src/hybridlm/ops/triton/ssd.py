@@ -5,6 +5,7 @@ from torch import Tensor
 import triton
 
 from ...errors import InputError
+from ._common import launch
 from .ssd_kernels import ssd_bwd_kernel, ssd_fwd_kernel
 
 
@@ -56,10 +57,10 @@ class _SSD(torch.autograd.Function):
         states = x.new_empty(b, h, NC, p, n, dtype=torch.float32) if save else final
         lowp = x.dtype != torch.float32
         if T:
-            ssd_fwd_kernel[(b * h,)](x, dt, A, B, C, r if r is not None else x, h0c if h0c is not None else x,
-                                     y, states, final, T, h, g, p, n, NC, Q=Q, BP=_block(p), BN=_block(n),
-                                     HAS_H0=h0 is not None, HAS_RESETS=r is not None, SAVE_STATES=save, LOWP=lowp,
-                                     num_warps=NUM_WARPS)
+            launch(ssd_fwd_kernel, (b * h,), x, dt, A, B, C, r if r is not None else x, h0c if h0c is not None else x,
+                   y, states, final, T, h, g, p, n, NC, Q=Q, BP=_block(p), BN=_block(n),
+                   HAS_H0=h0 is not None, HAS_RESETS=r is not None, SAVE_STATES=save, LOWP=lowp,
+                   num_warps=NUM_WARPS)
         else:
             final.copy_(h0c if h0c is not None else torch.zeros_like(final))
         if save:
@@ -83,11 +84,11 @@ class _SSD(torch.autograd.Function):
         dCg = torch.zeros_like(dBg)
         dh0 = x.new_empty(b, h, p, n, dtype=torch.float32) if ctx.has_h0 else None
         if T:
-            ssd_bwd_kernel[(b * h,)](x, dt, A, B, C, r if r is not None else x, states, dy, dfinal,
-                                     dx, ddt, dAt, dBg, dCg, dh0 if dh0 is not None else x,
-                                     T, h, g, p, n, NC, Q=ctx.Q, BP=_block(p), BN=_block(n),
-                                     HAS_H0=ctx.has_h0, HAS_RESETS=r is not None, LOWP=x.dtype != torch.float32,
-                                     num_warps=NUM_WARPS)
+            launch(ssd_bwd_kernel, (b * h,), x, dt, A, B, C, r if r is not None else x, states, dy, dfinal,
+                   dx, ddt, dAt, dBg, dCg, dh0 if dh0 is not None else x,
+                   T, h, g, p, n, NC, Q=ctx.Q, BP=_block(p), BN=_block(n),
+                   HAS_H0=ctx.has_h0, HAS_RESETS=r is not None, LOWP=x.dtype != torch.float32,
+                   num_warps=NUM_WARPS)
         elif ctx.has_h0:
             dh0.copy_(dfinal)
         dB, dC = dBg.to(B.dtype), dCg.to(C.dtype)
