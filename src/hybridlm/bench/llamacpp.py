@@ -106,17 +106,19 @@ try:
 except ImportError:
     TextModel = c.TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = ["convert_hf_to_gguf.py", {hf!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
+sys.argv = ["convert_hf_to_gguf.py", {hf!r}, "--outfile", {out!r}, "--outtype", {outtype!r}, *{extra!r}]
 c.main()
 """
 
 
-def convert_to_gguf(hf: str, out: str, outtype: str):
-    """llama.cpp's convert_hf_to_gguf.py on a transformers directory -> one GGUF file (written atomically)."""
+def convert_to_gguf(hf: str, out: str, outtype: str, extra: list[str] = ()):
+    """llama.cpp's convert_hf_to_gguf.py on a transformers directory -> one GGUF file (written atomically); `extra`:
+    more of its flags."""
     from ..errors import HybridLMError
     src = llama_cpp_sources()
     tmp = out + ".tmp"
-    code = _CONVERT.format(gguf_py=os.path.join(src, "gguf-py"), src=src, hf=hf, out=tmp, outtype=outtype)
+    code = _CONVERT.format(gguf_py=os.path.join(src, "gguf-py"), src=src, hf=hf, out=tmp, outtype=outtype,
+                        extra=list(extra))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         raise HybridLMError(f"llama.cpp's converter failed on {hf}: "
