@@ -102,23 +102,35 @@ import sys
 sys.path.insert(0, {gguf_py!r}); sys.path.insert(0, {src!r})
 import convert_hf_to_gguf as c
 try:
-    from conversion.base import TextModel       # llama.cpp of 2026: the model classes live in conversion/
+    from conversion.base import ModelBase, TextModel      # llama.cpp of 2026: the model classes live in conversion/
 except ImportError:
-    TextModel = c.TextModel
+    ModelBase, TextModel = c.ModelBase, c.TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+def or_bpe(set_vocab):              # a family that wants a SentencePiece / Llama vocabulary takes ours as BPE
+    def run(self, *a, **kw):
+        try:
+            return set_vocab(self, *a, **kw)
+        except (FileNotFoundError, ImportError):
+            return self._set_vocab_gpt2()
+    return run
+TextModel._set_vocab_sentencepiece = or_bpe(TextModel._set_vocab_sentencepiece)
+TextModel._set_vocab_llama_hf = or_bpe(TextModel._set_vocab_llama_hf)
+if {raw_config!r}:                  # config.json as written, not as transformers re-derives it
+    import json
+    ModelBase.load_hparams = staticmethod(lambda d, *a, **kw: json.load(open(d / "config.json")))
 sys.argv = ["convert_hf_to_gguf.py", {hf!r}, "--outfile", {out!r}, "--outtype", {outtype!r}, *{extra!r}]
 c.main()
 """
 
 
-def convert_to_gguf(hf: str, out: str, outtype: str, extra: list[str] = ()):
+def convert_to_gguf(hf: str, out: str, outtype: str, extra: list[str] = (), raw_config: bool = False):
     """llama.cpp's convert_hf_to_gguf.py on a transformers directory -> one GGUF file (written atomically); `extra`:
-    more of its flags."""
+    more of its flags; `raw_config`: the converter reads config.json as written (else through transformers)."""
     from ..errors import HybridLMError
     src = llama_cpp_sources()
     tmp = out + ".tmp"
     code = _CONVERT.format(gguf_py=os.path.join(src, "gguf-py"), src=src, hf=hf, out=tmp, outtype=outtype,
-                        extra=list(extra))
+                        extra=list(extra), raw_config=raw_config)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         raise HybridLMError(f"llama.cpp's converter failed on {hf}: "

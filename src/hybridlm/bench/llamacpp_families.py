@@ -128,10 +128,26 @@ def _fix_dir(name: str, d: str) -> None:
     if name == "falcon-h1":                  # the converter reads head_dim, which transformers derives and drops
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     if name == "nemotron-h" and "E" not in cfg.get("hybrid_override_pattern", ""):
-        for k in ("num_experts_per_tok", "n_routed_experts"):    # written always; the converter reads them as MoE
+        for k in ("num_experts_per_tok", "n_routed_experts", "n_group", "topk_group"):   # written always: read as MoE
             cfg.pop(k, None)
-    if name == "kimi-linear":                # llama.cpp's quantizer reads the router's activation by this name
+    if name == "nemotron-h":                 # the converter reads the released pattern string ("M-M*-"); transformers
+        letters = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
+                   "moe": "E"}                                   # 5 writes it as a list of its own names
+        cfg["hybrid_override_pattern"] = "".join(letters[t] for t in cfg.pop("layers_block_type"))
+        cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
+    if name == "granite-4":                  # the converter knows the released names of the layer types
+        cfg["layer_types"] = ["attention" if t.endswith("attention") and t != "linear_attention" else "mamba"
+                              for t in cfg["layer_types"]]
+    if name == "kimi-linear":                # the released config's keys, which the converter and quantizer read
         cfg.setdefault("moe_router_activation_func", "sigmoid")
+        types = cfg["layer_types"]
+        cfg.setdefault("linear_attn_config", {
+            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+            "kda_layers": [i + 1 for i, t in enumerate(types) if t != "full_attention"],
+            "head_dim": cfg["linear_head_dim"], "num_heads": cfg["linear_num_heads"],
+            "short_conv_kernel_size": cfg.get("linear_conv_kernel_dim", 4)})
+        dense = cfg["mlp_layer_types"]
+        cfg.setdefault("first_k_dense_replace", next((i for i, t in enumerate(dense) if t != "dense"), len(dense)))
     if name == "bamba":                      # rotary dims as transformers applies them (partial RoPE)
         head = cfg["hidden_size"] // cfg["num_attention_heads"]
         cfg.setdefault("attn_rotary_emb", int(head * cfg.get("partial_rotary_factor", 0.5)))
@@ -183,7 +199,8 @@ def build_family(name: str, root: str, quick: bool = False) -> dict:
         convert_from_hf(hf, run)
     ggufs = {"bf16": os.path.join(d, "bf16.gguf")}
     if not os.path.isfile(ggufs["bf16"]):
-        convert_to_gguf(hf, ggufs["bf16"], "bf16", extra=["--no-mtp"] if name == "qwen3-next" else [])
+        convert_to_gguf(hf, ggufs["bf16"], "bf16", extra=["--no-mtp"] if name == "qwen3-next" else [],
+                        raw_config=name == "nemotron-h")     # transformers adds MoE keys it has no use for
     for rt, ftype in LLAMA_FTYPES.items():
         ggufs[rt] = os.path.join(d, f"{rt}.gguf")
         if not os.path.isfile(ggufs[rt]):
