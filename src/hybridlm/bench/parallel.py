@@ -46,10 +46,10 @@ def main(argv=None) -> int:
     from ..optim import make_optimizer
     from ..train.context_parallel import all_reduce_grads, context_parallel_forward
     from ..train.parallel import parallelize
-    from ..train.trainer import _setup_distributed
+    from ..train.trainer import setup_distributed
     from ..runtime import allocator_in_force, allocator_policy, set_allocator
     set_allocator(allocator_policy(args.parallel))      # the allocator `hybridlm train` runs with
-    rank, world, device, _ = _setup_distributed("auto")
+    rank, world, device, _ = setup_distributed("auto")
     cp = args.context_parallel and world > 1
     if args.batch % world and not cp:
         print(f"--batch {args.batch} must be divisible by the {world} ranks", file=sys.stderr)
