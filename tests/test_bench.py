@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hybridlm.bench import run
+from hybridlm.commands import bench as run
 from hybridlm.bench import measure as tp
 from hybridlm.errors import ConfigError
 
@@ -54,7 +54,7 @@ def test_twins_bench_smoke(tmp_path):
     """`hybridlm bench --suite twins`: every preset against its transformers twin on the same weights (build_twin
     checks their logits agree first), JSON and a markdown table; a flag the suite does not take is refused."""
     pytest.importorskip("transformers")
-    from hybridlm.bench.run import main
+    from hybridlm.commands.bench import main
     from hybridlm.bench.twins import twins
     from hybridlm.errors import ConfigError
     out = tmp_path / "twins.json"

@@ -4,8 +4,8 @@ the same inputs when those packages are installed (never a dependency), and our 
 and the CDMoE expert kernel (16,384 single-neuron experts, 64 per token, d_model 1024) against a gated MLP with
 the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`).
 
-    hybridlm bench --kernels                       # batch 8, T 2048 / 8192 / 16384, bf16
-    hybridlm bench --kernels --shapes 8x4096 --repeats 20
+    hybridlm bench --suite kernels                 # batch 8, T 2048 / 8192 / 16384, bf16
+    hybridlm bench --suite kernels --shapes 8x4096 --repeats 20
 """
 from typing import Callable
 
@@ -251,3 +251,8 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
         rows.append(bench_cdmoe(b, T, repeats, log))
     return {"rows": rows, "device": torch.cuda.get_device_name(), "shapes": shapes,
             "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "delta": GLA_HEADS, "cdmoe": CDMOE}, "torch": torch.__version__}
+
+
+def kernels_suite(s: dict, log=print) -> dict:
+    """The bench suite: settings shapes (None: SHAPES, quick QUICK_SHAPES), repeats, quick."""
+    return {"mode": "kernels", **run_kernels(s["shapes"], repeats=s["repeats"], quick=s["quick"], log=log)}
