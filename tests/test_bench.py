@@ -123,3 +123,15 @@ def test_nominal_peak_only_for_known_gpus_in_bf16(monkeypatch):
                               ("NVIDIA H100 80GB HBM3", torch.float32, None)):
         assert tp.nominal_peak_tflops("cuda", dtype) == want, name
     assert tp.nominal_peak_tflops("cpu", torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("layout", ["(W A)*2", "(F M)*2"])
+def test_mfu_counts_every_attention_letter(layout):
+    """FLOPs per token = 6·matmul params + 6·2·keys·H·D per attention layer, by hand: T = 64, 4 heads of 16; A and F
+    see T/2 = 32 keys per query on average, W (window 16) sees 16 - 16²/(2·64) = 14."""
+    from hybridlm.models import CausalLM, ModelConfig
+    cfg = ModelConfig(layout=layout, d_model=64, n_heads=4, vocab_size=64, max_seq_len=64, swa_window=16)
+    model = CausalLM(cfg)
+    keys = {"(W A)*2": 2 * 32 + 2 * 14, "(F M)*2": 2 * 32}[layout]
+    attention = 6 * 2 * keys * 4 * 16
+    assert tp.train_flops_per_token(model, 64) == 6 * tp.matmul_params(model) + attention
