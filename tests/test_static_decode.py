@@ -6,7 +6,7 @@ import torch
 
 from conftest import assert_batch_generates_like_single, assert_close
 from hybridlm.errors import InputError
-from hybridlm.models.causal_lm import cxx_compiler
+from hybridlm.ops.cpu_kernels import cxx_compiler
 from test_models import ALL, tiny
 
 CUDA = torch.cuda.is_available()

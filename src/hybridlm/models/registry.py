@@ -3,7 +3,8 @@
 An entry holds the letter's builder (config for this layer, layer index) -> nn.Module, its validator, its
 options (config fields that swap the module for another: `wm_dyn_mask` on A builds the dynamic-mask attention) and
 its traits, which the rest of the library asks of the letter instead of keeping lists of letters: the config fields
-it reads, whether it is attention-like, whether DDP must expect parameters without a gradient, and why context
+it reads, whether it is attention-like (and how many keys a query scores), whether a lightning indexer picks its keys,
+whether DDP must expect parameters without a gradient, and why context
 parallelism cannot run it. A trait that depends on options is a function of the layer's config.
 Builders that live in a family module (mixers_*.py) are named "module:function" and imported on first use, so the
 table is complete whatever was imported, in whatever order, and no module rewrites another's entry.
