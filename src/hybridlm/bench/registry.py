@@ -192,8 +192,8 @@ def settings(name: str, *, quick: bool = False, out: str | None = None, **flags)
     bad = [k for k in flags if k not in suite.defaults]
     if bad:
         raise ConfigError(f"--suite {name} does not take {', '.join(flag(k) for k in bad)}")
-    return dict(suite.defaults, **(suite.quick if quick else {}), **flags, quick=quick,
-                out=out or suite.out or os.path.join("runs", "bench", f"{name}.json"))
+    return {**suite.defaults, **(suite.quick if quick else {}), **flags, "quick": quick,
+            "out": out or suite.out or os.path.join("runs", "bench", f"{name}.json")}
 
 
 def meta(quick: bool) -> dict:
