@@ -135,3 +135,18 @@ def test_mfu_counts_every_attention_letter(layout):
     keys = {"(W A)*2": 2 * 32 + 2 * 14, "(F M)*2": 2 * 32}[layout]
     attention = 6 * 2 * keys * 4 * 16
     assert tp.train_flops_per_token(model, 64) == 6 * tp.matmul_params(model) + attention
+
+
+def test_suites_are_declared_one_way():
+    """Every suite is a registry row: a function that imports, quick settings among its defaults, each default a
+    flag; a flag its suite does not take, or a suite flag without --suite, is one clear error."""
+    from hybridlm.bench import registry
+    for name, suite in registry.SUITES.items():
+        assert callable(suite.function()) and set(suite.quick) <= set(suite.defaults), name
+    s = registry.settings("decode", quick=True, steps=3)
+    assert s["steps"] == 3 and s["context"] == 16 and s["out"].endswith("decode.json")
+    assert _args("--suite", "release", "--contexts", "16,32", "--weights", "int4").contexts == (16, 32)
+    with pytest.raises(ConfigError, match="--suite gla does not take --steps"):
+        run.main(_args("--suite", "gla", "--steps", "3"))
+    with pytest.raises(ConfigError, match="--dry-run apply to a --suite"):
+        run.main(_args("--dry-run"))
