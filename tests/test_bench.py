@@ -143,6 +143,8 @@ def test_suites_are_declared_one_way():
     from hybridlm.bench import registry
     for name, suite in registry.SUITES.items():
         assert callable(suite.function()) and set(suite.quick) <= set(suite.defaults), name
+    for key, users in registry.suite_keys().items():       # a flag several suites share has one type
+        assert len({registry.flag_type(registry.SUITES[n], key) for n in users}) == 1, key
     s = registry.settings("decode", quick=True, steps=3)
     assert s["steps"] == 3 and s["context"] == 16 and s["out"].endswith("decode.json")
     assert _args("--suite", "release", "--contexts", "16,32", "--weights", "int4").contexts == (16, 32)

@@ -122,7 +122,8 @@ def ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _flag_type(suite: Suite, key: str):
+def flag_type(suite: Suite, key: str):
+    """The argparse type of a settings key: that of its default, or `types[key]` ("shapes", a type)."""
     kind = suite.types.get(key, suite.defaults[key])
     if kind == "shapes" or (isinstance(kind, tuple) and kind and isinstance(kind[0], tuple)):
         return shapes
@@ -154,7 +155,7 @@ def add_flags(parser: argparse.ArgumentParser, names=None) -> None:
         if not users:
             continue
         suite = SUITES[users[0]]
-        kind = _flag_type(suite, key)
+        kind = flag_type(suite, key)
         helps = [SUITES[n].help[key] for n in users if key in SUITES[n].help]
         text = (helps[0] + "; " if helps else "") + "--suite " + ", ".join(
             f"{n}" + ("" if SUITES[n].defaults[key] in (None, False, "") else f" (default {_show(SUITES[n], key)})")
