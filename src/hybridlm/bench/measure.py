@@ -350,8 +350,8 @@ def attention_keys_per_query(seq_len: int, keys: int | None) -> float:
 
 
 def train_flops_per_token(model, seq_len: int) -> float:
-    """≈ 6·(matmul parameters) + the softmax-attention score and value flops, forward + backward: 6·2·keys·H·D per
-    attention layer, every letter the registry calls attention (A, F, W, L, I, ...; keys per query bounded by its
+    """≈ 6·(matmul parameters) + the softmax-attention score and value flops, forward + backward: 6·2·keys·H·D
+    per attention layer, every letter the registry calls attention (A, F, W, L, I, ...; keys per query bounded by its
     window or top-k). The recurrent mixers' state work (SSD intra-chunk, GLA) is not counted: MFU is then a lower
     bound."""
     f = 6.0 * matmul_params(model)

@@ -69,8 +69,8 @@ def write_tasks(directory: str) -> list[str]:
                       lambda m: m.group(1) + json.dumps(os.path.join(directory, m.group(2))), text, flags=re.M)
         path = os.path.join(directory, name)
         with open(path, "w") as f:
-            f.write("# written by `hybridlm eval --tasks-dir`: data_files are absolute, so lm-eval's CLI runs this task "
-                    "from any directory\n" + text)
+            f.write("# written by `hybridlm eval --tasks-dir`: data_files are absolute, so lm-eval's CLI runs this "
+                    "task from any directory\n" + text)
         written.append(path)
     return written
 
