@@ -224,7 +224,8 @@ def run_suite(name: str, s: dict, log=print) -> int:
 
 def main(name: str, argv: list[str] | None = None) -> int:
     """`python -m hybridlm.bench.MODULE`: the suite's own flags, --quick and --out."""
-    p = argparse.ArgumentParser(prog=f"python -m hybridlm.bench ({name})", description=SUITES[name].what)
+    module = SUITES[name].run.split(":")[0]
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}.{module}", description=SUITES[name].what)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test in seconds")
     p.add_argument("--out", default=None, help="JSON results file (default runs/bench/NAME.json)")
     add_flags(p, [name])
