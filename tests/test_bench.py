@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hybridlm.bench import run
+from hybridlm.commands import bench as run
 from hybridlm.bench import measure as tp
 from hybridlm.errors import ConfigError
 
@@ -54,7 +54,7 @@ def test_twins_bench_smoke(tmp_path):
     """`hybridlm bench --suite twins`: every preset against its transformers twin on the same weights (build_twin
     checks their logits agree first), JSON and a markdown table; a flag the suite does not take is refused."""
     pytest.importorskip("transformers")
-    from hybridlm.bench.run import main
+    from hybridlm.commands.bench import main
     from hybridlm.bench.twins import twins
     from hybridlm.errors import ConfigError
     out = tmp_path / "twins.json"
@@ -123,3 +123,32 @@ def test_nominal_peak_only_for_known_gpus_in_bf16(monkeypatch):
                               ("NVIDIA H100 80GB HBM3", torch.float32, None)):
         assert tp.nominal_peak_tflops("cuda", dtype) == want, name
     assert tp.nominal_peak_tflops("cpu", torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("layout", ["(W A)*2", "(F M)*2"])
+def test_mfu_counts_every_attention_letter(layout):
+    """FLOPs per token = 6·matmul params + 6·2·keys·H·D per attention layer, by hand: T = 64, 4 heads of 16; A and F
+    see T/2 = 32 keys per query on average, W (window 16) sees 16 - 16²/(2·64) = 14."""
+    from hybridlm.models import CausalLM, ModelConfig
+    cfg = ModelConfig(layout=layout, d_model=64, n_heads=4, vocab_size=64, max_seq_len=64, swa_window=16)
+    model = CausalLM(cfg)
+    keys = {"(W A)*2": 2 * 32 + 2 * 14, "(F M)*2": 2 * 32}[layout]
+    attention = 6 * 2 * keys * 4 * 16
+    assert tp.train_flops_per_token(model, 64) == 6 * tp.matmul_params(model) + attention
+
+
+def test_suites_are_declared_one_way():
+    """Every suite is a registry row: a function that imports, quick settings among its defaults, each default a
+    flag; a flag its suite does not take, or a suite flag without --suite, is one clear error."""
+    from hybridlm.bench import registry
+    for name, suite in registry.SUITES.items():
+        assert callable(suite.function()) and set(suite.quick) <= set(suite.defaults), name
+    for key, users in registry.suite_keys().items():       # a flag several suites share has one type
+        assert len({registry.flag_type(registry.SUITES[n], key) for n in users}) == 1, key
+    s = registry.settings("decode", quick=True, steps=3)
+    assert s["steps"] == 3 and s["context"] == 16 and s["out"].endswith("decode.json")
+    assert _args("--suite", "release", "--contexts", "16,32", "--weights", "int4").contexts == (16, 32)
+    with pytest.raises(ConfigError, match="--suite gla does not take --steps"):
+        run.main(_args("--suite", "gla", "--steps", "3"))
+    with pytest.raises(ConfigError, match="--dry-run apply to a --suite"):
+        run.main(_args("--dry-run"))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hybridlm.bench.measure import Case, clock, peak_memory, run_cases
-from hybridlm.bench.suites import SUITES
+from hybridlm.bench.registry import SUITES
 from hybridlm.cli import main
 
 
@@ -47,31 +47,34 @@ def test_memory_probe_sees_an_allocation():
     assert r["peak_bytes"] >= 16 * 2**20
 
 
-def test_parallel_quick(capsys):
+def test_parallel_quick(tmp_path):
+    """The parallel bench as a suite and through its module entry point (what torchrun runs)."""
     from hybridlm.bench.parallel import main as parallel
-    assert parallel(["--quick"]) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["world"] == 1 and res["tokens_per_s"] > 0 and res["train_peak_mb_per_rank"][0] > 0
+    out = tmp_path / "parallel.json"
+    assert parallel(["--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["suite"] == "parallel" and res["world"] == 1 and res["tokens_per_s"] > 0
+    assert res["train_peak_mb_per_rank"][0] > 0
 
 
-def test_llamacpp_suite_says_what_it_needs(monkeypatch):
+def test_llamacpp_suite_says_what_it_needs():
     from hybridlm.bench.llamacpp import llama_cpp_sources
     from hybridlm.errors import ConfigError
-    monkeypatch.setenv("HYBRIDLM_LLAMACPP_SRC", "/nonexistent")
-    with pytest.raises(ConfigError, match="convert_hf_to_gguf.*HYBRIDLM_LLAMACPP_SRC"):
-        llama_cpp_sources()
+    with pytest.raises(ConfigError, match="convert_hf_to_gguf.*--llamacpp-src"):
+        llama_cpp_sources("/nonexistent")
 
 
-def test_llamacpp_suite_quick(tmp_path, monkeypatch):
+def test_llamacpp_suite_quick(tmp_path):
     """Where llama-cpp-python and its sources are installed: the tiny models through both runtimes, and llama.cpp's
     float32 logits equal ours (the same weights, read by two programs)."""
     import os
     pytest.importorskip("llama_cpp")
-    if not os.path.isfile(os.path.join(os.environ.get("HYBRIDLM_LLAMACPP_SRC", ""), "convert_hf_to_gguf.py")):
-        pytest.skip("HYBRIDLM_LLAMACPP_SRC is not set to llama.cpp's sources")
-    monkeypatch.setenv("HYBRIDLM_LLAMACPP_BENCH", f"dir={tmp_path};runtimes=f32,q4_0")
+    src = os.environ.get("LLAMACPP_SRC", "")       # the test's own input: where llama.cpp's sources are
+    if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
+        pytest.skip("LLAMACPP_SRC is not set to llama.cpp's sources")
     out = tmp_path / "llamacpp.json"
-    assert main(["bench", "--suite", "llamacpp", "--quick", "--out", str(out)]) == 0
+    assert main(["bench", "--suite", "llamacpp", "--quick", "--dir", str(tmp_path), "--runtimes", "f32,q4_0",
+                 "--llamacpp-src", src, "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     for name, m in res["models"].items():
         agree = m["float32_agreement"]

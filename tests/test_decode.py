@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hybridlm.models.causal_lm import cxx_compiler
+from hybridlm.ops.cpu_kernels import cxx_compiler
 from test_models import ALL, tiny
 
 needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="torch.compile on CPU needs a C++ compiler")

@@ -241,3 +241,12 @@ def test_layering_order_matches_the_test():
 ])
 def test_the_checks_catch_what_is_missing(doc, finder, expected):
     assert finder(doc) == expected
+
+
+def test_every_environment_variable_is_on_its_page():
+    """docs/environment.md lists every variable the package reads (os.environ[...], .get, getenv)."""
+    read = set()
+    for path in SRC.rglob("*.py"):
+        read |= set(re.findall(r"(?:environ(?:\.get)?\(?\[?|getenv\()\s*[\"']([A-Z][A-Z0-9_]*)[\"']", path.read_text()))
+    page = (ROOT / "docs" / "environment.md").read_text()
+    assert read and sorted(v for v in read if f"`{v}`" not in page) == []

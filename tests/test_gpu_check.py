@@ -48,11 +48,18 @@ def test_dry_run_measures_every_part(dry):
     assert "### Correctness" in md and "### Decode" in md and "dry run" in md
 
 
-def test_budget_cuts_with_a_note():
+def test_budget_cuts_with_a_note_and_every_row_is_written():
+    """A part writes the results on each row, so a job that hangs past the run's timeout leaves the rows before it
+    (on an H200 the kernels part's GLA job, FLA autotuning, once outlived the run and took the SSD row with it)."""
     b = gpu.Budget(0.0)
     assert not b.fits("the big one", 1.0) and b.cut == ["the big one"]
-    res = gpu.run_gpu_check(dry_run=True, parts=["memory"], log=lambda *_: None, time_limit=120)
+    seen = []
+    res = gpu.run_gpu_check(dry_run=True, parts=["memory"], log=lambda *_: None, time_limit=120,
+                            write=lambda r: seen.append((r.get("running"), len(r["memory"]["rows"]))))
     assert res["memory"]["rows"] and res["memory"]["cut"] == []
+    n = len(res["memory"]["rows"])
+    assert seen == [("memory", k) for k in range(1, n + 1)] + [(None, n)]
+    assert "stopped during the memory part" in gpu.to_markdown(dict(res, running="memory"))
 
 
 def test_unknown_part_is_one_clear_error():

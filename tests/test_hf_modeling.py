@@ -152,6 +152,6 @@ def test_pipeline_continues_a_prompt_of_a_trained_run_directory_and_its_export(t
 
 def test_bench_suite_hf_quick():
     from hybridlm.bench.suites import hf_suite
-    res = hf_suite(quick=True, log=lambda *a: None)
+    res = hf_suite({"quick": True}, log=lambda *a: None)
     assert [r["arch"] for r in res["decode"]] == ["llama", "mamba2"]
     assert all(r["ours_tokens_per_s"] > 0 and r["wrapper_tokens_per_s"] > 0 for r in res["decode"])

@@ -13,7 +13,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "hybridlm"
 
 # lowest first; a package may import from its own rank and below
 LAYERS = [
-    {"errors", "jsonio", "runtime", "dtypes", "plots", "optim"},   # leaf utilities
+    {"errors", "jsonio", "runtime", "dtypes", "plots", "optim", "markdown"},   # leaf utilities
     {"ops"},
     {"context", "cache"},
     {"layers"},
@@ -77,3 +77,34 @@ def test_imports_go_down(path):
             if t != own and RANK.get(t, -1) > RANK[own]:
                 bad.append(f"line {line}: {own} imports {t}, a package above it")
     assert not bad, f"{path.relative_to(SRC)}: " + "; ".join(bad)
+
+
+def _package(parts: tuple) -> str:
+    """The package a module belongs to: ("bench", "gpu", "checks") -> "bench"; ("cli",) -> "cli"."""
+    return parts[0].removesuffix(".py")
+
+
+def _private_imports(path: pathlib.Path):
+    """(line, module, name) for every `from hybridlm.X import _name` where X is another package than path's."""
+    rel = path.relative_to(SRC).with_suffix("").parts
+    package = rel[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            target = list(package[:len(package) - (node.level - 1)]) + (node.module.split(".") if node.module else [])
+        elif node.module and node.module.startswith("hybridlm."):
+            target = node.module.split(".")[1:]
+        else:
+            continue
+        if target and target[0] != _package(rel):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    yield node.lineno, ".".join(target), a.name
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_private_name_crosses_a_package(path):
+    """What another package imports is public: an underscore says "this package's own"."""
+    bad = [f"line {line}: {name} from {module}" for line, module, name in _private_imports(path)]
+    assert not bad, f"{path.relative_to(SRC)} imports private names of another package: " + "; ".join(bad)

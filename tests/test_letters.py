@@ -293,3 +293,11 @@ def test_old_short_conv_names_load():
         0: {"d_conv": 2}}
     with pytest.raises(ConfigError, match=r"'ssd_d_conv' = 4 and 'conv_kernel' = 3: two names of one field \(d_conv"):
         ModelConfig.from_dict(dict(before, layout="SM CM", ssd_headdim=16))
+
+
+def test_attention_and_indexer_traits_answer_for_the_letters():
+    """Who asks "is this attention / does it pick keys with an indexer" asks the registry (FLOPs, ablations)."""
+    from hybridlm.models.registry import attention_layers, has_indexer
+    cfg = ModelConfig(layout="(W A S)*2 L", d_model=64, n_heads=4, vocab_size=64, swa_window=16, window=None)
+    assert [(x, k) for x, _, k in attention_layers(cfg)] == [("W", 16), ("A", None)] * 2 + [("L", None)]
+    assert not has_indexer(cfg) and has_indexer(ModelConfig(layout="I M", d_model=64, n_heads=4, vocab_size=64))

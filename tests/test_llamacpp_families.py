@@ -37,15 +37,19 @@ def test_unknown_family_is_one_clear_error():
 
 @pytest.mark.slow
 def test_families_through_llama_cpp_quick(tmp_path):
-    """Tiny models of every family: llama.cpp's converter and runtime beside hybridlm; the bf16 logits after the
-    prompt agree (two programs reading the same weights in bf16)."""
+    """Tiny models of every family: llama.cpp's converter and runtime beside hybridlm, through the command; the bf16
+    logits after the prompt agree (two programs reading the same weights in bf16)."""
+    from hybridlm.cli import main
     pytest.importorskip("llama_cpp")
-    if not os.path.isfile(os.path.join(os.environ.get("HYBRIDLM_LLAMACPP_SRC", ""), "convert_hf_to_gguf.py")):
-        pytest.skip("HYBRIDLM_LLAMACPP_SRC is not set to llama.cpp's sources")
-    res = lf.families_suite(sorted(lf.FAMILIES), quick=True, prompt=16, new=4, rounds=1, root=str(tmp_path),
-                            runtimes=("bf16", "q8_0"))
-    (tmp_path / "res.json").write_text(json.dumps(res))
+    src = os.environ.get("LLAMACPP_SRC", "")       # the test's own input
+    if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
+        pytest.skip("LLAMACPP_SRC is not set to llama.cpp's sources")
+    out = tmp_path / "families.json"
+    assert main(["bench", "--suite", "llamacpp", "--quick", "--families", "all", "--runtimes", "bf16,q8_0",
+                 "--llamacpp-src", src, "--dir", str(tmp_path), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
     for name, f in res["families"].items():
         agree = f["agreement"]
         assert agree["max_abs_logit_diff"] < 0.1 * max(1.0, agree["logit_scale"]), name
     assert len(res["rows"]) == 2 * len(lf.FAMILIES)
+    assert "| qwen3-next |" in (tmp_path / "families.md").read_text()

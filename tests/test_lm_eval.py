@@ -222,3 +222,36 @@ def test_cli_runs_local_tasks_and_names_unknown_ones(tmp_path):
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("hybridlm: error: unknown lm-eval task 'hybridlm_recal'")
     assert "hybridlm_recall" in lines[0]  # the nearest names
+
+
+def test_tasks_dir_tasks_load_from_any_directory(tmp_path, monkeypatch):
+    """`hybridlm eval --tasks-dir DIR` writes the shipped tasks with absolute data_files: lm-eval reads them from a
+    working directory that is neither DIR nor the package's."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+    r = hybridlm("eval", "--tasks-dir", tmp_path / "tasks", cwd=tmp_path)
+    assert r.returncode == 0 and "--include_path" in r.stdout, r.stderr
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tm = TaskManager(include_defaults=False, include_path=[str(tmp_path / "tasks")])
+    assert set(local_task_names()) <= set(tm.all_tasks)
+    docs = list(get_task_dict(["hybridlm_copy"], tm)["hybridlm_copy"].test_docs())
+    assert len(docs) == sum(1 for _ in open(os.path.join(TASKS_DIR, "words_test.jsonl")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["root", "tmp"])
+def test_lm_eval_cli_runs_written_tasks(tmp_path, where):
+    """lm-eval's own CLI (transformers' AutoModel through the checkpoint's remote code) runs hybridlm_copy from the
+    repository root and from a temporary directory."""
+    pytest.importorskip("transformers")
+    save_checkpoint(str(tmp_path / "run"), tiny_model(), tokenizer=ByteTokenizer())
+    assert hybridlm("eval", "--tasks-dir", tmp_path / "tasks").returncode == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.dirname(os.path.dirname(sys.modules["hybridlm"].__file__))
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                        f"pretrained={tmp_path / 'run' / 'checkpoint'},trust_remote_code=True", "--tasks",
+                        "hybridlm_copy", "--include_path", str(tmp_path / "tasks"), "--limit", "3", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600, cwd=root if where == "root" else tmp_path,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=src))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "hybridlm_copy" in r.stdout and "acc" in r.stdout

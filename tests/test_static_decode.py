@@ -6,7 +6,7 @@ import torch
 
 from conftest import assert_batch_generates_like_single, assert_close
 from hybridlm.errors import InputError
-from hybridlm.models.causal_lm import cxx_compiler
+from hybridlm.ops.cpu_kernels import cxx_compiler
 from test_models import ALL, tiny
 
 CUDA = torch.cuda.is_available()
@@ -118,12 +118,13 @@ def test_cuda_graph_decode(name):
                        m.generate(ids, 8, temperature=0, attention_mask=mask))
 
 
-def test_decode_bench_suite_quick(monkeypatch):
-    """`hybridlm bench --suite decode --quick`: a row per preset and mode, sizes taken from the environment."""
-    from hybridlm.bench.suites import SUITES, decode_suite
-    assert SUITES["decode"][0] is decode_suite
-    monkeypatch.setenv("HYBRIDLM_DECODE_BENCH", "presets=mamba2;steps=3;repeats=1")
-    out = decode_suite(quick=True, log=lambda *a: None)
+def test_decode_bench_suite_quick():
+    """`hybridlm bench --suite decode --quick`: a row per preset and mode, sizes taken from the flags."""
+    from hybridlm.bench import registry
+    from hybridlm.bench.suites import decode_suite
+    assert registry.SUITES["decode"].function() is decode_suite
+    out = decode_suite(registry.settings("decode", quick=True, presets="mamba2", steps=3, repeats=1),
+                       log=lambda *a: None)
     assert out["settings"]["steps"] == 3
     row = out["ms_per_token"]["mamba2"]
     assert set(row) == {"growing", "static"} | ({"static+graph"} if CUDA else set()) and min(row.values()) > 0

@@ -20,7 +20,7 @@ COMMANDS = {
     "info": ("hybridlm.commands.info", "layout, parameter count and inference cache size"),
     "demo": ("hybridlm.commands.demo", "train a small hybrid on Python sources in a few minutes, then sample"),
     "data": ("hybridlm.commands.data", "data prepare: tokenise a corpus into shards that training streams from disk"),
-    "bench": ("hybridlm.bench.run", "throughput, latency, memory and MFU measurements"),
+    "bench": ("hybridlm.commands.bench", "throughput, latency, memory and MFU measurements"),
     "consolidate": ("hybridlm.commands.consolidate", "one model.safetensors from an FSDP checkpoint's DCP shards"),
     "tokenizer": ("hybridlm.commands.tokenizer", "train a byte-level BPE tokenizer and save it (transformers-loadable)"),
     "convert": ("hybridlm.commands.convert", "transformers checkpoint directory <-> hybridlm checkpoint"),

@@ -173,3 +173,66 @@ def check_targets(res: dict) -> dict:
         t["mamba2_latency_long_over_short"] = dict(target=f"<= {TARGETS['latency_ratio_max']}", measured=r,
                                                    met=r <= TARGETS["latency_ratio_max"])
     return t
+
+
+def format_table(res: dict) -> str:
+    """The --compare-hf table, plain text (the instrument's own is instrument.format_table)."""
+    lines = ["training (forward+backward), tokens/s, medians of interleaved repeats"]
+    lines.append(f"{'arch':8s} {'batch':>9s} {'ours':>9s} {'hf':>9s} {'ratio':>6s} {'MFU ours':>9s} {'MFU hf':>7s}")
+    for r in res["train"]:
+        lines.append(f"{r['arch']:8s} {str(r['batch']) + 'x' + str(r['seq_len']):>9s} "
+                     f"{r['ours_tokens_per_s']:9.0f} {r['hf_tokens_per_s']:9.0f} {r['ratio']:6.2f} "
+                     f"{r['ours_mfu']:9.3f} {r['hf_mfu']:7.3f}")
+    lines.append("")
+    lines.append("greedy decode, batch 1 (first to last new token; prefill excluded); transformers eager")
+    lines.append(f"{'arch':8s} {'context':>8s} {'new':>4s} {'ours tok/s':>11s} {'hf tok/s':>9s} {'ratio':>6s} "
+                 f"{'ours e2e s':>11s} {'hf e2e s':>9s} {'compiled tok/s':>15s} {'ratio':>6s}")
+    for r in res["decode"]:
+        comp = f"{r['ours_compiled_tokens_per_s']:15.1f} {r['ratio_compiled']:6.2f}" \
+            if "ratio_compiled" in r else f"{'-':>15s} {'-':>6s}"
+        lines.append(f"{r['arch']:8s} {r['context']:8d} {r['new_tokens']:4d} {r['ours_tokens_per_s']:11.1f} "
+                     f"{r['hf_tokens_per_s']:9.1f} {r['ratio']:6.2f} {r['ours_end_to_end_s']:11.3f} "
+                     f"{r['hf_end_to_end_s']:9.3f} {comp}")
+    if res["latency"]:
+        lines.append("")
+        lines.append("mamba2 (ours) per-token decode latency")
+        for r in res["latency"]:
+            lines.append(f"  context {r['context']:6d}: {r['median_ms']:7.2f} ms/token (min {r['min_ms']:.2f}), "
+                         f"state {r['state_bytes']} bytes")
+    lines.append("")
+    lines.append("targets")
+    for k, t in res["targets"].items():
+        lines.append(f"  {k:36s} {t['target']:>8s}  measured {t['measured']:6.2f}  "
+                     f"{'met' if t['met'] else 'MISSED'}")
+    pk = res["matmul_peak_gflops"]
+    lines.append(f"matmul peak: {pk['start']:.1f} GFLOP/s at start, {pk['end']:.1f} at end")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> str:
+    """The --compare-hf PNG: speed ratios vs transformers and our decode latency vs context. -> its path."""
+    from ..plots import pyplot
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"train {r['arch']}\n{r['batch']}x{r['seq_len']}" for r in res["train"]] + \
+             [f"decode {r['arch']}\nctx {r['context']}" for r in res["decode"]]
+    ratios = [r["ratio"] for r in res["train"]] + [r["ratio"] for r in res["decode"]]
+    axes[0].bar(range(len(ratios)), ratios, color="tab:blue")
+    axes[0].axhline(1.0, color="gray", lw=1, ls="--")
+    axes[0].set_xticks(range(len(ratios)), labels, fontsize=7)
+    axes[0].set_ylabel("ours / transformers (higher is faster)")
+    axes[0].set_title("speed ratio vs transformers")
+    lat = res["latency"]
+    for name in sorted({r.get("preset", "mamba2") for r in lat}):
+        pts = [r for r in lat if r.get("preset", "mamba2") == name]
+        axes[1].plot([r["context"] for r in pts], [r["median_ms"] for r in pts], "o-", label=name)
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xlabel("context (tokens)")
+    axes[1].set_ylabel("ms per decoded token")
+    axes[1].set_title("decode latency vs context")
+    if lat:
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

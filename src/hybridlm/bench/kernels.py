@@ -1,11 +1,11 @@
-"""`hybridlm bench --kernels`: forward and forward+backward time of our Triton chunk kernels (ops/triton) at the
+"""`hybridlm bench --suite kernels`: forward and forward+backward time of our Triton chunk kernels (ops/triton) at the
 shapes of issue 15, next to mamba_ssm's `mamba_chunk_scan_combined` and flash-linear-attention's `chunk_gla` on
 the same inputs when those packages are installed (never a dependency), and our PyTorch ops on the same GPU;
 and the CDMoE expert kernel (16,384 single-neuron experts, 64 per token, d_model 1024) against a gated MLP with
 the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`).
 
-    hybridlm bench --kernels                       # batch 8, T 2048 / 8192 / 16384, bf16
-    hybridlm bench --kernels --shapes 8x4096 --repeats 20
+    hybridlm bench --suite kernels                 # batch 8, T 2048 / 8192 / 16384, bf16
+    hybridlm bench --suite kernels --shapes 8x4096 --repeats 20
 """
 from typing import Callable
 
@@ -235,11 +235,11 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
     "heads"}; SSD/GLA ratio_fwd_bwd <= 1.2 meets the issue's 'within 1.2x of mamba_ssm / FLA' target, CDMoE
     tokens_per_s_ratio_vs_mlp >= 0.5 its 'half the tokens/s of a gated MLP'."""
     if not torch.cuda.is_available():
-        raise ConfigError("bench --kernels times the Triton GPU kernels and needs a CUDA GPU; on a CPU the "
+        raise ConfigError("bench --suite kernels times the Triton GPU kernels and needs a CUDA GPU; on a CPU the "
                           "kernels are checked by tests/test_triton_kernels.py under TRITON_INTERPRET=1")
     from ..ops.triton import available
     if not available():
-        raise ConfigError("bench --kernels needs triton: pip install 'hybridlm[gpu]'")
+        raise ConfigError("bench --suite kernels needs triton: pip install 'hybridlm[gpu]'")
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     repeats = min(repeats, 3) if quick else repeats
     log("times in ms (medians of interleaved repeats, synchronised): forward, forward+backward")
@@ -251,3 +251,8 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
         rows.append(bench_cdmoe(b, T, repeats, log))
     return {"rows": rows, "device": torch.cuda.get_device_name(), "shapes": shapes,
             "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "delta": GLA_HEADS, "cdmoe": CDMOE}, "torch": torch.__version__}
+
+
+def kernels_suite(s: dict, log=print) -> dict:
+    """The bench suite: settings shapes (None: SHAPES, quick QUICK_SHAPES), repeats, quick."""
+    return {"mode": "kernels", **run_kernels(s["shapes"], repeats=s["repeats"], quick=s["quick"], log=log)}

@@ -13,12 +13,11 @@ counters are recorded too), and the two float32 runs' logits after the prompt co
 Needs `llama-cpp-python` built from source for this CPU and its sources for the converter:
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python llama-cpp-python
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
-    HYBRIDLM_LLAMACPP_SRC=llama_cpp_python-<version>/vendor/llama.cpp hybridlm bench --suite llamacpp --out F.json
-Settings: HYBRIDLM_LLAMACPP_BENCH="models=llama;prompt=128;new=64;rounds=2;dir=/tmp/llamacpp-bench"; --quick runs
-tiny models. On a CPU without bf16 units (no AVX512-BF16 / AMX) bf16 is emulated on both sides: float32 is the
-comparison that counts there.
+    hybridlm bench --suite llamacpp --llamacpp-src llama_cpp_python-<version>/vendor/llama.cpp --out F.json
+Settings (flags; registry.py): --models llama,mamba2 --prompt 128 --new 64 --rounds 2 --runtimes f32,bf16,q8_0,q4_0
+--dir runs/llamacpp; --quick runs tiny models. On a CPU without bf16 units (no AVX512-BF16 / AMX) bf16 is emulated
+on both sides: float32 is the comparison that counts there.
 """
-import json
 import os
 import subprocess
 import sys
@@ -34,37 +33,26 @@ MODELS = {"llama": dict(preset="llama", d_model=2048, n_layers=30, n_heads=32, n
 QUICK = {"llama": dict(preset="llama", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=256,
                        vocab_size=512),
          "mamba2": dict(preset="mamba2", d_model=128, n_layers=2, vocab_size=512)}
-DEFAULTS = dict(models="llama,mamba2", prompt=128, new=64, rounds=2, dir="/tmp/hybridlm-llamacpp",
-                runtimes="f32,bf16,q8_0,q4_0")
 # llama.cpp's weights -> hybridlm's at the same width
 PAIRS = {"f32": "float32", "bf16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
 LLAMA_FTYPES = {"q8_0": 7, "q4_0": 2}     # llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_Q4_0
 INT4_GROUP = 32                            # Q4_0 quantizes blocks of 32
 
 
-def _settings(quick: bool) -> dict:
-    s = dict(DEFAULTS, **(dict(prompt=16, new=8, rounds=1, dir="/tmp/hybridlm-llamacpp-quick") if quick else {}))
-    for item in filter(None, os.environ.get("HYBRIDLM_LLAMACPP_BENCH", "").split(";")):
-        key, _, val = item.partition("=")
-        s[key.strip()] = int(val) if key.strip() in ("prompt", "new", "rounds") else val.strip()
-    return s
-
-
-def llama_cpp_sources() -> str:
-    """The llama.cpp source tree with convert_hf_to_gguf.py (HYBRIDLM_LLAMACPP_SRC); one clear error without it."""
+def llama_cpp_sources(src: str) -> str:
+    """`src` if it is a llama.cpp source tree with convert_hf_to_gguf.py; one clear error otherwise."""
     from ..errors import ConfigError
-    src = os.environ.get("HYBRIDLM_LLAMACPP_SRC", "")
     if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
-        raise ConfigError("the llamacpp suite converts with llama.cpp's own convert_hf_to_gguf.py: set "
-                          "HYBRIDLM_LLAMACPP_SRC to the llama.cpp tree llama-cpp-python was built from (its sdist's "
+        raise ConfigError("the llamacpp suite converts with llama.cpp's own convert_hf_to_gguf.py: give "
+                          "--llamacpp-src, the llama.cpp tree llama-cpp-python was built from (its sdist's "
                           f"vendor/llama.cpp){'; got ' + repr(src) if src else ''}")
     return src
 
 
 # --- the weights, in both formats ----------------------------------------------------------------------------
-def build(name: str, size: dict, root: str) -> dict:
+def build(name: str, size: dict, root: str, src: str) -> dict:
     """A random model as a hybridlm checkpoint, its native transformers export and llama.cpp's GGUFs (made once;
-    reused when present). -> {"checkpoint", "hf", "gguf": {runtime: path}, "parameters"}."""
+    reused when present; `src`: llama.cpp's sources). -> {"checkpoint", "hf", "gguf": {runtime: path}, "parameters"}."""
     from ..checkpoint import save_checkpoint
     from ..data.tokenizer import BPETokenizer
     from ..hf.directory import export_to_hf
@@ -85,7 +73,7 @@ def build(name: str, size: dict, root: str) -> dict:
     ggufs = {"f32": os.path.join(d, "f32.gguf"), "bf16": os.path.join(d, "bf16.gguf")}
     for rt, path in ggufs.items():
         if not os.path.isfile(path):
-            convert_to_gguf(hf, path, rt)
+            convert_to_gguf(hf, path, rt, src)
     for rt, ftype in LLAMA_FTYPES.items():
         ggufs[rt] = os.path.join(d, f"{rt}.gguf")
         if not os.path.isfile(ggufs[rt]):
@@ -123,11 +111,12 @@ c.main()
 """
 
 
-def convert_to_gguf(hf: str, out: str, outtype: str, extra: list[str] = (), raw_config: bool = False):
-    """llama.cpp's convert_hf_to_gguf.py on a transformers directory -> one GGUF file (written atomically); `extra`:
-    more of its flags; `raw_config`: the converter reads config.json as written (else through transformers)."""
+def convert_to_gguf(hf: str, out: str, outtype: str, src: str, extra: list[str] = (), raw_config: bool = False):
+    """llama.cpp's convert_hf_to_gguf.py (from the sources `src`) on a transformers directory -> one GGUF file
+    (written atomically); `extra`: more of its flags; `raw_config`: the converter reads config.json as written
+    (else through transformers)."""
     from ..errors import HybridLMError
-    src = llama_cpp_sources()
+    src = llama_cpp_sources(src)
     tmp = out + ".tmp"
     code = _CONVERT.format(gguf_py=os.path.join(src, "gguf-py"), src=src, hf=hf, out=tmp, outtype=outtype,
                         extra=list(extra), raw_config=raw_config)
@@ -215,7 +204,9 @@ def hybridlm_job(checkpoint: str, weights: str, vocab: int, prompt: int, new: in
             "tokens": [int(t) for t in out], "last_logits": last[:vocab].tolist()}
 
 
-def llamacpp_suite(quick: bool = False, log=print) -> dict:
+def llamacpp_suite(s: dict, log=print) -> dict:
+    """Settings (registry.py): models, families, prompt, new, rounds, runtimes, dir, llamacpp_src, quick; with
+    `families`, the hybrid families of llamacpp_families.py instead of `models`."""
     from ..dtypes import cpu_flags
     from ..runtime import cpu_model
     from ..errors import ConfigError
@@ -224,16 +215,18 @@ def llamacpp_suite(quick: bool = False, log=print) -> dict:
     except ImportError:
         raise ConfigError('the llamacpp suite needs llama-cpp-python, built for this CPU: '
                           'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python llama-cpp-python') from None
-    llama_cpp_sources()
-    s = _settings(quick)
+    llama_cpp_sources(s["llamacpp_src"])
+    if s["families"]:
+        from .llamacpp_families import families_suite
+        return families_suite(s, log)
     threads = torch.get_num_threads()
-    sizes = QUICK if quick else MODELS
+    sizes = QUICK if s["quick"] else MODELS
     runtimes = s["runtimes"].split(",")
     out = {"settings": s, "threads": threads, "cpu": cpu_model(),
            "cpu_bf16": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()), "models": {}, "rows": []}
     for name in s["models"].split(","):
         t = time.perf_counter()
-        made = build(name, sizes[name], s["dir"])
+        made = build(name, sizes[name], s["dir"], s["llamacpp_src"])
         log(f"{name}: {made['parameters'] / 1e9:.2f}B parameters, GGUFs {', '.join(made['gguf'])} "
             f"({time.perf_counter() - t:.0f} s)")
         vocab = sizes[name]["vocab_size"]
@@ -271,5 +264,7 @@ def llamacpp_suite(quick: bool = False, log=print) -> dict:
     return out
 
 
+
 if __name__ == "__main__":
-    print(json.dumps(llamacpp_suite(quick="--quick" in sys.argv), indent=1)[:2000])
+    from .registry import main
+    sys.exit(main("llamacpp"))

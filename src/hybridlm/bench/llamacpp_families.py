@@ -104,7 +104,7 @@ FAMILIES = {
 }
 VOCAB = 32000
 RUNTIMES = ("bf16", "q8_0", "q4_0")
-PAIRS = {"bf16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
+PAIRS = {"f32": "float32", "bf16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
 
 
 def family_config(name: str, quick: bool = False):
@@ -176,9 +176,10 @@ def _rename_tensors(d: str, rename) -> None:
         os.replace(index + ".tmp", index)
 
 
-def build_family(name: str, root: str, quick: bool = False) -> dict:
-    """Family `name` as a transformers directory, llama.cpp's GGUFs of it and hybridlm's checkpoint of it (made
-    once, reused when present). -> {"hf", "checkpoint", "gguf": {runtime: path}, "parameters", "vocab"}."""
+def build_family(name: str, root: str, src: str, quick: bool = False, runtimes=RUNTIMES) -> dict:
+    """Family `name` as a transformers directory, hybridlm's checkpoint of it and llama.cpp's GGUFs of it at
+    `runtimes` (made once, reused when present; `src`: llama.cpp's sources).
+    -> {"hf", "checkpoint", "gguf": {runtime: path}, "parameters", "vocab"}."""
     import transformers
     from ..data.tokenizer import BPETokenizer
     from ..hf.directory import convert_from_hf
@@ -188,6 +189,7 @@ def build_family(name: str, root: str, quick: bool = False) -> dict:
     if not os.path.isfile(os.path.join(hf, "config.json")):
         torch.manual_seed(0)
         model = getattr(transformers, FAMILIES[name][0].replace("Config", "ForCausalLM"))(cfg).eval()
+        model = model.to(torch.bfloat16)     # the weights both runtimes read, bf16 as released
         tmp = hf + ".tmp"
         model.save_pretrained(tmp)
         del model
@@ -197,13 +199,13 @@ def build_family(name: str, root: str, quick: bool = False) -> dict:
         os.replace(tmp, hf)
     if not os.path.isdir(run):
         convert_from_hf(hf, run)
-    ggufs = {"bf16": os.path.join(d, "bf16.gguf")}
-    if not os.path.isfile(ggufs["bf16"]):
-        convert_to_gguf(hf, ggufs["bf16"], "bf16", extra=["--no-mtp"] if name == "qwen3-next" else [],
-                        raw_config=name == "nemotron-h")     # transformers adds MoE keys it has no use for
+    ggufs = {rt: os.path.join(d, f"{rt}.gguf") for rt in ("bf16", *runtimes)}
+    for rt in ("bf16", "f32"):
+        if rt in ggufs and not os.path.isfile(ggufs[rt]):
+            convert_to_gguf(hf, ggufs[rt], rt, src, extra=["--no-mtp"] if name == "qwen3-next" else [],
+                            raw_config=name == "nemotron-h")     # transformers adds MoE keys it has no use for
     for rt, ftype in LLAMA_FTYPES.items():
-        ggufs[rt] = os.path.join(d, f"{rt}.gguf")
-        if not os.path.isfile(ggufs[rt]):
+        if rt in ggufs and not os.path.isfile(ggufs[rt]):
             quantize_gguf(ggufs["bf16"], ggufs[rt], ftype)
     with torch.device("meta"):
         params = sum(p.numel() for p in getattr(transformers, FAMILIES[name][0].replace("Config", "ForCausalLM"))(
@@ -211,24 +213,31 @@ def build_family(name: str, root: str, quick: bool = False) -> dict:
     return {"hf": hf, "checkpoint": run, "gguf": ggufs, "parameters": params, "vocab": cfg.vocab_size}
 
 
-def families_suite(families: list[str], quick: bool = False, prompt: int = 128, new: int = 64, rounds: int = 2,
-                   root: str = "/tmp/hybridlm-llamacpp-families", runtimes=RUNTIMES, log=print) -> dict:
-    """Every family of `families` built (build_family), then llama.cpp and hybridlm at each runtime of `runtimes`
-    in fresh processes, interleaved round by round. -> {"rows": [...], "families": {name: agreement}}."""
+def families_suite(s: dict, log=print) -> dict:
+    """`--suite llamacpp --families ...`: every family built (build_family), then llama.cpp and hybridlm at each of
+    `runtimes` in fresh processes, interleaved round by round. Settings (registry.py): families ("all" or a comma
+    list), prompt, new, rounds, runtimes, dir, llamacpp_src, quick. -> {"rows": [...], "families": {...}}."""
     from ..dtypes import cpu_flags
+    from ..errors import ConfigError
     from ..runtime import cpu_model
+    families = list(FAMILIES) if s["families"] == "all" else s["families"].split(",")
+    runtimes = tuple(s["runtimes"].split(","))
+    bad = [rt for rt in runtimes if rt not in PAIRS]
+    if bad:
+        raise ConfigError(f"--runtimes {','.join(bad)}: the families run {', '.join(PAIRS)}")
+    for name in families:
+        family_config(name)                          # one clear error for a misspelt family, before any work
+    prompt, new, quick = s["prompt"], s["new"], s["quick"]
     threads = torch.get_num_threads()
-    out = {"settings": dict(families=families, prompt=prompt, new=new, rounds=rounds, runtimes=list(runtimes),
-                            quick=quick),
-           "threads": threads, "cpu": cpu_model(), "cpu_bf16": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()),
-           "families": {}, "rows": []}
+    out = {"settings": dict(s), "threads": threads, "cpu": cpu_model(),
+           "cpu_bf16": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()), "families": {}, "rows": []}
     for name in families:
         t = time.perf_counter()
-        made = build_family(name, root, quick)
+        made = build_family(name, os.path.join(s["dir"], "families"), s["llamacpp_src"], quick, runtimes)
         log(f"{name}: {made['parameters'] / 1e9:.2f}B parameters ({time.perf_counter() - t:.0f} s to build)")
         runs = {k: [] for rt in runtimes for k in (rt, PAIRS[rt])}
         job = dict(vocab=made["vocab"], prompt=prompt, new=new)
-        for _ in range(rounds):                      # interleaved: every configuration once per round
+        for _ in range(s["rounds"]):                 # interleaved: every configuration once per round
             for rt in runtimes:
                 runs[rt].append(ms.fresh(llamacpp_job, gguf=made["gguf"][rt], threads=threads, **job))
                 runs[PAIRS[rt]].append(ms.fresh(hybridlm_job, checkpoint=made["checkpoint"], weights=PAIRS[rt],
@@ -254,16 +263,17 @@ def families_suite(families: list[str], quick: bool = False, prompt: int = 128, 
                 f"{ms.median(row['decode_tokens_per_s']['hybridlm']):6.2f} tok/s ({row['decode_ratio']:.2f}x); "
                 f"prefill {ms.median(row['prefill_tokens_per_s']['llamacpp']):6.1f} vs "
                 f"{ms.median(row['prefill_tokens_per_s']['hybridlm']):6.1f} ({row['prefill_ratio']:.2f}x)")
+    out["markdown"] = families_table(out)
     return out
 
 
 def families_table(res: dict) -> str:
-    """The suite's result as a markdown table: one row per family and runtime pair."""
-    lines = ["| family | params | llama.cpp | decode tok/s | hybridlm | decode tok/s | ratio | prefill ratio |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        lines.append(f"| {r['family']} | {r['parameters'] / 1e9:.2f}B | {r['llamacpp']} | "
-                     f"{ms.median(r['decode_tokens_per_s']['llamacpp']):.1f} | {r['hybridlm']} | "
-                     f"{ms.median(r['decode_tokens_per_s']['hybridlm']):.1f} | {r['decode_ratio']:.2f}x | "
-                     f"{r['prefill_ratio']:.2f}x |")
-    return "\n".join(lines) + "\n"
+    """The suite's result as markdown: one row per family and runtime pair, medians over the rounds."""
+    from ..markdown import markdown_table
+    med = ms.median
+    rows = [[r["family"], f"{r['parameters'] / 1e9:.2f}B", f"{r['llamacpp']} / {r['hybridlm']}",
+             f"{med(r['decode_tokens_per_s']['llamacpp']):.1f}", f"{med(r['decode_tokens_per_s']['hybridlm']):.1f}",
+             f"{r['decode_ratio']:.2f}x", f"{med(r['prefill_tokens_per_s']['llamacpp']):.0f} / "
+             f"{med(r['prefill_tokens_per_s']['hybridlm']):.0f}", f"{r['prefill_ratio']:.2f}x"] for r in res["rows"]]
+    return "\n".join(markdown_table(["family", "params", "llama.cpp / hybridlm", "decode llama.cpp", "decode hybridlm",
+                                      "decode ratio", "prefill tok/s", "prefill ratio"], rows)) + "\n"

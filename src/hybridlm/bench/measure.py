@@ -341,17 +341,25 @@ def matmul_params(model) -> int:
     return n
 
 
+def attention_keys_per_query(seq_len: int, keys: int | None) -> float:
+    """Mean keys a causal query scores over a sequence of `seq_len`: T/2 for full attention, w - w²/2T under a
+    window (or top-k) of w < T keys."""
+    if keys is None or keys >= seq_len:
+        return seq_len / 2
+    return keys - keys * keys / (2 * seq_len)
+
+
 def train_flops_per_token(model, seq_len: int) -> float:
-    """≈ 6·(matmul parameters) + causal attention score/value flops (6·2·T/2·H·D per attention layer),
-    for forward + backward. SSD's intra-chunk work is not counted (MFU is then a lower bound)."""
+    """≈ 6·(matmul parameters) + the softmax-attention score and value flops, forward + backward: 6·2·keys·H·D
+    per attention layer, every letter the registry calls attention (A, F, W, L, I, ...; keys per query bounded by its
+    window or top-k). The recurrent mixers' state work (SSD intra-chunk, GLA) is not counted: MFU is then a lower
+    bound."""
     f = 6.0 * matmul_params(model)
     cfg = getattr(model, "config", None)
-    layout = getattr(cfg, "layout", "")
-    if layout:
-        from ..models.layout import flatten, parse_layout
-        from ..models.registry import LETTERS
-        n_attn = flatten(parse_layout(layout, LETTERS.keys())).count("A")
-        f += 6.0 * 2 * (seq_len / 2) * cfg.n_heads * cfg.attn_head_dim * n_attn
+    if getattr(cfg, "layout", ""):
+        from ..models.registry import attention_layers
+        for _, c, keys in attention_layers(cfg):
+            f += 6.0 * 2 * attention_keys_per_query(seq_len, keys) * c.n_heads * c.attn_head_dim
     return f
 
 

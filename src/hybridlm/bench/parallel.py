@@ -1,17 +1,17 @@
-"""Training tokens/s and peak memory per rank under DDP or FSDP2 (train/parallel.py), on random tokens.
+"""`hybridlm bench --suite parallel`: training tokens/s and peak memory per rank under DDP or FSDP2
+(train/parallel.py), on random tokens.
 
-    OMP_NUM_THREADS=1 python -m hybridlm.bench.parallel                            # one process
+    OMP_NUM_THREADS=1 hybridlm bench --suite parallel                              # one process
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m hybridlm.bench.parallel --parallel fsdp
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m hybridlm.bench.parallel --context-parallel --batch 1 --seq-len 16384
 
 `--batch` is the global batch (split over the ranks), so every run does the same work per step; with
 `--context-parallel` every rank reads the whole batch and runs its 1/world of each sequence (train/context_parallel.py),
-so the peak per rank at a sequence length, against one process's, is what bounds the longest trainable sequence. Prints one
-JSON line on rank 0: median tokens/s over the timed steps (measure.clock), and per rank (measure.peak_memory) the
+so the peak per rank at a sequence length, against one process's, is what bounds the longest trainable sequence.
+Rank 0 prints one JSON line and writes it (--out, default runs/bench/parallel.json): median tokens/s over the timed steps (measure.clock), and per rank (measure.peak_memory) the
 process's peak resident memory (CPU) or peak allocated CUDA memory, the peak of the training steps alone (after
 the model was built and sharded), and the peak before the model was built.
 """
-import argparse
 import json
 import sys
 
@@ -21,39 +21,23 @@ import torch.distributed as dist
 from . import measure as ms
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.parallel", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="mamba2-attention")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=4, help="global batch, split over the ranks")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup-steps)")
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--parallel", default="auto", choices=["auto", "ddp", "fsdp"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--grad-checkpointing", action="store_true")
-    p.add_argument("--context-parallel", action="store_true",
-                   help="split each sequence over all ranks instead of splitting the batch")
-    p.add_argument("--quick", action="store_true", help="tiny sizes and steps: a smoke test in seconds")
-    args = p.parse_args(argv)
-    if args.quick:
-        vars(args).update(d_model=64, n_layers=2, vocab_size=512, batch=2, seq_len=64, steps=2, warmup_steps=1)
-
+def parallel_suite(s: dict, log=print) -> dict | None:
+    """The bench suite (settings: registry.py). -> the result on rank 0 (also logged as one JSON line), None on the
+    other ranks."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(**s)
     from ..models import CausalLM, presets
     from ..optim import make_optimizer
     from ..train.context_parallel import all_reduce_grads, context_parallel_forward
     from ..train.parallel import parallelize
-    from ..train.trainer import _setup_distributed
+    from ..train.trainer import setup_distributed
     from ..runtime import allocator_in_force, allocator_policy, set_allocator
     set_allocator(allocator_policy(args.parallel))      # the allocator `hybridlm train` runs with
-    rank, world, device, _ = _setup_distributed("auto")
+    rank, world, device, _ = setup_distributed("auto")
     cp = args.context_parallel and world > 1
     if args.batch % world and not cp:
-        print(f"--batch {args.batch} must be divisible by the {world} ranks", file=sys.stderr)
-        return 2
+        from ..errors import ConfigError
+        raise ConfigError(f"--batch {args.batch} must be divisible by the {world} ranks")
     before = ms.peak_memory(lambda: None, device)["process_peak_bytes"] / 2 ** 20
     torch.manual_seed(0)
     cfg = presets.get(args.preset, n_layers=args.n_layers, d_model=args.d_model, vocab_size=args.vocab_size,
@@ -94,8 +78,9 @@ def main(argv=None) -> int:
         peaks = [None] * world
         dist.all_gather_object(peaks, mine)
         dist.destroy_process_group()
-    if rank == 0:
-        print(json.dumps({"preset": args.preset, "d_model": args.d_model, "n_layers": args.n_layers,
+    if rank != 0:
+        return None
+    res = {"preset": args.preset, "d_model": args.d_model, "n_layers": args.n_layers,
                           "params": model.num_parameters(), "world": world,
                           "parallel": "context" if cp else par.mode,
                           "allocator": allocator_in_force(), "compile": args.compile, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
@@ -103,8 +88,15 @@ def main(argv=None) -> int:
                           "step_s": [round(t, 3) for t in times],
                           "peak_mb_per_rank": [round(b) for _, b, _ in peaks],
                           "train_peak_mb_per_rank": [c and round(c) for _, _, c in peaks],
-                          "before_model_mb_per_rank": [round(a) for a, _, _ in peaks]}))
-    return 0
+                          "before_model_mb_per_rank": [round(a) for a, _, _ in peaks]}
+    log(json.dumps(res))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hybridlm.bench.parallel` (and under torchrun): `hybridlm bench --suite parallel`."""
+    from .registry import main as suite_main
+    return suite_main("parallel", argv)
 
 
 if __name__ == "__main__":

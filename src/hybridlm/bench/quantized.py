@@ -5,27 +5,13 @@ heads / 4 KV heads, SwiGLU 5632, vocab 32000: 1.1B) and a Rodimus+ of the same w
 (float32 where the CPU has no bf16 units). The three models share every float tensor the quantized ones keep.
 
     hybridlm bench --suite quantize [--quick] --out runs/bench/quantize.json
-    HYBRIDLM_QUANT_BENCH="presets=llama;n_layers=4;context=128;steps=32" hybridlm bench --suite quantize
+    hybridlm bench --suite quantize --presets llama --n-layers 4 --context 128 --steps 32
 """
-import os
-
 import torch
 
 from . import measure as ms
 
-FULL = dict(presets="llama,rodimus++", d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_hidden=5632,
-            vocab_size=32000, context=128, steps=32, repeats=3, group_size=64)
-QUICK = dict(presets="llama,rodimus++", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=256,
-             vocab_size=512, context=16, steps=4, repeats=1, group_size=32)
 SCHEMES = ("float", "int8", "int4")
-
-
-def _settings(quick: bool) -> dict:
-    s = dict(QUICK if quick else FULL)
-    for item in filter(None, os.environ.get("HYBRIDLM_QUANT_BENCH", "").split(";")):
-        key, _, val = item.partition("=")
-        s[key.strip()] = val.strip() if key.strip() == "presets" else int(val)
-    return s
 
 
 def variants(model, group_size: int) -> dict:
@@ -56,12 +42,13 @@ def profile_step(step, n: int = 3, top: int = 12) -> list[dict]:
              "calls_per_step": e.count / n} for e in events[:top]]
 
 
-def quantize_suite(quick=False, log=print) -> dict:
+def quantize_suite(s: dict, log=print) -> dict:
+    """Settings (registry.py): presets, d_model, n_layers, n_heads, n_kv_heads, mlp_hidden, vocab_size, context,
+    steps, repeats, group_size."""
     from ..dtypes import resolve_dtype
     from ..models import CausalLM, presets
     from ..dtypes import cpu_flags
     from ..runtime import cpu_model
-    s = _settings(quick)
     dtype_name, label = resolve_dtype("auto", "cpu")
     dtype = getattr(torch, dtype_name)
     out = {"settings": s, "dtype": label, "threads": torch.get_num_threads(), "cpu": cpu_model(),

@@ -3,12 +3,11 @@ format at the largest Rodimus+ size of the paper's tables (Rodimus++-1.6B: d 204
 vocabulary, bfloat16 shards), convert it (time, peak RSS), then decode it and a Transformer++ of about the same
 parameter count at two context lengths (tokens/s, inference-cache bytes, peak RSS), with float, int8 and int4 weights
 (models/quantize.py, `--weights`), through the project's CPU kernels (ops/cpu_kernels.py). Each measurement runs
-in a process of its own (measure.fresh), so each peak RSS is its own (measure.peak_memory); the rows go to stdout and, with --out, to a JSON file.
+in a process of its own (measure.fresh), so each peak RSS is its own (measure.peak_memory).
 
-    python -m hybridlm.bench.rodimus_release --dir /tmp/rodimus-release [--quick] [--out runs/bench/release.json]
-    hybridlm generate --checkpoint /tmp/rodimus-release/run --chat --prompt hi --max-new-tokens 8 [--dtype float32]
+    hybridlm bench --suite release [--dir runs/rodimus-release] [--quick] [--out runs/bench/release.json]
+    hybridlm generate --checkpoint runs/rodimus-release/run --chat --prompt hi --max-new-tokens 8 [--dtype float32]
 """
-import argparse
 import json
 import os
 import sys
@@ -131,44 +130,42 @@ def _decode(which: str, ckpt: str, context: int, steps: int, size: dict, weights
             "prefill_s": prefill, "decode_tokens_per_s": steps / dt, "cache_mib": cache.nbytes / 2 ** 20}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="/tmp/rodimus-release", help="scratch directory (several GB for the full size)")
-    p.add_argument("--quick", action="store_true", help="a small model (checks the pipeline in seconds)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[128, 4096])
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed per measurement")
-    p.add_argument("--skip-write", action="store_true", help="reuse the release directory already in --dir")
-    p.add_argument("--weights", nargs="+", choices=["float", "int8", "int4"], default=["float", "int8", "int4"],
-                   help="weights to decode with (int4: groups of 64)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="activations and float weights (auto: bfloat16 where the CPU has bf16 units, else float32)")
-    p.add_argument("--out", default=None, help="also write the results to this JSON file")
-    a = p.parse_args(argv)
+def release_suite(s: dict, log=print) -> dict:
+    """The bench suite: settings dir, contexts, steps, skip_write, weights ("float,int8,int4"), dtype, quick."""
     from ..dtypes import resolve_dtype
-    dtype, why = resolve_dtype(a.dtype, "cpu")
-    print(f"dtype {why}; CPU {machine_meta()['cpu_model']}", flush=True)
-    size = SIZES["quick" if a.quick else "full"]
-    src, run = os.path.join(a.dir, "release"), os.path.join(a.dir, "run")
-    if not a.skip_write:
+    from ..errors import ConfigError
+    weights = [w.strip() for w in s["weights"].split(",") if w.strip()]
+    bad = [w for w in weights if w not in ("float", "int8", "int4")]
+    if bad or s["dtype"] not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"--weights takes float,int8,int4 and --dtype auto, bfloat16 or float32 "
+                          f"(got {s['weights']!r}, {s['dtype']!r})")
+    dtype, why = resolve_dtype(s["dtype"], "cpu")
+    log(f"dtype {why}; CPU {machine_meta()['cpu_model']}")
+    size = SIZES["quick" if s["quick"] else "full"]
+    src, run = os.path.join(s["dir"], "release"), os.path.join(s["dir"], "run")
+    if not s["skip_write"]:
         t = ms.clock({"write": lambda: write_release(src, size)}, 1, 0)["write"][0]
-        print(f"wrote {src} in {t:.0f} s", flush=True)
+        log(f"wrote {src} in {t:.0f} s")
     conv = ms.fresh(convert_job, src=src, out=run)
-    print(f"convert: {conv['seconds']:.1f} s, peak RSS {conv['peak_rss_mib']:.0f} MiB (of which anonymous "
-          f"{conv.get('peak_anon_mib', 0):.0f} MiB; the rest are mapped source pages)", flush=True)
+    log(f"convert: {conv['seconds']:.1f} s, peak RSS {conv['peak_rss_mib']:.0f} MiB (of which anonymous "
+        f"{conv.get('peak_anon_mib', 0):.0f} MiB; the rest are mapped source pages)")
     rows = []
-    for ctx in a.contexts:
-        for which, weights in [(w, q) for w in ("rodimus+", "transformer++") for q in a.weights]:
+    for ctx in s["contexts"]:
+        for which, w in [(m, q) for m in ("rodimus+", "transformer++") for q in weights]:
             rows.append(ms.fresh(decode_job, which=which, ckpt=os.path.join(run, "checkpoint"), context=ctx,
-                                 steps=a.steps, size=size, weights=weights, dtype=dtype))
+                                 steps=s["steps"], size=size, weights=w, dtype=dtype))
             r = rows[-1]
-            print(f"{r['model']:<14} {weights:<5} {r['layout']:<10} {r['parameters'] / 1e9:.2f}B  context {ctx:>5}: "
-                  f"{r['decode_tokens_per_s']:6.2f} tok/s, cache {r['cache_mib']:7.1f} MiB, peak RSS "
-                  f"{r['peak_rss_mib']:6.0f} MiB, anonymous {r.get('peak_anon_mib', 0):6.0f} MiB (prefill "
-                  f"{r['prefill_s']:.0f} s)", flush=True)
-    print(json.dumps({"convert": conv, "decode": rows}))
-    if a.out:
-        ms.write_results(a.out, {"convert": conv, "decode": rows}, machine_meta())
-    return 0
+            log(f"{r['model']:<14} {w:<5} {r['layout']:<10} {r['parameters'] / 1e9:.2f}B  context {ctx:>5}: "
+                f"{r['decode_tokens_per_s']:6.2f} tok/s, cache {r['cache_mib']:7.1f} MiB, peak RSS "
+                f"{r['peak_rss_mib']:6.0f} MiB, anonymous {r.get('peak_anon_mib', 0):6.0f} MiB (prefill "
+                f"{r['prefill_s']:.0f} s)")
+    return {"convert": conv, "decode": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hybridlm.bench.rodimus_release`: `hybridlm bench --suite release` under its old name."""
+    from .registry import main as suite_main
+    return suite_main("release", argv)
 
 
 if __name__ == "__main__":

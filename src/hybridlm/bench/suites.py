@@ -1,10 +1,9 @@
-"""`hybridlm bench --suite NAME [--quick]`: the named suites, each a function (quick, log) -> JSON-able dict built
-from `measure.Case`s (op level, preset level, ours vs transformers) timed by the one clock. SUITES lists them.
+"""The small bench suites, each a function (settings, log) -> JSON-able dict built from `measure.Case`s (op level,
+preset level, ours vs transformers) timed by the one clock; registry.py declares them (and their settings).
 
     hybridlm bench --suite rodimus --quick --out runs/bench/rodimus.json
 """
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -54,11 +53,13 @@ def op_speedups(cases: list[ms.Case], repeats: int, log) -> dict:
     return {"threads": torch.get_num_threads(), "rows": rows, **out}
 
 
-def gla_suite(quick=False, log=print) -> dict:
+def gla_suite(s: dict, log=print) -> dict:
+    quick = s["quick"]
     return op_speedups([op_case("gla", T=512 if quick else 2048)], 1 if quick else 3, log)
 
 
-def delta_suite(quick=False, log=print) -> dict:
+def delta_suite(s: dict, log=print) -> dict:
+    quick = s["quick"]
     T = 512 if quick else 2048
     return op_speedups([op_case(k, T=T, V=64) for k in ("delta", "delta-kda")], 1 if quick else 3, log)
 
@@ -117,9 +118,10 @@ def cdmoe_vs_mlp(case: ms.Case, repeats: int) -> dict:
                 **{f"{r['variant']}_ms": 1e3 * r["median_s"] for r in rows})
 
 
-def moe_suite(quick=False, log=print) -> dict:
+def moe_suite(s: dict, log=print) -> dict:
     """The CDMoE layer vs gated MLPs with its time broken into parts (on a shared machine, compare on a quiet one:
     the layer runs ~100 small ops to the MLP's ~15, so multi-threaded runs understate its ratio)."""
+    quick = s["quick"]
     kw = dict(d_model=64, num_experts=1024, top_k=16, tokens=256) if quick else {}
     res = cdmoe_vs_mlp(cdmoe_case(breakdown=True, **kw), 2 if quick else 7)
     log("  ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()))
@@ -148,8 +150,9 @@ def doge_vs_hf(d_model=256, n_layers=4, vocab_size=8192, batch=4, seq_len=512, n
                 target=2.0, met=o / h >= 2.0, threads=torch.get_num_threads())
 
 
-def wm_suite(quick=False, log=print) -> dict:
+def wm_suite(s: dict, log=print) -> dict:
     """Wonderful Matrices (issue 3): CDMoE >= 0.5x a gated MLP's tokens/s; doge >= 2x transformers' Doge-MoE."""
+    quick = s["quick"]
     if quick:
         cd = cdmoe_vs_mlp(cdmoe_case(d_model=64, num_experts=1024, top_k=16, tokens=256), 2)
         dg = doge_vs_hf(d_model=64, n_layers=2, vocab_size=512, batch=2, seq_len=64, num_experts=1024, top_k=16,
@@ -180,9 +183,10 @@ def explicit_attention(q, k, v, mask):
     return (torch.softmax(att, dim=-1) @ v).transpose(1, 2)
 
 
-def attention_suite(quick=False, log=print) -> dict:
+def attention_suite(s: dict, log=print) -> dict:
     """Peak torch-tensor bytes (measure.peak_memory, what="tensors") and time of explicit softmax attention vs the
     tiled flash_attention, batch 1, fp32, causal, forward and forward+backward; flash alone at twice the length."""
+    quick = s["quick"]
     from ..ops.flash import flash_attention
     T, H, D, bs = (512, 2, 32, 64) if quick else (4096, 4, 64, 128)
     torch.manual_seed(0)
@@ -220,9 +224,10 @@ def attention_suite(quick=False, log=print) -> dict:
 
 
 # --- preset level ----------------------------------------------------------------------------------------------------
-def mla_suite(quick=False, log=print) -> dict:
+def mla_suite(s: dict, log=print) -> dict:
     """MLA cache bytes per token (measured vs the formula) and one-token decode latency of the absorbed and expanded
     paths against a Transformer++ of the same width, after prefilling each context, all interleaved."""
+    quick = s["quick"]
     from ..layers.mla import MLA
     from ..models.mixers_deepseek import mla_sizes
     d, heads, layers, contexts, steps, V = (128, 4, 2, (64, 256), 4, 257) if quick else \
@@ -283,10 +288,11 @@ def state_vs_mamba2(d_model: int = 256) -> dict:
     return out
 
 
-def rodimus_suite(quick=False, log=print) -> dict:
+def rodimus_suite(s: dict, log=print) -> dict:
     """Rodimus* (issue 4): the chunked GLA op at Rodimus' shapes, state vs Mamba-2, constant cache and flat decode
     latency against context (prefill in chunks of 1024), training tokens/s vs Mamba-2 at equal parameters (6 R
     layers ~ 7 S layers at d 256)."""
+    quick = s["quick"]
     T = 256 if quick else 2048
     res = {"gla_fwd_bwd": op_speedups([op_case("gla", T=T, H=1, K=64, V=512)], 2 if quick else 3, log)[f"gla T={T}"]}
     st = res["state_vs_mamba2"] = state_vs_mamba2(64 if quick else 256)
@@ -322,21 +328,11 @@ def rodimus_suite(quick=False, log=print) -> dict:
     return res
 
 
-DECODE = dict(presets="transformer++,mamba2,rodimus++,cheems,deepseek-mla", d_model=768, n_layers=12,
-              vocab_size=32000, context=512, steps=256, repeats=3)
-DECODE_QUICK = dict(presets="transformer++,mamba2", d_model=64, n_layers=2, vocab_size=512, context=16, steps=8,
-                    repeats=2)
-
-
-def decode_suite(quick=False, log=print) -> dict:
+def decode_suite(s: dict, log=print) -> dict:
     """Decode ms/token at batch 1: the growing-cache step vs the static-shape step (`CausalLM.static_decode_step`),
     eager, and on CUDA also as a CUDA graph (torch.compile "reduce-overhead"); CUDA in bf16 when present, else CPU
-    float32. Each timed call decodes `steps` tokens after an untimed prefill. Sizes from the environment:
-    HYBRIDLM_DECODE_BENCH="presets=transformer++,mamba2;d_model=768;n_layers=12;context=512;steps=256"."""
-    s = dict(DECODE_QUICK if quick else DECODE)
-    for item in filter(None, os.environ.get("HYBRIDLM_DECODE_BENCH", "").split(";")):
-        key, _, val = item.partition("=")
-        s[key.strip()] = val.strip() if key.strip() == "presets" else int(val)
+    float32. Each timed call decodes `steps` tokens after an untimed prefill. Settings: presets, d_model,
+    n_layers, vocab_size, context, steps, repeats."""
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     modes = ["growing", "static"] + (["static+graph"] if cuda else [])
@@ -362,64 +358,33 @@ def decode_suite(quick=False, log=print) -> dict:
 
 
 # --- ours vs transformers --------------------------------------------------------------------------------------------
-def hf_suite(quick=False, log=print) -> dict:
+def hf_suite(s: dict, log=print) -> dict:
     """Greedy decode tokens/s of transformers' generate() through HybridLMForCausalLM against our own `stream` on the
     same CausalLM, at the --compare-hf sizes; ratio = ours / wrapper (1.0: the wrapper costs nothing)."""
     from ..hf.modeling import HybridLMForCausalLM
     from .compare_hf import ARCHS, FULL, QUICK, decode_rows
-    s, rows = QUICK if quick else FULL, []
+    c, rows = QUICK if s["quick"] else FULL, []
     for arch, preset in ARCHS.items():
-        ours = _model(preset, n_layers=s["n_layers"], d_model=s["d_model"], vocab_size=s["vocab_size"],
-                      max_seq_len=s["context"] + s["new_tokens"] + 1, **(s.get("overrides") or {}).get(arch, {}))
+        ours = _model(preset, n_layers=c["n_layers"], d_model=c["d_model"], vocab_size=c["vocab_size"],
+                      max_seq_len=c["context"] + c["new_tokens"] + 1, **(c.get("overrides") or {}).get(arch, {}))
         wrapper = HybridLMForCausalLM.from_model(ours).eval()
-        for row in decode_rows(arch, wrapper, ours, s["context"], s["new_tokens"], s["decode_repeats"], compile=False,
+        for row in decode_rows(arch, wrapper, ours, c["context"], c["new_tokens"], c["decode_repeats"], compile=False,
                                log=log):
             rows.append({("wrapper" + k[2:] if k.startswith("hf_") else k): v for k, v in row.items()})
     log("ratio = ours tokens/s / wrapper tokens/s (1.0: the wrapper costs nothing)")
-    return {"settings": {k: v for k, v in s.items() if k != "overrides"}, "decode": rows}
+    return {"settings": {k: v for k, v in c.items() if k != "overrides"}, "decode": rows}
 
 
-def twins_suite(quick=False, log=print, presets=None, d_model=None, n_layers=None, vocab_size=None, shapes=None,
-                repeats=None) -> dict:
-    """Every preset of hf.common.TWINS (or `presets`) against its transformers twin, training steps on the same
+def twins_suite(s: dict, log=print) -> dict:
+    """Every preset of hf.common.TWINS (or s["presets"]) against its transformers twin, training steps on the same
     weights; the result carries its markdown table (written beside the JSON)."""
     from .twins import run, to_markdown, twins
     known = twins()
-    names = sorted(known) if presets is None else [n.strip() for n in presets.split(",") if n.strip()]
+    names = [n.strip() for n in s["presets"].split(",") if n.strip()] or sorted(known)
     unknown = [n for n in names if n not in known]
     if unknown:
         from ..errors import ConfigError
         raise ConfigError(f"no transformers twin for {', '.join(unknown)} (have: {', '.join(sorted(known))})")
-    base = dict(d_model=64, n_layers=2, vocab_size=256, shapes=((1, 32),), repeats=1) if quick else \
-        dict(d_model=256, n_layers=4, vocab_size=8192, shapes=((4, 512),), repeats=5)
-    given = dict(d_model=d_model, n_layers=n_layers, vocab_size=vocab_size, shapes=shapes, repeats=repeats)
-    res = run(names, **{**base, **{k: v for k, v in given.items() if v is not None}}, log=log)
+    res = run(names, d_model=s["d_model"], n_layers=s["n_layers"], vocab_size=s["vocab_size"], shapes=s["shapes"],
+              repeats=s["repeats"], log=log)
     return dict(res, markdown=to_markdown(res))
-
-
-def lazy_suite(module: str, fn: str):
-    """A suite kept in a module of its own, imported when it runs."""
-    def run(quick=False, log=print):
-        import importlib
-        return getattr(importlib.import_module(f"{__package__}.{module}"), fn)(quick=quick, log=log)
-    return run
-
-
-# name -> (suite, what it measures): `hybridlm bench --suite NAME`
-SUITES = {
-    "wm": (wm_suite, "CDMoE vs gated MLP, doge vs transformers Doge-MoE"),
-    "moe": (moe_suite, "CDMoE layer vs gated MLP with a breakdown of its time"),
-    "mla": (mla_suite, "MLA latent cache size, absorbed vs expanded decode"),
-    "rodimus": (rodimus_suite, "GLA op speed, Rodimus cache and latency vs context and vs Mamba-2"),
-    "gla": (gla_suite, "gated linear attention, chunked vs token loop"),
-    "delta": (delta_suite, "gated delta rule, chunked WY form vs token loop"),
-    "attention": (attention_suite, "peak memory of explicit softmax attention vs flash_attention"),
-    "decode": (decode_suite, "decode ms/token, growing vs static step vs CUDA graph"),
-    "hf": (hf_suite, "transformers generate() through HybridLMForCausalLM vs ours"),
-    "twins": (twins_suite, "every public-hybrid preset vs its transformers twin, training"),
-    "gpu": (None, "the GPU check: correctness, kernels vs FLA, training MFU, decode, memory (--dry-run: on CPU)"),
-    "quantize": (lazy_suite("quantized", "quantize_suite"),
-                 "float vs int8 vs int4 weights: prefill and decode tokens/s, a profile of one step"),
-    "llamacpp": (lazy_suite("llamacpp", "llamacpp_suite"),
-                 "llama.cpp beside hybridlm on the same Llama / Mamba-2 weights (needs llama-cpp-python)"),
-}

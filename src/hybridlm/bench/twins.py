@@ -11,6 +11,7 @@ others', and medians are reported as tokens/s and the ratio ours / transformers.
 """
 import torch
 
+from ..markdown import markdown_table
 from . import measure as ms
 
 NATIVE = ("transformer++", "mamba2")         # exactly transformers' Llama / Mamba-2 (hf/native.py)
@@ -80,11 +81,10 @@ def to_markdown(res: dict) -> str:
     st = res["settings"]
     lines = [f"Training step (forward + backward, no optimizer) of each preset and its transformers twin on the same "
              f"weights: d_model {st['d_model']}, {st['n_layers']} transformers layers, vocab {st['vocab_size']}, "
-             f"float32, {res['threads']} threads, medians of {st['repeats']} interleaved repeats.", "",
-             "| preset | transformers class | layout | batch×T | parameters | ours tok/s | transformers tok/s | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in res["train"]:
-        lines.append(f"| `{r['preset']}` | `{r['hf_class']}` | `{r['layout']}` | {r['batch']}×{r['seq_len']} | "
-                     f"{r['parameters']:,} | {r['ours_tokens_per_s']:,.0f} | {r['hf_tokens_per_s']:,.0f} | "
-                     f"{r['ratio']:.2f} |")
+             f"float32, {res['threads']} threads, medians of {st['repeats']} interleaved repeats.", ""]
+    lines += markdown_table(["preset", "transformers class", "layout", "batch×T", "parameters", "ours tok/s",
+                             "transformers tok/s", "ratio"],
+                            [[f"`{r['preset']}`", f"`{r['hf_class']}`", f"`{r['layout']}`",
+                              f"{r['batch']}×{r['seq_len']}", f"{r['parameters']:,}", f"{r['ours_tokens_per_s']:,.0f}",
+                              f"{r['hf_tokens_per_s']:,.0f}", f"{r['ratio']:.2f}"] for r in res["train"]])
     return "\n".join(lines) + "\n"

@@ -10,8 +10,17 @@ from .common import add_quantize_args, add_tokenizer_arg, other_tokenizer, out, 
 
 
 def main(args) -> int:
+    from ..errors import ConfigError
+    if args.tasks_dir:          # the shipped tasks for lm-eval's own CLI (absolute data_files)
+        from ..eval.harness_tasks import write_tasks
+        written = write_tasks(args.tasks_dir)
+        out(f"wrote {len(written)} lm-eval tasks to {args.tasks_dir}: lm_eval --model hf --model_args "
+            f"pretrained=RUN,trust_remote_code=True --tasks hybridlm_copy --include_path {args.tasks_dir}")
+        if not args.checkpoint:
+            return 0
+    if not args.checkpoint:
+        raise ConfigError("--checkpoint is required (except with --tasks-dir alone)")
     if args.tasks and args.quantize:
-        from ..errors import ConfigError
         raise ConfigError("--quantize goes with the validation perplexity; for --tasks quantize the checkpoint "
                           "first (hybridlm convert --checkpoint RUN --quantize ... --out RUN2)")
     if args.tasks:  # lm-evaluation-harness tasks instead of the validation perplexity (eval/harness_tasks.py)
@@ -65,7 +74,8 @@ def main(args) -> int:
 
 
 def add_arguments(p):
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory (or the run directory holding one); required but with --tasks-dir")
     add_tokenizer_arg(p)
     p.add_argument("--data", default=None,
                    help="data to evaluate on, text, token ids or a `data prepare` directory as for train (default: "
@@ -83,6 +93,9 @@ def add_arguments(p):
                    help="at most this many examples per task (a fraction if < 1), for quick checks")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--output", default=None, metavar="FILE", help="write lm-eval's results as JSON here")
+    p.add_argument("--tasks-dir", default=None, metavar="DIR",
+                   help="write the shipped lm-eval tasks (and their data) into DIR with absolute data_files, so "
+                        "lm-eval's own CLI runs them from any directory (--include_path DIR)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="bfloat16: autocast (float32 weights); auto (default): bfloat16 on CPUs with AMX-BF16 or "
                         "AVX512-BF16, else float32 (training's default resolves the same way, so the figures agree)")

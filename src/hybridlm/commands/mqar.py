@@ -15,7 +15,7 @@ import argparse
 
 from ..runtime import machine_meta
 from ..eval.mqar_plots import write_plots
-from ..eval.mqar_sweep import (DEFAULT_LAYOUTS, _run_point, _trial_key, build_config, merge, parse_layouts, read_done,
+from ..eval.mqar_sweep import (DEFAULT_LAYOUTS, build_config, merge, parse_layouts, read_done, run_point, trial_key,
                                write_results)
 from .common import out
 
@@ -132,15 +132,15 @@ def _run(jobs: list[dict], n: int, done: dict, report):
     """The jobs in this process, or in n single-thread processes whose runs are reported as they finish."""
     if n == 1:
         for job in jobs:
-            _run_point(job)
+            run_point(job)
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
     with ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_run_point, dict(j, report=_noop)) for j in jobs]
+        futs = [pool.submit(run_point, dict(j, report=_noop)) for j in jobs]
         for fut in as_completed(futs):
             for t in fut.result():
-                if _trial_key(t) not in done:
+                if trial_key(t) not in done:
                     report(t)
 
 

@@ -16,8 +16,9 @@ import glob
 import json
 import os
 
-from ..eval.claims import (_on_cpu, ablation_verdict, bench_claims,
-                           cpu_hours, gpu_step_times, mqar_claims, pending_rows)
+from ..eval.claims import (ablation_verdict, bench_claims, cpu_hours, gpu_step_times, mqar_claims, on_cpu,
+                           pending_rows)
+from ..markdown import markdown_table
 from .common import out
 
 
@@ -43,11 +44,6 @@ def collect(results_dir: str) -> dict:
 
 
 # --- rendering -----------------------------------------------------------------------------------------------
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
-           ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-
-
 def _rel(path: str, page_dir: str) -> str:
     return os.path.relpath(path, page_dir).replace(os.sep, "/")
 
@@ -82,8 +78,8 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
     shown = 6                                    # a merged sweep has one command per point: the rest are in the json
     L += [f"Command{'s' * (len(cmds) > 1)}: " + ", ".join(f"`{c}`" for c in cmds[:shown])
           + (f" and {len(cmds) - shown} more (meta.commands of mqar.json)" if len(cmds) > shown else "") + "  ",
-          f"Machine: {_meta_line(meta, [t.get('load_avg') for t in trials if _on_cpu(t)])}."]
-    gpu = [t for t in trials if not _on_cpu(t)]
+          f"Machine: {_meta_line(meta, [t.get('load_avg') for t in trials if on_cpu(t)])}."]
+    gpu = [t for t in trials if not on_cpu(t)]
     if gpu:
         names = sorted({t["device"].removeprefix("cuda (").removesuffix(")") for t in gpu})
         L += ["", f"{len(gpu)} of the {len(trials)} runs ran on a GPU ({', '.join(names)}; `--device cuda`, same "
@@ -106,21 +102,23 @@ def _mqar_section(mq: dict, out_dir: str, page_dir: str, main: bool) -> list[str
               f"ones after a run still rising when its budget ends, since they learn slower), seeds "
               f"{sorted({t['seed'] for t in trials if 'seed' in t}) or st['seeds']}. Accuracy is the mean over seeds "
               f"of each seed's best lr; `steps` is the first seed's steps to stop. {len(trials)} runs, "
-              f"{sum(t.get('wall_s', 0) for t in trials if _on_cpu(t)) / 3600:.1f} CPU-hours (one thread each)"
+              f"{sum(t.get('wall_s', 0) for t in trials if on_cpu(t)) / 3600:.1f} CPU-hours (one thread each)"
               + (f" and {sum(t.get('wall_s', 0) for t in gpu) / 3600:.1f} GPU-process-hours" if gpu else "") + ".",
               ""]
     pending = pending_rows(mq)
     for T in sorted({r["seq_len"] for r in mq["rows"]}):
         rows = [r for r in mq["rows"] if r["seq_len"] == T]
         L += [f"T = {T}, {rows[0]['num_pairs']} pairs:", ""]
-        L += _table(["name", "layout", "d_model", "accuracy", "seeds min..max", "params", "state bytes", "lr", "steps"]
-                    + ["devices"] * bool(gpu),
-                    [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['accuracy']:.3f}",
-                      f"{r.get('accuracy_min', r['accuracy']):.3f}..{r.get('accuracy_max', r['accuracy']):.3f}",
-                      f"{r['params']:,}", f"{r['state_bytes']:,}" if r.get("state_bytes") else "-", f"{r['lr']:g}",
-                      f"{r['steps']:,}" + (" ↑" if r.get("rising") else "") + (" *" if pending(r) else "")]
-                     + [", ".join(d.split(" (")[0] for d in r.get("devices") or ["cpu"])] * bool(gpu)
-                     for r in rows])
+        L += markdown_table(["name", "layout", "d_model", "accuracy", "seeds min..max", "params", "state bytes", "lr",
+                             "steps"]
+                            + ["devices"] * bool(gpu),
+                            [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['accuracy']:.3f}",
+                              f"{r.get('accuracy_min', r['accuracy']):.3f}..{r.get('accuracy_max', r['accuracy']):.3f}",
+                              f"{r['params']:,}", f"{r['state_bytes']:,}" if r.get("state_bytes") else "-",
+                              f"{r['lr']:g}",
+                              f"{r['steps']:,}" + (" ↑" if r.get("rising") else "") + (" *" if pending(r) else "")]
+                             + [", ".join(d.split(" (")[0] for d in r.get("devices") or ["cpu"])] * bool(gpu)
+                             for r in rows])
         L.append("")
     if any(r.get("rising") for r in mq["rows"]):
         L += ["↑: still gaining at the end of the budget (more than 0.02 over its last quarter): the budget, not the "
@@ -148,7 +146,7 @@ def _intro(res: dict, page: str, note: str) -> list[str]:
         L += [note, ""]
     hours = cpu_hours(res)
     gpu_runs = [t for m in [res["mqar"]] * bool(res.get("mqar")) + list(res.get("mqar_extra", {}).values())
-                for t in m["meta"].get("trials", []) if not _on_cpu(t)]
+                for t in m["meta"].get("trials", []) if not on_cpu(t)]
     if any(hours.values()):
         L += ["**Cost of this evidence** (sum of the runs' wall times, one torch thread each; `bash "
               "scripts/evidence.sh` reruns it, part by part and resumably): " + ", ".join(
@@ -182,9 +180,10 @@ def _claims_section(res: dict, margin: float) -> list[str]:
          "designs, which differ in several things; the isolated pairing beside it changes only what the claim "
          "names (tests/test_ablate.py holds every recipe to the fields its claims list). MQAR verdicts treat 0.02 "
          "accuracy as noise.", ""]
-    return L + _table(["claim", "source", "paper", "here", "verdict"],
-                      [[c["claim"], c["source"].split(",")[0], c.get("paper", ""), c["here"], f"**{c['verdict']}**"]
-                       for c in claims])
+    return L + markdown_table(["claim", "source", "paper", "here", "verdict"],
+                              [[c["claim"], c["source"].split(",")[0], c.get("paper", ""), c["here"],
+                                f"**{c['verdict']}**"]
+                               for c in claims])
 
 
 def _ablation(a: dict, page_dir: str) -> list[str]:
@@ -204,13 +203,14 @@ def _ablation(a: dict, page_dir: str) -> list[str]:
           f"{m.get('minutes_per_model', '?')} min per model on 2 cores; the slowest took {wall:.1f} min here.", "",
           f"Command: `{m.get('command', '')}`  ", f"Machine: {_meta_line(m)}, {m.get('time', '')}.", ""]
     lens = sorted({n for r in a["rows"] for n in r.get("val_loss_at", {})}, key=int)
-    L += _table(["configuration", "layout", "d_model", "params", "active params", "val loss (mean ± s.d.)",
-                 "per seed", *[f"val loss at {n}" for n in lens], "tokens/s", "wall s per seed"],
-                [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['params']:,}", f"{r.get('active_params', 0):,}",
-                  _pm(r["val_loss"], r.get("val_loss_std")),
-                  " / ".join(f"{v:.3f}" for v in r.get("val_losses", [])),
-                  *[_pm(r["val_loss_at"][n], (r.get("val_loss_at_std") or {}).get(n)) for n in lens],
-                  f"{r['tokens_per_s']:,.0f}", f"{r['wall_s']:.0f}"] for r in a["rows"]])
+    L += markdown_table(["configuration", "layout", "d_model", "params", "active params", "val loss (mean ± s.d.)",
+                         "per seed", *[f"val loss at {n}" for n in lens], "tokens/s", "wall s per seed"],
+                        [[r["name"], f"`{r['layout']}`", r["d_model"], f"{r['params']:,}",
+                          f"{r.get('active_params', 0):,}",
+                          _pm(r["val_loss"], r.get("val_loss_std")),
+                          " / ".join(f"{v:.3f}" for v in r.get("val_losses", [])),
+                          *[_pm(r["val_loss_at"][n], (r.get("val_loss_at_std") or {}).get(n)) for n in lens],
+                          f"{r['tokens_per_s']:,.0f}", f"{r['wall_s']:.0f}"] for r in a["rows"]])
     png = os.path.join(a["_dir"], "curves.png")
     if os.path.exists(png):
         L += ["", f"![loss curves]({_rel(png, page_dir)})"]
@@ -238,25 +238,27 @@ def _bench_section(res: dict, page_dir: str) -> list[str]:
     L += [f"Command: `{bn['meta'].get('command', '')}`  ", f"Machine: {_meta_line(bn['meta'])}; fp32 matmul peak "
           f"{bn['matmul_peak_gflops']['start']:.1f} GFLOP/s at the start, {bn['matmul_peak_gflops']['end']:.1f} "
           "at the end of the run. Training rows are medians of repeats interleaved across presets.", ""]
-    L += _table(["preset", "layout", "d_model", "mixer layers", "params"],
-                [[n, f"`{c['config']['layout']}`", c["d_model"], c["mixer_layers"], f"{c['parameters']:,}"]
-                 for n, c in bn["configs"].items()])
+    L += markdown_table(["preset", "layout", "d_model", "mixer layers", "params"],
+                        [[n, f"`{c['config']['layout']}`", c["d_model"], c["mixer_layers"], f"{c['parameters']:,}"]
+                         for n, c in bn["configs"].items()])
     mem = {(m["preset"], m["batch"], m["seq_len"], m["step"]): m["peak_bytes"] for m in bn.get("memory", [])}
     best = max(v for k, v in bn["matmul_peak_gflops"].items() if k != "all")
     L += ["", f"MFU below is against the best matmul peak of the run ({best:.1f} GFLOP/s)."]
-    L += [""] + _table(["preset", "mode", "shape", "fwd+bwd tokens/s", "MFU", "fwd tokens/s", "peak MiB fwd+bwd",
-                        "… with full logits", "peak MiB prefill"],
-                       [[r["preset"], r["mode"], f"{r['batch']}×{r['seq_len']}", f"{r['train_tokens_per_s']:,.0f}",
-                         f"{r['train_tokens_per_s'] * r['flops_per_token'] / (best * 1e9):.2f}",
-                         f"{r['forward_tokens_per_s']:,.0f}",
-                         *[f"{mem[k] / 2**20:,.0f}" if k in mem and r["mode"] == "eager" else "-"
-                           for k in ((r["preset"], r["batch"], r["seq_len"], "train"),
-                                     (r["preset"], r["batch"], r["seq_len"], "train-full-logits"),
-                                     (r["preset"], r["batch"], r["seq_len"], "forward"))]]
-                        for r in bn["train"]])
-    L += [""] + _table(["preset", "context", "ms/token", "state bytes"],
-                       [[r["preset"], r["context"], f"{r['median_ms']:.2f}", f"{r['state_bytes']:,}"]
-                        for r in bn["latency"]])
+    L += [""] + markdown_table(["preset", "mode", "shape", "fwd+bwd tokens/s", "MFU", "fwd tokens/s",
+                                "peak MiB fwd+bwd",
+                                "… with full logits", "peak MiB prefill"],
+                               [[r["preset"], r["mode"], f"{r['batch']}×{r['seq_len']}",
+                                 f"{r['train_tokens_per_s']:,.0f}",
+                                 f"{r['train_tokens_per_s'] * r['flops_per_token'] / (best * 1e9):.2f}",
+                                 f"{r['forward_tokens_per_s']:,.0f}",
+                                 *[f"{mem[k] / 2**20:,.0f}" if k in mem and r["mode"] == "eager" else "-"
+                                   for k in ((r["preset"], r["batch"], r["seq_len"], "train"),
+                                             (r["preset"], r["batch"], r["seq_len"], "train-full-logits"),
+                                             (r["preset"], r["batch"], r["seq_len"], "forward"))]]
+                                for r in bn["train"]])
+    L += [""] + markdown_table(["preset", "context", "ms/token", "state bytes"],
+                               [[r["preset"], r["context"], f"{r['median_ms']:.2f}", f"{r['state_bytes']:,}"]
+                                for r in bn["latency"]])
     L.append("")
     for p in bn.get("plots", []):
         if os.path.exists(p) or os.path.exists(os.path.join(res["dir"], "bench", os.path.basename(p))):

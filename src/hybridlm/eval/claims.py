@@ -242,7 +242,7 @@ def bench_claims(bench: dict) -> list[dict]:
     return out
 
 
-def _on_cpu(trial: dict) -> bool:
+def on_cpu(trial: dict) -> bool:
     return trial.get("device", "cpu") == "cpu"
 
 
@@ -250,5 +250,5 @@ def cpu_hours(res: dict) -> dict:
     """CPU-hours behind each part of the page: MQAR runs and ablation runs (every seed) from their wall times (MQAR
     runs made on a GPU are not CPU-hours: `gpu_runs` counts them)."""
     mq = [res["mqar"]] * bool(res.get("mqar")) + list(res.get("mqar_extra", {}).values())
-    return {"MQAR": sum(t.get("wall_s", 0) for m in mq for t in m["meta"].get("trials", []) if _on_cpu(t)) / 3600,
+    return {"MQAR": sum(t.get("wall_s", 0) for m in mq for t in m["meta"].get("trials", []) if on_cpu(t)) / 3600,
             "ablations": sum(r["wall_s"] * len(r.get("seeds") or [0]) for a in res["ablate"] for r in a["rows"]) / 3600}

@@ -7,9 +7,15 @@
 Task YAMLs are looked up in TASKS_DIR (tasks shipped with hybridlm, all tagged `hybridlm_local`), then in
 `include_path`, then in lm-eval's own task collection (indexed only when a name needs it: it takes seconds).
 Relative `dataset_kwargs.data_files` in a task's YAML are read relative to that YAML, not the working directory.
+lm-eval's own CLI reads them against the working directory instead: `write_tasks(DIR)` (`hybridlm eval --tasks-dir
+DIR`) writes the shipped tasks with their data and absolute data_files, runnable from anywhere:
+
+    lm_eval --model hf --model_args pretrained=RUN,trust_remote_code=True --tasks hybridlm_copy --include_path DIR
 """
 import json
 import os
+import re
+import shutil
 from difflib import get_close_matches
 
 from ..errors import ConfigError, InputError
@@ -45,6 +51,28 @@ def task_manager(names: list[str], include_path: list[str] | None = None):
 
 def local_task_names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(TASKS_DIR) if f.endswith(".yaml"))
+
+
+def write_tasks(directory: str) -> list[str]:
+    """The shipped task YAMLs and their data copied into `directory`, each relative data_files entry rewritten as
+    the absolute path of its copy. -> the YAML paths written."""
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for name in sorted(os.listdir(TASKS_DIR)):
+        if not name.endswith(".yaml"):
+            shutil.copy2(os.path.join(TASKS_DIR, name), os.path.join(directory, name))
+            continue
+        text = open(os.path.join(TASKS_DIR, name)).read()
+        # "    train: words_train.jsonl" -> "    train: '/abs/dir/words_train.jsonl'" (the data_files entries)
+        text = re.sub(r"^(\s+\w+: )([\w.-]+\.jsonl)\s*$",
+                      lambda m: m.group(1) + json.dumps(os.path.join(directory, m.group(2))), text, flags=re.M)
+        path = os.path.join(directory, name)
+        with open(path, "w") as f:
+            f.write("# written by `hybridlm eval --tasks-dir`: data_files are absolute, so lm-eval's CLI runs this "
+                    "task from any directory\n" + text)
+        written.append(path)
+    return written
 
 
 def _with_local_data(entry) -> dict:

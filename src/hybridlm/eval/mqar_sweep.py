@@ -103,11 +103,11 @@ def build_config(value: str, over: dict, *, d_model: int, seq_len: int, vocab_si
     return cfg
 
 
-def _trial_key(t: dict) -> tuple:
+def trial_key(t: dict) -> tuple:
     return (t["name"], t["layout"], t["d_model"], t["seq_len"], t["num_pairs"], t["lr"], t["seed"])
 
 
-def _run_point(job: dict) -> list[dict]:
+def run_point(job: dict) -> list[dict]:
     """One sweep point and seed: its learning rates in order, stopping once one reaches the target (also the
     worker of --jobs: one thread per process). Skips the trials of `job["done"]` (a resumed sweep)."""
     import torch
@@ -123,7 +123,7 @@ def _run_point(job: dict) -> list[dict]:
             continue
         base = {"name": job["name"], "layout": cfg.layout, "d_model": cfg.d_model, "seq_len": task.seq_len,
                 "num_pairs": task.num_pairs, "lr": lr, "seed": job["seed"]}
-        prev = job["done"].get(_trial_key(base))
+        prev = job["done"].get(trial_key(base))
         if prev is None:
             res = train_mqar(cfg, task, steps=job["steps"], warmup=job["warmup"], batch_size=job["batch_size"], lr=lr,
                              seed=job["seed"], weight_decay=job["weight_decay"], eval_every=job["eval_every"], target=job["target"],
@@ -178,8 +178,8 @@ def write_results(out_dir: str, meta: dict, trials: list[dict]):
     disk = _read_json(out_dir)
     commands = [meta["command"]]
     if disk is not None and not _protocol_diff(disk["meta"].get("settings", {}), meta["settings"]):
-        ours = {_trial_key(t) for t in trials}
-        trials += [t for t in disk["meta"].get("trials", []) if "seed" in t and _trial_key(t) not in ours]
+        ours = {trial_key(t) for t in trials}
+        trials += [t for t in disk["meta"].get("trials", []) if "seed" in t and trial_key(t) not in ours]
         commands = disk["meta"].get("commands") or [disk["meta"].get("command", "")]
         commands += [meta["command"]] * (meta["command"] not in commands)
     return _write(out_dir, dict(meta, commands=commands), trials)
@@ -233,7 +233,7 @@ def read_done(out_dir: str, settings: dict) -> dict:
     if diff:
         raise InputError(f"{os.path.join(out_dir, 'mqar.json')} was written with another protocol ({'; '.join(diff)}); "
                          f"pick another --out to start a new sweep")
-    return {_trial_key(t): t for t in meta.get("trials", []) if "seed" in t}
+    return {trial_key(t): t for t in meta.get("trials", []) if "seed" in t}
 
 
 FAMILIES = {"rodimus": "Rodimus (n)", "mamba2": "Mamba-2 (N)"}     # sweep names FAMILY-nSIZE: the state-size figure
@@ -271,7 +271,7 @@ def merge(sources: list[str], out_dir: str) -> tuple[list, list, dict, int]:
     meta = dict((base or srcs[0])["meta"])
     trials = list(meta.pop("trials", [])) if base else []
     commands = (meta.get("commands") or [meta.get("command", "")]) if base else []
-    keys = {_trial_key(t) for t in trials}
+    keys = {trial_key(t) for t in trials}
     for d, src in zip(sources, srcs):
         diff = _protocol_diff(meta.get("settings", {}), src["meta"].get("settings", {}))
         if diff:
@@ -281,8 +281,8 @@ def merge(sources: list[str], out_dir: str) -> tuple[list, list, dict, int]:
             c = re.sub(r"--out \S+", f"--out {out_dir}", c)   # what reruns it here: no path of the other machine
             commands += [c] * (c not in commands)
         for t in src["meta"].get("trials", []):
-            if "seed" in t and _trial_key(t) not in keys:
-                keys.add(_trial_key(t))
+            if "seed" in t and trial_key(t) not in keys:
+                keys.add(trial_key(t))
                 trials.append(dict(t, device=t.get("device") or src["meta"].get("device", "cpu")))
     rows = _write(out_dir, dict(meta, command=commands[-1], commands=commands), trials)
     return rows, trials, meta["settings"], len(trials) - (len(base["meta"].get("trials", [])) if base else 0)

@@ -43,64 +43,64 @@ TWINS: dict[str, Callable[..., Any]] = {}
 # ---------------------------------------------------------------------------------------------------
 # shared helpers
 
-def _get(cfg, name: str, default=None):
+def hf_get(cfg, name: str, default=None):
     return getattr(cfg, name, default)
 
 
-def _unsupported(arch: str, what: str):
+def unsupported(arch: str, what: str):
     raise ConfigError(f"cannot convert {arch}: {what} is not supported")
 
 
-def _need(cond: bool, arch: str, what: str):
+def require(cond: bool, arch: str, what: str):
     if not cond:
-        _unsupported(arch, what)
+        unsupported(arch, what)
 
 
-def _activation(arch: str, name: str, where: str) -> str:
+def hf_activation(arch: str, name: str, where: str) -> str:
     """transformers activation name -> ours; only exact equivalents are accepted."""
     table = {"silu": "silu", "swish": "silu", "relu2": "relu2"}
     if name not in table:
-        _unsupported(arch, f"{where} activation {name!r} (supported: {', '.join(sorted(table))})")
+        unsupported(arch, f"{where} activation {name!r} (supported: {', '.join(sorted(table))})")
     return table[name]
 
 
-def _silu(arch: str, name: str, where: str) -> str:
+def require_silu(arch: str, name: str, where: str) -> str:
     """"silu" for a transformers activation that also drives a short conv (ours always SiLU there): anything else is
     refused, naming `where` (e.g. "hidden_act (MLP and conv)")."""
-    _need(name in ("silu", "swish"), arch, f"{where} activation {name!r} (supported: silu; the conv is always SiLU)")
+    require(name in ("silu", "swish"), arch, f"{where} activation {name!r} (supported: silu; the conv is always SiLU)")
     return "silu"
 
 
-def _rope_base(arch: str, hf_cfg, *, allow_partial: bool = False) -> float:
+def hf_rope_base(arch: str, hf_cfg, *, allow_partial: bool = False) -> float:
     """The rotary base of a plain (unscaled, full-dim unless `allow_partial`) RoPE config; scaling variants are
     refused."""
-    params = _get(hf_cfg, "rope_parameters") or {}
+    params = hf_get(hf_cfg, "rope_parameters") or {}
     if params and not isinstance(params, dict):
         params = dict(params)
     if params and "rope_type" not in params and all(isinstance(v, dict) for v in params.values()):
-        _unsupported(arch, "per-layer-type rope_parameters")
+        unsupported(arch, "per-layer-type rope_parameters")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        _unsupported(arch, f"rope_scaling / rope_type {rope_type!r} (only plain RoPE)")
+        unsupported(arch, f"rope_scaling / rope_type {rope_type!r} (only plain RoPE)")
     if not allow_partial and float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        _unsupported(arch, f"partial_rotary_factor {params['partial_rotary_factor']}")
-    base = params.get("rope_theta", _get(hf_cfg, "rope_theta", 10000.0))
+        unsupported(arch, f"partial_rotary_factor {params['partial_rotary_factor']}")
+    base = params.get("rope_theta", hf_get(hf_cfg, "rope_theta", 10000.0))
     return float(base)
 
 
-def _rope_partial(arch: str, hf_cfg, head_dim: int) -> tuple[float, int]:
+def hf_rope_partial(arch: str, hf_cfg, head_dim: int) -> tuple[float, int]:
     """(base, rotary channels per head) of a plain RoPE config that may rotate only the first
     `partial_rotary_factor` · head_dim channels of each head (Qwen3-Next, GLM, Phi)."""
-    params = dict(_get(hf_cfg, "rope_parameters") or {})
-    factor = float(params.get("partial_rotary_factor", _get(hf_cfg, "partial_rotary_factor", 1.0)))
+    params = dict(hf_get(hf_cfg, "rope_parameters") or {})
+    factor = float(params.get("partial_rotary_factor", hf_get(hf_cfg, "partial_rotary_factor", 1.0)))
     dim = int(head_dim * factor)
-    _need(0 < dim <= head_dim and dim % 2 == 0, arch,
+    require(0 < dim <= head_dim and dim % 2 == 0, arch,
           f"partial_rotary_factor {factor} (rotary dim {dim} of head_dim {head_dim} must be even and > 0)")
-    return _rope_base(arch, hf_cfg, allow_partial=True), dim
+    return hf_rope_base(arch, hf_cfg, allow_partial=True), dim
 
 
-def _tied(hf_cfg) -> bool:
-    return bool(_get(hf_cfg, "tie_word_embeddings", False))
+def hf_tied(hf_cfg) -> bool:
+    return bool(hf_get(hf_cfg, "tie_word_embeddings", False))
 
 
 class LazyTensor:
@@ -116,7 +116,7 @@ class LazyTensor:
             return f.get_tensor(self.name)
 
 
-class _Tensors(dict):
+class Tensors(dict):
     """A checkpoint's tensors under `prefix`, keyed without it; values may be `LazyTensor`s, read on access. Reading an
     absent one is a ConfigError naming its full key: a plain KeyError would name only the stripped tail (e.g.
     'mlp.up_proj.weight', but which layer?)."""
@@ -139,7 +139,7 @@ class _Tensors(dict):
         return ((k, self[k]) for k in self)
 
 
-def _copy(out: dict[str, Tensor], prefix: str, s: _Tensors, table: dict[str, str], optional: bool = False):
+def copy_renamed(out: dict[str, Tensor], prefix: str, s: Tensors, table: dict[str, str], optional: bool = False):
     """out[prefix + ours] = s[theirs] for each `ours: theirs` of `table` (renames only). With `optional` (biases,
     parameters only some variants have) a tensor `s` lacks is skipped; otherwise it is a ConfigError."""
     for ours, theirs in table.items():
@@ -147,28 +147,28 @@ def _copy(out: dict[str, Tensor], prefix: str, s: _Tensors, table: dict[str, str
             out[prefix + ours] = s[theirs]
 
 
-def _head(sd: _Tensors, cfg: ModelConfig, embed_key: str, norm_key: str) -> dict[str, Tensor]:
+def head_tensors(sd: Tensors, cfg: ModelConfig, embed_key: str, norm_key: str) -> dict[str, Tensor]:
     """Embedding, final norm and lm_head entries; with tied embeddings our state dict still names lm_head.weight."""
     emb = sd[embed_key]
     head = emb if cfg.tie_embeddings else sd["lm_head.weight"]
     return {"embed.weight": emb, "norm.weight": sd[norm_key], "lm_head.weight": head}
 
 
-def _decoder_layers(sd: _Tensors, out: dict[str, Tensor], mixer_norm: str = "input_layernorm",
-                    ff_norm: str = "post_attention_layernorm") -> Iterator[tuple[_Tensors, str, str]]:
+def decoder_layers(sd: Tensors, out: dict[str, Tensor], mixer_norm: str = "input_layernorm",
+                    ff_norm: str = "post_attention_layernorm") -> Iterator[tuple[Tensors, str, str]]:
     """Decoder layers `model.layers.{i}.*` of a token mixer then a channel mixer (Llama, Doge, DeepSeek, Bamba, Granite,
     Jamba, Falcon-H1, LFM2, ...): layer i is our block 2i and block 2i+1. Copies the two pre-norms (named
     `mixer_norm`, `ff_norm`), then yields (layer i's tensors, "blocks.{2i}.", "blocks.{2i+1}.")."""
     n_layers = sum(1 for k in sd if k.startswith("model.layers.") and k.endswith(f".{mixer_norm}.weight"))
     for i in range(n_layers):
-        s = _Tensors(sd, f"model.layers.{i}.")
+        s = Tensors(sd, f"model.layers.{i}.")
         a, m = f"blocks.{2 * i}.", f"blocks.{2 * i + 1}."
-        _copy(out, a, s, {"norm.weight": f"{mixer_norm}.weight"})
-        _copy(out, m, s, {"norm.weight": f"{ff_norm}.weight"})
+        copy_renamed(out, a, s, {"norm.weight": f"{mixer_norm}.weight"})
+        copy_renamed(out, m, s, {"norm.weight": f"{ff_norm}.weight"})
         yield s, a, m
 
 
-def _maybe_bias(out: dict, name: str, *tensors: Tensor | None):
+def maybe_bias(out: dict, name: str, *tensors: Tensor | None):
     """Concatenate biases into `name` when the layer has them (all or none)."""
     present = [t is not None for t in tensors]
     if any(present):
@@ -177,44 +177,44 @@ def _maybe_bias(out: dict, name: str, *tensors: Tensor | None):
         out[name] = torch.cat(tensors, 0)
 
 
-def _fused_attention(out: dict[str, Tensor], prefix: str, s: _Tensors, name: str = "self_attn"):
+def fused_attention(out: dict[str, Tensor], prefix: str, s: Tensors, name: str = "self_attn"):
     """`name` q/k/v projections -> our fused `qkv` (rows [q; k; v]), o_proj -> `out`; biases where present."""
     out[prefix + "qkv.weight"] = torch.cat([s[f"{name}.{p}_proj.weight"] for p in "qkv"], 0)
-    _maybe_bias(out, prefix + "qkv.bias", *(s.get(f"{name}.{p}_proj.bias") for p in "qkv"))
-    _copy(out, prefix, s, {"out.weight": f"{name}.o_proj.weight"})
-    _copy(out, prefix, s, {"out.bias": f"{name}.o_proj.bias"}, optional=True)
+    maybe_bias(out, prefix + "qkv.bias", *(s.get(f"{name}.{p}_proj.bias") for p in "qkv"))
+    copy_renamed(out, prefix, s, {"out.weight": f"{name}.o_proj.weight"})
+    copy_renamed(out, prefix, s, {"out.bias": f"{name}.o_proj.bias"}, optional=True)
 
 
-def _gated_mlp(out: dict[str, Tensor], prefix: str, s: _Tensors, name: str = "mlp"):
+def gated_mlp(out: dict[str, Tensor], prefix: str, s: Tensors, name: str = "mlp"):
     """`name` gate/up projections -> our fused `w_in` (rows [gate; up]), down_proj -> `w_out`; biases where present."""
     out[prefix + "w_in.weight"] = torch.cat((s[f"{name}.gate_proj.weight"], s[f"{name}.up_proj.weight"]), 0)
-    _maybe_bias(out, prefix + "w_in.bias", s.get(f"{name}.gate_proj.bias"), s.get(f"{name}.up_proj.bias"))
-    _copy(out, prefix, s, {"w_out.weight": f"{name}.down_proj.weight"})
-    _copy(out, prefix, s, {"w_out.bias": f"{name}.down_proj.bias"}, optional=True)
+    maybe_bias(out, prefix + "w_in.bias", s.get(f"{name}.gate_proj.bias"), s.get(f"{name}.up_proj.bias"))
+    copy_renamed(out, prefix, s, {"w_out.weight": f"{name}.down_proj.weight"})
+    copy_renamed(out, prefix, s, {"w_out.bias": f"{name}.down_proj.bias"}, optional=True)
 
 
-def _mamba2_mixer(out: dict[str, Tensor], prefix: str, s: _Tensors, scale: float = 1.0):
+def mamba2_mixer(out: dict[str, Tensor], prefix: str, s: Tensors, scale: float = 1.0):
     """A transformers Mamba-2 mixer (Mamba2, Bamba, Nemotron-H, Granite-4.0: `in_proj` rows [gate, xBC, dt], a
     depthwise `conv1d`, `dt_bias`, `A_log`, `D`, the gated `norm`, `out_proj`) -> our Mamba2 under `prefix`; `s` holds
     the mixer's tensors. `scale` multiplies out_proj (a folded residual multiplier)."""
-    _copy(out, prefix, s, {"in_proj.weight": "in_proj.weight", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
+    copy_renamed(out, prefix, s, {"in_proj.weight": "in_proj.weight", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
                            "norm_weight": "norm.weight"})
-    _copy(out, prefix, s, {"in_proj.bias": "in_proj.bias", "conv.bias": "conv1d.bias"}, optional=True)
+    copy_renamed(out, prefix, s, {"in_proj.bias": "in_proj.bias", "conv.bias": "conv1d.bias"}, optional=True)
     out[prefix + "conv.weight"] = s["conv1d.weight"].squeeze(1)               # [C, 1, K] -> [C, K]
     for p in ("weight", "bias"):
         if f"out_proj.{p}" in s:
-            out[prefix + f"out_proj.{p}"] = _scaled(s[f"out_proj.{p}"], scale)
+            out[prefix + f"out_proj.{p}"] = scaled(s[f"out_proj.{p}"], scale)
 
 
-def _mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, n_groups: int, d_state: int,
+def mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, n_groups: int, d_state: int,
                    d_conv: int, chunk_size: int, conv_bias: bool, proj_bias: bool, act: str,
                    dt_limit: tuple | None = None) -> dict:
     """ModelConfig fields of the S letter for a transformers Mamba-2 mixer of these sizes; the dt clamp (`dt_limit`,
     else the config's `time_step_limit`) becomes ssd_dt_limit (None when it is (0, inf))."""
-    _silu(arch, act, "Mamba")
-    lim = _get(hf, "time_step_limit") if dt_limit is None else dt_limit
+    require_silu(arch, act, "Mamba")
+    lim = hf_get(hf, "time_step_limit") if dt_limit is None else dt_limit
     lim = (0.0, float("inf")) if lim is None else tuple(float(v) for v in lim)
-    _need(len(lim) == 2 and 0 <= lim[0] < lim[1], arch, f"time_step_limit {lim}")
+    require(len(lim) == 2 and 0 <= lim[0] < lim[1], arch, f"time_step_limit {lim}")
     d_inner = n_heads * head_dim
     return dict(ssd_d_state=d_state, d_conv=d_conv, ssd_headdim=head_dim, ssd_ngroups=n_groups,
                 ssd_chunk_size=chunk_size, ssd_bias=proj_bias, ssd_conv_bias=conv_bias,
@@ -222,7 +222,7 @@ def _mamba2_fields(arch: str, hf, *, d_model: int, n_heads: int, head_dim: int, 
                 **(dict(ssd_expand=d_inner // d_model) if d_inner % d_model == 0 else dict(ssd_d_inner=d_inner)))
 
 
-def _scaled(t: Tensor, scale) -> Tensor:
+def scaled(t: Tensor, scale) -> Tensor:
     """t · scale, a constant multiplier folded into a weight (a number, or one per row [rows]), computed in float64
     and rounded once to t's dtype; t itself when scale is the number 1."""
     if isinstance(scale, (int, float)) and scale == 1.0:
@@ -233,7 +233,7 @@ def _scaled(t: Tensor, scale) -> Tensor:
     return (t.double() * s).to(t.dtype)
 
 
-def _stacked_experts(s: _Tensors, n_experts: int, hidden: int,
+def stacked_experts(s: Tensors, n_experts: int, hidden: int,
                      names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[Tensor, ...]:
     """(gate, up, down) of gated experts in F.linear layout ([E, h, d], [E, h, d], [E, d, h]) from transformers'
     fused in-memory tensors (experts.gate_up_proj [E, 2h, d], rows [gate; up], and experts.down_proj) or from the
@@ -244,11 +244,11 @@ def _stacked_experts(s: _Tensors, n_experts: int, hidden: int,
     return tuple(torch.stack([s[f"experts.{e}.{n}.weight"] for e in range(n_experts)]) for n in names)
 
 
-def _routed_experts(out: dict[str, Tensor], prefix: str, *, up: Tensor, down: Tensor, gate: Tensor | None = None,
+def routed_experts(out: dict[str, Tensor], prefix: str, *, up: Tensor, down: Tensor, gate: Tensor | None = None,
                     scale: float = 1.0):
     """Stacked experts in transformers' F.linear layout (up/gate [E, h, d], down [E, d, h]) -> our RoutedMoE's
     matmul layout (w_up/w_gate [E, d, h], w_down [E, h, d]); `scale` multiplies w_down (a folded constant)."""
     out[prefix + "w_up"] = up.transpose(1, 2)
     if gate is not None:
         out[prefix + "w_gate"] = gate.transpose(1, 2)
-    out[prefix + "w_down"] = _scaled(down, scale).transpose(1, 2)
+    out[prefix + "w_down"] = scaled(down, scale).transpose(1, 2)

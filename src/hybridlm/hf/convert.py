@@ -17,8 +17,9 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig, quiet_unread, warn_unread
-from .common import (CONVERTERS, Converter, _activation, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get,
-                     _head, convert_weights, _mamba2_fields, _mamba2_mixer, _need, _rope_base, _Tensors, _tied, register)
+from .common import (CONVERTERS, Converter, Tensors, convert_weights, copy_renamed, decoder_layers, fused_attention,
+                     gated_mlp, head_tensors, hf_activation, hf_get, hf_rope_base, hf_tied, mamba2_fields, mamba2_mixer,
+                     register, require)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -26,26 +27,26 @@ from .common import (CONVERTERS, Converter, _activation, _copy, _decoder_layers,
 
 def llama_config(hf) -> dict:
     arch = "LlamaForCausalLM"
-    _need(int(_get(hf, "pretraining_tp", 1) or 1) == 1, arch, f"pretraining_tp {_get(hf, 'pretraining_tp')}")
-    act = _activation(arch, _get(hf, "hidden_act", "silu"), "MLP")
+    require(int(hf_get(hf, "pretraining_tp", 1) or 1) == 1, arch, f"pretraining_tp {hf_get(hf, 'pretraining_tp')}")
+    act = hf_activation(arch, hf_get(hf, "hidden_act", "silu"), "MLP")
     n_heads = hf.num_attention_heads
-    n_kv = _get(hf, "num_key_value_heads") or n_heads
-    head_dim = _get(hf, "head_dim") or hf.hidden_size // n_heads
+    n_kv = hf_get(hf, "num_key_value_heads") or n_heads
+    head_dim = hf_get(hf, "head_dim") or hf.hidden_size // n_heads
     return dict(
         layout=f"(AM)*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 2048)), tie_embeddings=_tied(hf),
+        max_seq_len=int(hf_get(hf, "max_position_embeddings", 2048)), tie_embeddings=hf_tied(hf),
         norm="rms", norm_eps=float(hf.rms_norm_eps), pos_embedding="rope",
-        n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rope_base=_rope_base(arch, hf),
-        rope_interleaved=False, attn_bias=bool(_get(hf, "attention_bias", False)),
-        mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True, mlp_bias=bool(_get(hf, "mlp_bias", False)),
+        n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rope_base=hf_rope_base(arch, hf),
+        rope_interleaved=False, attn_bias=bool(hf_get(hf, "attention_bias", False)),
+        mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True, mlp_bias=bool(hf_get(hf, "mlp_bias", False)),
     )
 
 
-def llama_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
-    for s, a, m in _decoder_layers(sd, out):
-        _fused_attention(out, a + "mixer.", s)
-        _gated_mlp(out, m + "mixer.", s)
+def llama_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
+    for s, a, m in decoder_layers(sd, out):
+        fused_attention(out, a + "mixer.", s)
+        gated_mlp(out, m + "mixer.", s)
     return out
 
 
@@ -54,30 +55,31 @@ def llama_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 
 def mamba2_config(hf) -> dict:
     arch = "Mamba2ForCausalLM"
-    expand = _get(hf, "expand", 2)
-    _need(float(expand).is_integer(), arch, f"non-integer expand {expand}")
+    expand = hf_get(hf, "expand", 2)
+    require(float(expand).is_integer(), arch, f"non-integer expand {expand}")
     d_inner = int(expand) * hf.hidden_size
-    _need(hf.num_heads * hf.head_dim == d_inner, arch,
+    require(hf.num_heads * hf.head_dim == d_inner, arch,
           f"num_heads*head_dim ({hf.num_heads}*{hf.head_dim}) != expand*hidden_size ({d_inner})")
     return dict(
         layout=f"S*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
         max_seq_len=1 << 20,               # no positional limit in Mamba-2; override if needed
-        tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
-        ssd_dt_min=float(_get(hf, "time_step_min", 1e-3)), ssd_dt_max=float(_get(hf, "time_step_max", 0.1)),
-        **_mamba2_fields(arch, hf, d_model=hf.hidden_size, n_heads=hf.num_heads, head_dim=hf.head_dim,
+        tie_embeddings=hf_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
+        ssd_dt_min=float(hf_get(hf, "time_step_min", 1e-3)), ssd_dt_max=float(hf_get(hf, "time_step_max", 0.1)),
+        **mamba2_fields(arch, hf, d_model=hf.hidden_size, n_heads=hf.num_heads, head_dim=hf.head_dim,
                          n_groups=hf.n_groups, d_state=hf.state_size, d_conv=hf.conv_kernel,
-                         chunk_size=int(_get(hf, "chunk_size", 256)), conv_bias=bool(_get(hf, "use_conv_bias", True)),
-                         proj_bias=bool(_get(hf, "use_bias", False)), act=_get(hf, "hidden_act", "silu")),
+                         chunk_size=int(hf_get(hf, "chunk_size", 256)),
+                         conv_bias=bool(hf_get(hf, "use_conv_bias", True)),
+                         proj_bias=bool(hf_get(hf, "use_bias", False)), act=hf_get(hf, "hidden_act", "silu")),
     )
 
 
-def mamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
+def mamba2_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
     n_layers = sum(1 for k in sd if k.startswith("backbone.layers.") and k.endswith(".mixer.A_log"))
     for i in range(n_layers):
-        s, b = _Tensors(sd, f"backbone.layers.{i}."), f"blocks.{i}."
-        _copy(out, b, s, {"norm.weight": "norm.weight"})
-        _mamba2_mixer(out, b + "mixer.", _Tensors(s, "mixer."))
+        s, b = Tensors(sd, f"backbone.layers.{i}."), f"blocks.{i}."
+        copy_renamed(out, b, s, {"norm.weight": "norm.weight"})
+        mamba2_mixer(out, b + "mixer.", Tensors(s, "mixer."))
     return out
 
 
@@ -124,7 +126,7 @@ def to_state_dict(hf_model, **overrides) -> tuple[ModelConfig, dict[str, Tensor]
     share storage with the transformers model (detach/clone before changing either)."""
     _converter(hf_model)                                     # an unsupported class: one clear error
     cfg = config_from_transformers(hf_model.config, **overrides)
-    sd = _Tensors({k: v.detach() for k, v in hf_model.state_dict().items()})
+    sd = Tensors({k: v.detach() for k, v in hf_model.state_dict().items()})
     return cfg, convert_weights(hf_model.config, sd, cfg)
 
 

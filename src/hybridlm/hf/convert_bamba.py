@@ -6,8 +6,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _activation, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _mamba2_fields,
-                     _mamba2_mixer, _need, _rope_partial, _Tensors, _tied, register)
+from .common import (TWINS, Tensors, decoder_layers, fused_attention, gated_mlp, head_tensors, hf_activation, hf_get,
+                     hf_rope_partial, hf_tied, mamba2_fields, mamba2_mixer, register, require)
 
 ARCH = "BambaForCausalLM"
 
@@ -19,35 +19,35 @@ def bamba_layout(n_layers: int, attn: set[int]) -> str:
 
 def bamba_config(hf) -> dict:
     n = hf.num_hidden_layers
-    attn = set(_get(hf, "attn_layer_indices") or ())
-    _need(all(0 <= i < n for i in attn), ARCH, f"attn_layer_indices {sorted(attn)} outside {n} layers")
-    _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
+    attn = set(hf_get(hf, "attn_layer_indices") or ())
+    require(all(0 <= i < n for i in attn), ARCH, f"attn_layer_indices {sorted(attn)} outside {n} layers")
+    require(float(hf_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
     n_heads = hf.num_attention_heads
-    head_dim = _get(hf, "head_dim") or hf.hidden_size // n_heads
-    base, rope_dim = _rope_partial(ARCH, hf, head_dim)
-    act = _activation(ARCH, hf.hidden_act, "MLP")
+    head_dim = hf_get(hf, "head_dim") or hf.hidden_size // n_heads
+    base, rope_dim = hf_rope_partial(ARCH, hf, head_dim)
+    act = hf_activation(ARCH, hf.hidden_act, "MLP")
     return dict(
         layout=bamba_layout(n, attn), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 262144)), tie_embeddings=_tied(hf), norm="rms",
+        max_seq_len=int(hf_get(hf, "max_position_embeddings", 262144)), tie_embeddings=hf_tied(hf), norm="rms",
         norm_eps=float(hf.rms_norm_eps), pos_embedding="rope", n_heads=n_heads,
-        n_kv_heads=_get(hf, "num_key_value_heads") or n_heads, head_dim=head_dim, rope_base=base, rope_dim=rope_dim,
-        attn_bias=bool(_get(hf, "attention_bias", False)), mlp_hidden=hf.intermediate_size, mlp_act=act,
-        mlp_gated=True, mlp_bias=bool(_get(hf, "mlp_bias", False)),
-        **_mamba2_fields(ARCH, hf, d_model=hf.hidden_size, n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head,
+        n_kv_heads=hf_get(hf, "num_key_value_heads") or n_heads, head_dim=head_dim, rope_base=base, rope_dim=rope_dim,
+        attn_bias=bool(hf_get(hf, "attention_bias", False)), mlp_hidden=hf.intermediate_size, mlp_act=act,
+        mlp_gated=True, mlp_bias=bool(hf_get(hf, "mlp_bias", False)),
+        **mamba2_fields(ARCH, hf, d_model=hf.hidden_size, n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head,
                          n_groups=hf.mamba_n_groups, d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv,
                          chunk_size=hf.mamba_chunk_size, conv_bias=bool(hf.mamba_conv_bias),
                          proj_bias=bool(hf.mamba_proj_bias), act=hf.hidden_act),
     )
 
 
-def bamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
-    for s, a, m in _decoder_layers(sd, out, "input_layernorm", "pre_ff_layernorm"):
+def bamba_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
+    for s, a, m in decoder_layers(sd, out, "input_layernorm", "pre_ff_layernorm"):
         if "mamba.A_log" in s:
-            _mamba2_mixer(out, a + "mixer.", _Tensors(s, "mamba."))
+            mamba2_mixer(out, a + "mixer.", Tensors(s, "mamba."))
         else:
-            _fused_attention(out, a + "mixer.", s)
-        _gated_mlp(out, m + "mixer.", s, name="feed_forward")
+            fused_attention(out, a + "mixer.", s)
+        gated_mlp(out, m + "mixer.", s, name="feed_forward")
     return out
 
 

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _activation, _decoder_layers, _fused_attention, _get, _head, _mamba2_fields, _mamba2_mixer,
-                     _need, _rope_partial, _routed_experts, _scaled, _Tensors, _tied, register)
+from .common import (TWINS, Tensors, decoder_layers, fused_attention, head_tensors, hf_activation, hf_get,
+                     hf_rope_partial, hf_tied, mamba2_fields, mamba2_mixer, register, require, routed_experts, scaled)
 
 ARCH = "GraniteMoeHybridForCausalLM"
 _MIXERS = {"linear_attention": "S", "mamba": "S", "full_attention": "A", "attention": "A"}
@@ -29,24 +29,25 @@ _MOE = {"router": ("block_sparse_moe.router.weight", "block_sparse_moe.router.la
 def granite_config(hf) -> dict:
     n, types = hf.num_hidden_layers, list(hf.layer_types)
     bad = sorted(set(types) - set(_MIXERS))
-    _need(not bad, ARCH, f"layer_types {bad}")
-    _need(len(types) == n, ARCH, f"{len(types)} layer_types for {n} layers")
-    _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
-    pos = _get(hf, "position_embedding_type")
-    _need(pos in (None, "nope", "rope"), ARCH, f"position_embedding_type {pos!r}")
-    experts = int(_get(hf, "num_local_experts", 0) or 0)
+    require(not bad, ARCH, f"layer_types {bad}")
+    require(len(types) == n, ARCH, f"{len(types)} layer_types for {n} layers")
+    require(float(hf_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
+    pos = hf_get(hf, "position_embedding_type")
+    require(pos in (None, "nope", "rope"), ARCH, f"position_embedding_type {pos!r}")
+    experts = int(hf_get(hf, "num_local_experts", 0) or 0)
     n_heads = hf.num_attention_heads
-    head_dim = _get(hf, "head_dim") or hf.hidden_size // n_heads
-    base, rope_dim = _rope_partial(ARCH, hf, head_dim) if pos == "rope" else (10000.0, None)
+    head_dim = hf_get(hf, "head_dim") or hf.hidden_size // n_heads
+    base, rope_dim = hf_rope_partial(ARCH, hf, head_dim) if pos == "rope" else (10000.0, None)
     fields = dict(
         layout=fold_layout([_MIXERS[t] + ("O" if experts else "M") for t in types]), vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size, max_seq_len=int(_get(hf, "max_position_embeddings", 2048)), tie_embeddings=_tied(hf),
+        d_model=hf.hidden_size, max_seq_len=int(hf_get(hf, "max_position_embeddings", 2048)),
+        tie_embeddings=hf_tied(hf),
         norm="rms", norm_eps=float(hf.rms_norm_eps), pos_embedding="rope" if pos == "rope" else "none",
-        embed_scale=float(_get(hf, "embedding_multiplier", 1.0)), n_heads=n_heads,
-        n_kv_heads=_get(hf, "num_key_value_heads") or n_heads, head_dim=head_dim, rope_base=base,
-        rope_dim=rope_dim if rope_dim != head_dim else None, attn_bias=bool(_get(hf, "attention_bias", False)),
-        mlp_hidden=hf.shared_intermediate_size, mlp_act=_activation(ARCH, hf.hidden_act, "MLP"), mlp_gated=True,
-        **_mamba2_fields(ARCH, hf, d_model=hf.hidden_size, n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head,
+        embed_scale=float(hf_get(hf, "embedding_multiplier", 1.0)), n_heads=n_heads,
+        n_kv_heads=hf_get(hf, "num_key_value_heads") or n_heads, head_dim=head_dim, rope_base=base,
+        rope_dim=rope_dim if rope_dim != head_dim else None, attn_bias=bool(hf_get(hf, "attention_bias", False)),
+        mlp_hidden=hf.shared_intermediate_size, mlp_act=hf_activation(ARCH, hf.hidden_act, "MLP"), mlp_gated=True,
+        **mamba2_fields(ARCH, hf, d_model=hf.hidden_size, n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head,
                          n_groups=hf.mamba_n_groups, d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv,
                          chunk_size=hf.mamba_chunk_size, conv_bias=bool(hf.mamba_conv_bias),
                          proj_bias=bool(hf.mamba_proj_bias), act=hf.hidden_act),
@@ -58,33 +59,33 @@ def granite_config(hf) -> dict:
     return fields
 
 
-def granite_weights(sd: _Tensors, cfg: ModelConfig, hf) -> dict[str, Tensor]:
+def granite_weights(sd: Tensors, cfg: ModelConfig, hf) -> dict[str, Tensor]:
     """Granite's state dict -> ours, folding attention_multiplier, residual_multiplier and 1/logits_scaling."""
-    res = float(_get(hf, "residual_multiplier", 1.0))
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
-    out["norm.weight"] = _scaled(out["norm.weight"], 1.0 / float(_get(hf, "logits_scaling", 1.0)))
+    res = float(hf_get(hf, "residual_multiplier", 1.0))
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
+    out["norm.weight"] = scaled(out["norm.weight"], 1.0 / float(hf_get(hf, "logits_scaling", 1.0)))
     q_rows = cfg.n_heads * cfg.attn_head_dim
-    q_scale = float(_get(hf, "attention_multiplier", 1.0)) * math.sqrt(cfg.attn_head_dim)  # ours scales by 1/√D
-    for s, a, m in _decoder_layers(sd, out):
+    q_scale = float(hf_get(hf, "attention_multiplier", 1.0)) * math.sqrt(cfg.attn_head_dim)  # ours scales by 1/√D
+    for s, a, m in decoder_layers(sd, out):
         a, m = a + "mixer.", m + "mixer."
         if "mamba.A_log" in s:
-            _mamba2_mixer(out, a, _Tensors(s, "mamba."), scale=res)
+            mamba2_mixer(out, a, Tensors(s, "mamba."), scale=res)
         else:
-            _fused_attention(out, a, s)
+            fused_attention(out, a, s)
             for p in ("weight", "bias"):
                 if a + f"qkv.{p}" in out:
                     t = out[a + f"qkv.{p}"]
-                    out[a + f"qkv.{p}"] = torch.cat((_scaled(t[:q_rows], q_scale), t[q_rows:]))
+                    out[a + f"qkv.{p}"] = torch.cat((scaled(t[:q_rows], q_scale), t[q_rows:]))
                 if a + f"out.{p}" in out:
-                    out[a + f"out.{p}"] = _scaled(out[a + f"out.{p}"], res)
+                    out[a + f"out.{p}"] = scaled(out[a + f"out.{p}"], res)
         moe = {ours: next((n for n in names if n in s), None) for ours, names in _MOE.items()}
         shared = m + ("shared." if moe["router"] else "")
         out[shared + "w_in.weight"] = s["shared_mlp.input_linear.weight"]          # rows [gate; up], as ours
-        out[shared + "w_out.weight"] = _scaled(s["shared_mlp.output_linear.weight"], res)
+        out[shared + "w_out.weight"] = scaled(s["shared_mlp.output_linear.weight"], res)
         if moe["router"]:
             gate, up = s[moe["gate_up"]].chunk(2, dim=1)
             out[m + "router.weight"] = s[moe["router"]]
-            _routed_experts(out, m, gate=gate, up=up, down=s[moe["down"]], scale=res)
+            routed_experts(out, m, gate=gate, up=up, down=s[moe["down"]], scale=res)
     return out
 
 

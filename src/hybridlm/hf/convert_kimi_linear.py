@@ -15,8 +15,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _decoder_layers, _get, _head, _need, _routed_experts, _silu, _stacked_experts, _Tensors,
-                     _tied, register)
+from .common import (TWINS, Tensors, decoder_layers, head_tensors, hf_get, hf_tied, register, require, require_silu,
+                     routed_experts, stacked_experts)
 
 ARCH = "KimiLinearForCausalLM"
 
@@ -24,41 +24,41 @@ ARCH = "KimiLinearForCausalLM"
 def _layer_types(hf) -> tuple[list[str], list[str]]:
     n = hf.num_hidden_layers
     mixers, mlps = list(hf.layer_types or []), list(hf.mlp_layer_types or [])
-    _need(len(mixers) == n and len(mlps) == n, ARCH, "layer_types / mlp_layer_types not of num_hidden_layers entries")
+    require(len(mixers) == n and len(mlps) == n, ARCH, "layer_types / mlp_layer_types not of num_hidden_layers entries")
     for t in mixers:
-        _need(t in ("linear_attention", "full_attention"), ARCH, f"layer type {t!r}")
+        require(t in ("linear_attention", "full_attention"), ARCH, f"layer type {t!r}")
     for t in mlps:
-        _need(t in ("dense", "sparse"), ARCH, f"mlp layer type {t!r}")
+        require(t in ("dense", "sparse"), ARCH, f"mlp layer type {t!r}")
     return mixers, mlps
 
 
 def kimi_config(hf) -> dict:
     mixers, mlps = _layer_types(hf)
-    _need((_get(hf, "num_key_value_heads") or hf.num_attention_heads) == hf.num_attention_heads, ARCH,
+    require((hf_get(hf, "num_key_value_heads") or hf.num_attention_heads) == hf.num_attention_heads, ARCH,
           "num_key_value_heads != num_attention_heads (transformers' MLA expands every head)")
-    _need(int(_get(hf, "pretraining_tp", 1) or 1) == 1, ARCH, f"pretraining_tp {_get(hf, 'pretraining_tp')}")
-    act = _silu(ARCH, hf.hidden_act, "hidden_act (MLP and short-conv)")
+    require(int(hf_get(hf, "pretraining_tp", 1) or 1) == 1, ARCH, f"pretraining_tp {hf_get(hf, 'pretraining_tp')}")
+    act = require_silu(ARCH, hf.hidden_act, "hidden_act (MLP and short-conv)")
     # options of the released config.json that transformers reads past (it always runs NoPE MLA and sigmoid routing)
-    _need(_get(hf, "mla_use_nope", True) is not False, ARCH, "mla_use_nope false (MLA with RoPE)")
-    router = _get(hf, "moe_router_activation_func", "sigmoid")
-    _need(router == "sigmoid", ARCH, f"moe_router_activation_func {router!r} (only sigmoid)")
+    require(hf_get(hf, "mla_use_nope", True) is not False, ARCH, "mla_use_nope false (MLA with RoPE)")
+    router = hf_get(hf, "moe_router_activation_func", "sigmoid")
+    require(router == "sigmoid", ARCH, f"moe_router_activation_func {router!r} (only sigmoid)")
     tokens = [("K" if m == "linear_attention" else "L") + ("M" if f == "dense" else "O") for m, f in zip(mixers, mlps)]
     fields = dict(
         layout=fold_layout(tokens), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 1 << 20)), tie_embeddings=_tied(hf), norm="rms",
+        max_seq_len=int(hf_get(hf, "max_position_embeddings", 1 << 20)), tie_embeddings=hf_tied(hf), norm="rms",
         norm_eps=float(hf.rms_norm_eps), pos_embedding="none", n_heads=hf.num_attention_heads,
-        head_dim=hf.v_head_dim, attn_bias=bool(_get(hf, "attention_bias", False)),
+        head_dim=hf.v_head_dim, attn_bias=bool(hf_get(hf, "attention_bias", False)),
         mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True,
-        mla_kv_lora_rank=hf.kv_lora_rank, mla_q_lora_rank=_get(hf, "q_lora_rank") or 0,
+        mla_kv_lora_rank=hf.kv_lora_rank, mla_q_lora_rank=hf_get(hf, "q_lora_rank") or 0,
         mla_qk_nope_dim=hf.qk_nope_head_dim, mla_rope_dim=hf.qk_rope_head_dim, mla_v_dim=hf.v_head_dim,
         kda_heads=hf.linear_num_heads, kda_head_dim=hf.linear_head_dim, d_conv=hf.linear_conv_kernel_dim,
         kda_rank=hf.linear_head_dim,
     )
     # DeepSeek-V3's router: sigmoid scores, correction bias, groups, renormalised, scaled (set even when every layer
     # is dense, so a config round-trips whatever its mlp_layer_types)
-    shared = int(_get(hf, "n_shared_experts", 0) or 0)
-    topk_group = _get(hf, "topk_group")
-    _need(isinstance(topk_group, int) or "sparse" not in mlps, ARCH, f"topk_group {topk_group!r} (not an integer)")
+    shared = int(hf_get(hf, "n_shared_experts", 0) or 0)
+    topk_group = hf_get(hf, "topk_group")
+    require(isinstance(topk_group, int) or "sparse" not in mlps, ARCH, f"topk_group {topk_group!r} (not an integer)")
     fields.update(moe_experts=hf.num_local_experts, moe_topk=hf.num_experts_per_tok or 1,
                   moe_hidden=hf.moe_intermediate_size, moe_shared=shared > 0,
                   moe_shared_hidden=hf.moe_intermediate_size * shared if shared else None,
@@ -76,7 +76,7 @@ _KDA = {"f_a_proj.weight": "f_a.weight", "f_b_proj.weight": "f_b.weight", "dt_bi
 _FORGET = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")   # under forget_gate. in the loaded model
 
 
-def _kda_weights(out: dict, prefix: str, at: _Tensors):
+def _kda_weights(out: dict, prefix: str, at: Tensors):
     """Loaded-model names (forget_gate.*, one stacked conv1d) or the released files' names (flat, q/k/v_conv1d)."""
     def get(name):
         return at[f"forget_gate.{name}"] if name in _FORGET and f"forget_gate.{name}" in at else at[name]
@@ -88,10 +88,10 @@ def _kda_weights(out: dict, prefix: str, at: _Tensors):
         out[prefix + ours] = get(theirs)
 
 
-def _moe_weights(out: dict, prefix: str, mo: _Tensors, cfg: ModelConfig):
+def _moe_weights(out: dict, prefix: str, mo: Tensors, cfg: ModelConfig):
     """experts.gate_up_proj [E, 2h, d] / down_proj [E, d, h] (loaded model) or experts.{e}.w1/w3/w2 (files)."""
-    gate, up, down = _stacked_experts(mo, cfg.moe_experts, cfg.moe_hidden, ("w1", "w3", "w2"))
-    _routed_experts(out, prefix, gate=gate, up=up, down=down)
+    gate, up, down = stacked_experts(mo, cfg.moe_experts, cfg.moe_hidden, ("w1", "w3", "w2"))
+    routed_experts(out, prefix, gate=gate, up=up, down=down)
     out[prefix + "router.weight"] = mo["gate.weight"]
     out[prefix + "router_bias"] = mo["gate.e_score_correction_bias"]
     if cfg.moe_shared:
@@ -100,10 +100,10 @@ def _moe_weights(out: dict, prefix: str, mo: _Tensors, cfg: ModelConfig):
         out[prefix + "shared.w_out.weight"] = mo["shared_experts.down_proj.weight"]
 
 
-def kimi_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
-    for s, a, m in _decoder_layers(sd, out):
-        at = _Tensors(s, "self_attn.")
+def kimi_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
+    for s, a, m in decoder_layers(sd, out):
+        at = Tensors(s, "self_attn.")
         if "A_log" in at or "forget_gate.A_log" in at:
             _kda_weights(out, a + "mixer.", at)
         else:                                              # MLA
@@ -112,9 +112,9 @@ def kimi_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
                 out[f"{a}mixer.{_MLA[module]}.{param}"] = t
         mlp = "mlp." if any(k.startswith("mlp.") for k in s) else "block_sparse_moe."   # the files' name for both
         if f"{mlp}gate.weight" in s:
-            _moe_weights(out, m + "mixer.", _Tensors(s, mlp), cfg)
+            _moe_weights(out, m + "mixer.", Tensors(s, mlp), cfg)
         else:
-            ms = _Tensors(s, mlp)
+            ms = Tensors(s, mlp)
             out[m + "mixer.w_in.weight"] = torch.cat((ms["gate_proj.weight"], ms["up_proj.weight"]), 0)
             out[m + "mixer.w_out.weight"] = ms["down_proj.weight"]
     return out
@@ -129,7 +129,7 @@ def convert_kimi_dir(src_dir: str, out_dir: str, dtype: str | torch.dtype | None
     from .directory import read_tensors, save_converted
     hf_config = AutoConfig.from_pretrained(src_dir)
     cfg = config_from_transformers(hf_config)
-    sd = kimi_weights(_Tensors(read_tensors(src_dir)[0]), cfg)
+    sd = kimi_weights(Tensors(read_tensors(src_dir)[0]), cfg)
     if dtype is not None:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         sd = {k: v.to(dtype) for k, v in sd.items()}

@@ -9,7 +9,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import TWINS, _copy, _decoder_layers, _get, _head, _rope_base, _Tensors, _tied, _unsupported, register
+from .common import (TWINS, Tensors, copy_renamed, decoder_layers, head_tensors, hf_get, hf_rope_base, hf_tied,
+                     register, unsupported)
 
 ARCH = "Lfm2ForCausalLM"
 _UNIT = {"conv": "CM", "full_attention": "AM"}
@@ -18,9 +19,9 @@ _UNIT = {"conv": "CM", "full_attention": "AM"}
 def lfm2_mlp_width(hf) -> int:
     """The SwiGLU width transformers' Lfm2MLP builds from the config."""
     width = hf.intermediate_size
-    if _get(hf, "block_auto_adjust_ff_dim", True):
+    if hf_get(hf, "block_auto_adjust_ff_dim", True):
         width = int(2 * width / 3)
-        mult = _get(hf, "block_ffn_dim_multiplier")
+        mult = hf_get(hf, "block_ffn_dim_multiplier")
         if mult is not None:
             width = int(mult * width)
             k = hf.block_multiple_of
@@ -32,16 +33,16 @@ def lfm2_config(hf) -> dict:
     types = list(hf.layer_types)
     for t in types:
         if t not in _UNIT:
-            _unsupported(ARCH, f"layer type {t!r} (supported: {', '.join(_UNIT)})")
+            unsupported(ARCH, f"layer type {t!r} (supported: {', '.join(_UNIT)})")
     d, heads = hf.hidden_size, hf.num_attention_heads
     return dict(
         layout=fold_layout([_UNIT[t] for t in types]), vocab_size=hf.vocab_size, d_model=d,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 128_000)), tie_embeddings=_tied(hf), norm="rms",
+        max_seq_len=int(hf_get(hf, "max_position_embeddings", 128_000)), tie_embeddings=hf_tied(hf), norm="rms",
         norm_eps=float(hf.norm_eps), pos_embedding="rope", n_heads=heads,
-        n_kv_heads=_get(hf, "num_key_value_heads") or heads, head_dim=_get(hf, "head_dim") or d // heads,
-        rope_base=_rope_base(ARCH, hf), qk_norm=True, attn_bias=False,
+        n_kv_heads=hf_get(hf, "num_key_value_heads") or heads, head_dim=hf_get(hf, "head_dim") or d // heads,
+        rope_base=hf_rope_base(ARCH, hf), qk_norm=True, attn_bias=False,
         mlp_hidden=lfm2_mlp_width(hf), mlp_act="silu", mlp_gated=True, mlp_bias=False,
-        d_conv=int(hf.conv_L_cache), conv_bias=bool(_get(hf, "conv_bias", False)),
+        d_conv=int(hf.conv_L_cache), conv_bias=bool(hf_get(hf, "conv_bias", False)),
     )
 
 
@@ -52,18 +53,19 @@ _CONV_BIASES = {"in_proj.bias": "conv.in_proj.bias", "out_proj.bias": "conv.out_
                 "conv.bias": "conv.conv.bias"}
 
 
-def lfm2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.embedding_norm.weight")   # its "embedding_norm" is final
-    for s, a, m in _decoder_layers(sd, out, "operator_norm", "ffn_norm"):
+def lfm2_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    # its "embedding_norm" is the final norm
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.embedding_norm.weight")
+    for s, a, m in decoder_layers(sd, out, "operator_norm", "ffn_norm"):
         if "conv.in_proj.weight" in s:
-            _copy(out, a + "mixer.", s, _CONV)
-            _copy(out, a + "mixer.", s, _CONV_BIASES, optional=True)
+            copy_renamed(out, a + "mixer.", s, _CONV)
+            copy_renamed(out, a + "mixer.", s, _CONV_BIASES, optional=True)
             out[a + "mixer.conv.weight"] = s["conv.conv.weight"].squeeze(1)     # [d, 1, K] -> [d, K]
         else:
             out[a + "mixer.qkv.weight"] = torch.cat([s[f"self_attn.{p}_proj.weight"] for p in "qkv"])
-            _copy(out, a + "mixer.", s, _ATTN)
+            copy_renamed(out, a + "mixer.", s, _ATTN)
         out[m + "mixer.w_in.weight"] = torch.cat((s["feed_forward.w1.weight"], s["feed_forward.w3.weight"]))
-        _copy(out, m + "mixer.", s, {"w_out.weight": "feed_forward.w2.weight"})
+        copy_renamed(out, m + "mixer.", s, {"w_out.weight": "feed_forward.w2.weight"})
     return out
 
 

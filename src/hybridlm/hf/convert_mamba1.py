@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _copy, _decoder_layers, _fused_attention, _get, _head, _need, _routed_experts, _silu,
-                     _stacked_experts, _Tensors, _tied, register)
+from .common import (TWINS, Tensors, copy_renamed, decoder_layers, fused_attention, head_tensors, hf_get, hf_tied,
+                     register, require, require_silu, routed_experts, stacked_experts)
 
 # ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
 _MIXER = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
@@ -26,15 +26,15 @@ _MIXER_OPTIONAL = {"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bi
                    "dt_norm": "dt_layernorm.weight", "b_norm": "b_layernorm.weight", "c_norm": "c_layernorm.weight"}
 
 
-def _mixer(out: dict, prefix: str, s: _Tensors, has_norm_weights: bool):
-    _copy(out, prefix, s, _MIXER)
+def _mixer(out: dict, prefix: str, s: Tensors, has_norm_weights: bool):
+    copy_renamed(out, prefix, s, _MIXER)
     opt = _MIXER_OPTIONAL if has_norm_weights else {k: v for k, v in _MIXER_OPTIONAL.items() if "norm" not in k}
-    _copy(out, prefix, s, opt, optional=True)
+    copy_renamed(out, prefix, s, opt, optional=True)
     out[prefix + "conv.weight"] = s["conv1d.weight"].squeeze(1)           # [C, 1, K] -> [C, K]
 
 
 def _expand(arch: str, hidden: int, inner: int) -> int:
-    _need(inner % hidden == 0, arch, f"intermediate size {inner} that is not a multiple of hidden_size {hidden}")
+    require(inner % hidden == 0, arch, f"intermediate size {inner} that is not a multiple of hidden_size {hidden}")
     return inner // hidden
 
 
@@ -42,18 +42,18 @@ def _expand(arch: str, hidden: int, inner: int) -> int:
 # Mamba / Falcon-Mamba -> "B*n"
 
 def _mamba_config(hf, arch: str, falcon: bool) -> dict:
-    _silu(arch, _get(hf, "hidden_act", "silu"), "hidden_act (conv)")
-    inner = int(_get(hf, "intermediate_size", None) or hf.expand * hf.hidden_size)
+    require_silu(arch, hf_get(hf, "hidden_act", "silu"), "hidden_act (conv)")
+    inner = int(hf_get(hf, "intermediate_size", None) or hf.expand * hf.hidden_size)
     fields = dict(
         layout=f"B*{hf.num_hidden_layers}", vocab_size=hf.vocab_size, d_model=hf.hidden_size,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 1 << 20)),   # no positional limit unless set
-        tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
+        max_seq_len=int(hf_get(hf, "max_position_embeddings", 1 << 20)),   # no positional limit unless set
+        tie_embeddings=hf_tied(hf), norm="rms", norm_eps=float(hf.layer_norm_epsilon), pos_embedding="none",
         mamba1_d_state=hf.state_size, d_conv=hf.conv_kernel, mamba1_expand=_expand(arch, hf.hidden_size, inner),
-        mamba1_dt_rank=int(hf.time_step_rank), mamba1_conv_bias=bool(_get(hf, "use_conv_bias", True)),
-        mamba1_bias=bool(_get(hf, "use_bias", False)),
+        mamba1_dt_rank=int(hf.time_step_rank), mamba1_conv_bias=bool(hf_get(hf, "use_conv_bias", True)),
+        mamba1_bias=bool(hf_get(hf, "use_bias", False)),
     )
     if falcon:
-        fields.update(mamba1_bcdt_norm="plain", mamba1_norm_eps=float(_get(hf, "mixer_rms_eps", 1e-6)))
+        fields.update(mamba1_bcdt_norm="plain", mamba1_norm_eps=float(hf_get(hf, "mixer_rms_eps", 1e-6)))
     return fields
 
 
@@ -65,13 +65,13 @@ def falcon_mamba_config(hf) -> dict:
     return _mamba_config(hf, "FalconMambaForCausalLM", falcon=True)
 
 
-def mamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
+def mamba_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "backbone.embeddings.weight", "backbone.norm_f.weight")
     n_layers = sum(1 for k in sd if k.startswith("backbone.layers.") and k.endswith(".mixer.A_log"))
     for i in range(n_layers):
-        s, b = _Tensors(sd, f"backbone.layers.{i}."), f"blocks.{i}."
-        _copy(out, b, s, {"norm.weight": "norm.weight"})
-        _mixer(out, b + "mixer.", _Tensors(s, "mixer."), has_norm_weights=False)
+        s, b = Tensors(sd, f"backbone.layers.{i}."), f"blocks.{i}."
+        copy_renamed(out, b, s, {"norm.weight": "norm.weight"})
+        _mixer(out, b + "mixer.", Tensors(s, "mixer."), has_norm_weights=False)
     return out
 
 
@@ -89,17 +89,17 @@ def jamba_layout(n: int, attn_period: int, attn_offset: int, expert_period: int,
 
 
 def jamba_config(hf) -> dict:
-    _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, JAMBA, "attention_dropout")
-    act = _silu(JAMBA, hf.hidden_act, "hidden_act (MLP and conv)")
-    E = int(_get(hf, "num_experts", 1) or 1)
+    require(float(hf_get(hf, "attention_dropout", 0) or 0) == 0, JAMBA, "attention_dropout")
+    act = require_silu(JAMBA, hf.hidden_act, "hidden_act (MLP and conv)")
+    E = int(hf_get(hf, "num_experts", 1) or 1)
     n_heads = hf.num_attention_heads
     fields = dict(
         layout=jamba_layout(hf.num_hidden_layers, hf.attn_layer_period, hf.attn_layer_offset,
                             hf.expert_layer_period, hf.expert_layer_offset, moe=E > 1),
-        vocab_size=hf.vocab_size, d_model=hf.hidden_size, max_seq_len=int(_get(hf, "max_position_embeddings", 2048)),
-        tie_embeddings=_tied(hf), norm="rms", norm_eps=float(hf.rms_norm_eps), pos_embedding="none",
-        n_heads=n_heads, n_kv_heads=_get(hf, "num_key_value_heads") or n_heads,
-        head_dim=_get(hf, "head_dim") or hf.hidden_size // n_heads,
+        vocab_size=hf.vocab_size, d_model=hf.hidden_size, max_seq_len=int(hf_get(hf, "max_position_embeddings", 2048)),
+        tie_embeddings=hf_tied(hf), norm="rms", norm_eps=float(hf.rms_norm_eps), pos_embedding="none",
+        n_heads=n_heads, n_kv_heads=hf_get(hf, "num_key_value_heads") or n_heads,
+        head_dim=hf_get(hf, "head_dim") or hf.hidden_size // n_heads,
         mlp_hidden=hf.intermediate_size, mlp_act=act, mlp_gated=True,
         mamba1_d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv, mamba1_expand=int(hf.mamba_expand),
         mamba1_dt_rank=int(hf.mamba_dt_rank), mamba1_conv_bias=bool(hf.mamba_conv_bias),
@@ -111,18 +111,18 @@ def jamba_config(hf) -> dict:
     return fields
 
 
-def jamba_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
-    for s, a, m in _decoder_layers(sd, out, ff_norm="pre_ff_layernorm"):
+def jamba_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
+    for s, a, m in decoder_layers(sd, out, ff_norm="pre_ff_layernorm"):
         if "mamba.A_log" in s:
-            _mixer(out, a + "mixer.", _Tensors(s, "mamba."), has_norm_weights=True)
+            _mixer(out, a + "mixer.", Tensors(s, "mamba."), has_norm_weights=True)
         else:
-            _fused_attention(out, a + "mixer.", s)
-        f = _Tensors(s, "feed_forward.")
+            fused_attention(out, a + "mixer.", s)
+        f = Tensors(s, "feed_forward.")
         if "router.weight" in f:
             out[m + "mixer.router.weight"] = f["router.weight"]
-            gate, up, down = _stacked_experts(f, cfg.moe_experts, cfg.moe_hidden)
-            _routed_experts(out, m + "mixer.", gate=gate, up=up, down=down)
+            gate, up, down = stacked_experts(f, cfg.moe_experts, cfg.moe_hidden)
+            routed_experts(out, m + "mixer.", gate=gate, up=up, down=down)
         else:
             out[m + "mixer.w_in.weight"] = torch.cat((f["gate_proj.weight"], f["up_proj.weight"]), 0)
             out[m + "mixer.w_out.weight"] = f["down_proj.weight"]

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
-from .common import (TWINS, _copy, _decoder_layers, _fused_attention, _gated_mlp, _get, _head, _need, _rope_partial,
-                     _routed_experts, _silu, _stacked_experts, _Tensors, _tied, register)
+from .common import (TWINS, Tensors, copy_renamed, decoder_layers, fused_attention, gated_mlp, head_tensors, hf_get,
+                     hf_rope_partial, hf_tied, register, require, require_silu, routed_experts, stacked_experts)
 
 ARCH = "Qwen3NextForCausalLM"
 # ours (under a G block's mixer) -> theirs
@@ -25,29 +25,29 @@ _GDN = {"in_proj_qkvz.weight": "linear_attn.in_proj_qkvz.weight", "in_proj_ba.we
 
 def _is_moe(hf, i: int) -> bool:
     """transformers' rule for a sparse MoE block at layer i."""
-    only = _get(hf, "mlp_only_layers") or []
-    step = _get(hf, "decoder_sparse_step", 1) or 1
-    return i not in only and (_get(hf, "num_experts", 0) or 0) > 0 and (i + 1) % step == 0
+    only = hf_get(hf, "mlp_only_layers") or []
+    step = hf_get(hf, "decoder_sparse_step", 1) or 1
+    return i not in only and (hf_get(hf, "num_experts", 0) or 0) > 0 and (i + 1) % step == 0
 
 
 def qwen3_next_config(hf) -> dict:
     n = hf.num_hidden_layers
-    types = list(_get(hf, "layer_types") or [])
-    _need(len(types) == n, ARCH, f"layer_types of length {len(types)} for {n} layers")
+    types = list(hf_get(hf, "layer_types") or [])
+    require(len(types) == n, ARCH, f"layer_types of length {len(types)} for {n} layers")
     bad = sorted(set(types) - {"linear_attention", "full_attention"})
-    _need(not bad, ARCH, f"layer_types {bad}")
-    _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
-    act = _silu(ARCH, _get(hf, "hidden_act", "silu"), "hidden_act (MLP, expert and conv)")
+    require(not bad, ARCH, f"layer_types {bad}")
+    require(float(hf_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
+    act = require_silu(ARCH, hf_get(hf, "hidden_act", "silu"), "hidden_act (MLP, expert and conv)")
     sparse = [_is_moe(hf, i) for i in range(n)]
     blocks = [("G" if t == "linear_attention" else "A") + ("O" if s else "M") for t, s in zip(types, sparse)]
-    head_dim = _get(hf, "head_dim") or hf.hidden_size // hf.num_attention_heads
-    rope_base, rope_dim = _rope_partial(ARCH, hf, head_dim)
+    head_dim = hf_get(hf, "head_dim") or hf.hidden_size // hf.num_attention_heads
+    rope_base, rope_dim = hf_rope_partial(ARCH, hf, head_dim)
     fields = dict(
         layout=fold_layout(blocks), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 2048)), tie_embeddings=_tied(hf), norm="rms",
+        max_seq_len=int(hf_get(hf, "max_position_embeddings", 2048)), tie_embeddings=hf_tied(hf), norm="rms",
         norm_eps=float(hf.rms_norm_eps), pos_embedding="rope",
-        n_heads=hf.num_attention_heads, n_kv_heads=_get(hf, "num_key_value_heads") or hf.num_attention_heads,
-        head_dim=head_dim, rope_base=rope_base, rope_dim=rope_dim, attn_bias=bool(_get(hf, "attention_bias", False)),
+        n_heads=hf.num_attention_heads, n_kv_heads=hf_get(hf, "num_key_value_heads") or hf.num_attention_heads,
+        head_dim=head_dim, rope_base=rope_base, rope_dim=rope_dim, attn_bias=bool(hf_get(hf, "attention_bias", False)),
         qk_norm=True, attn_output_gate=True, mlp_act=act, mlp_gated=True,
         gdn_k_heads=hf.linear_num_key_heads, gdn_v_heads=hf.linear_num_value_heads,
         gdn_k_dim=hf.linear_key_head_dim, gdn_v_dim=hf.linear_value_head_dim, d_conv=hf.linear_conv_kernel_dim,
@@ -55,11 +55,11 @@ def qwen3_next_config(hf) -> dict:
     if not all(sparse):                      # the dense MLP's width matters only where a layer has one
         fields["mlp_hidden"] = hf.intermediate_size
     if any(sparse):
-        h, shared = hf.moe_intermediate_size, _get(hf, "shared_expert_intermediate_size", 0) or 0
-        _need(shared > 0, ARCH, f"shared_expert_intermediate_size {shared} (a shared expert is always built)")
+        h, shared = hf.moe_intermediate_size, hf_get(hf, "shared_expert_intermediate_size", 0) or 0
+        require(shared > 0, ARCH, f"shared_expert_intermediate_size {shared} (a shared expert is always built)")
         fields.update(moe_experts=hf.num_experts, moe_topk=hf.num_experts_per_tok, moe_hidden=h,
                       moe_shared=True, moe_shared_hidden=shared if shared != h else None, moe_shared_gate=True,
-                      moe_router="softmax", moe_norm_topk=bool(_get(hf, "norm_topk_prob", True)))
+                      moe_router="softmax", moe_norm_topk=bool(hf_get(hf, "norm_topk_prob", True)))
     return fields
 
 
@@ -68,36 +68,36 @@ def _plus_one(w: Tensor) -> Tensor:
     return 1.0 + w.float()
 
 
-def _moe(out: dict[str, Tensor], prefix: str, s: _Tensors, cfg: ModelConfig):
+def _moe(out: dict[str, Tensor], prefix: str, s: Tensors, cfg: ModelConfig):
     """Qwen3-Next's sparse block -> RoutedMoE: experts gate_up_proj [E, 2h, d] -> w_gate, w_up [E, d, h];
     down_proj [E, d, h] -> w_down [E, h, d] (or, as checkpoints store them, experts.{e}.gate/up/down_proj.weight);
     the shared expert -> `shared`, its gate -> `shared_gate`."""
-    gate, up, down = _stacked_experts(_Tensors(s, "mlp."), cfg.moe_experts, cfg.moe_hidden)
-    _routed_experts(out, prefix, gate=gate, up=up, down=down)
+    gate, up, down = stacked_experts(Tensors(s, "mlp."), cfg.moe_experts, cfg.moe_hidden)
+    routed_experts(out, prefix, gate=gate, up=up, down=down)
     out[prefix + "router.weight"] = s["mlp.gate.weight"]
-    shared = _Tensors(s, "mlp.shared_expert.")
+    shared = Tensors(s, "mlp.shared_expert.")
     out[prefix + "shared.w_in.weight"] = torch.cat((shared["gate_proj.weight"], shared["up_proj.weight"]))
     out[prefix + "shared.w_out.weight"] = shared["down_proj.weight"]
     out[prefix + "shared_gate.weight"] = s["mlp.shared_expert_gate.weight"]
 
 
-def qwen3_next_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
+def qwen3_next_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.norm.weight")
     out["norm.weight"] = _plus_one(out["norm.weight"])
-    for s, a, m in _decoder_layers(sd, out):
+    for s, a, m in decoder_layers(sd, out):
         for b in (a, m):
             out[b + "norm.weight"] = _plus_one(out[b + "norm.weight"])
         if "linear_attn.A_log" in s:
-            _copy(out, a + "mixer.", s, _GDN)
+            copy_renamed(out, a + "mixer.", s, _GDN)
             out[a + "mixer.conv.weight"] = s["linear_attn.conv1d.weight"].squeeze(1)      # [C, 1, K] -> [C, K]
         else:                                 # q_proj rows per head: [query | gate], as our output-gated qkv
-            _fused_attention(out, a + "mixer.", s)
+            fused_attention(out, a + "mixer.", s)
             for n in ("q_norm", "k_norm"):
                 out[f"{a}mixer.{n}.weight"] = _plus_one(s[f"self_attn.{n}.weight"])
         if "mlp.gate.weight" in s:
             _moe(out, m + "mixer.", s, cfg)
         else:
-            _gated_mlp(out, m + "mixer.", s)
+            gated_mlp(out, m + "mixer.", s)
     return out
 
 

@@ -16,7 +16,7 @@ from ..models import presets
 from ..models.config import ModelConfig
 from ..models.layout import parse_layout
 from ..models.registry import LETTERS
-from .common import TWINS, _copy, _get, _head, _need, _rope_base, _Tensors, _tied, register
+from .common import TWINS, Tensors, copy_renamed, head_tensors, hf_get, hf_rope_base, hf_tied, register, require
 
 ARCH = "Zamba2ForCausalLM"
 _ACTS = {"gelu": "gelu", "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -35,38 +35,38 @@ _SHARED_BIASES = {"w_in.bias": "feed_forward.gate_up_proj.bias", "w_out.bias": "
 def zamba2_layout(hf) -> str:
     """layers_block_type -> layout (presets.zamba2_layout: runs of S written S*n)."""
     return presets.zamba2_layout([t == "hybrid" for t in hf.layers_block_type],
-                                 int(hf.num_mem_blocks) if _tied(hf) else None)
+                                 int(hf.num_mem_blocks) if hf_tied(hf) else None)
 
 
 def zamba2_config(hf) -> dict:
     types = list(hf.layers_block_type)
     bad = sorted({t for t in types if t not in ("hybrid", "linear_attention", "mamba")})
-    _need(not bad, ARCH, f"layers_block_type {bad} (only mamba / hybrid layers)")
-    _need(not _get(hf, "use_long_context", False), ARCH, "use_long_context")
-    _need(float(_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
-    act = _get(hf, "hidden_act", "gelu")
-    _need(act in _ACTS, ARCH, f"hidden_act {act!r} (supported: {', '.join(sorted(_ACTS))})")
+    require(not bad, ARCH, f"layers_block_type {bad} (only mamba / hybrid layers)")
+    require(not hf_get(hf, "use_long_context", False), ARCH, "use_long_context")
+    require(float(hf_get(hf, "attention_dropout", 0) or 0) == 0, ARCH, "attention_dropout")
+    act = hf_get(hf, "hidden_act", "gelu")
+    require(act in _ACTS, ARCH, f"hidden_act {act!r} (supported: {', '.join(sorted(_ACTS))})")
     eps = float(hf.rms_norm_eps)
-    _need(eps == 1e-5, ARCH, f"rms_norm_eps {eps} (the Mamba layers' gated norm uses 1e-5 whatever it is)")
+    require(eps == 1e-5, ARCH, f"rms_norm_eps {eps} (the Mamba layers' gated norm uses 1e-5 whatever it is)")
     expand = hf.mamba_expand
-    _need(float(expand).is_integer(), ARCH, f"non-integer mamba_expand {expand}")
+    require(float(expand).is_integer(), ARCH, f"non-integer mamba_expand {expand}")
     d_inner = int(expand) * hf.hidden_size
-    _need(d_inner % hf.n_mamba_heads == 0, ARCH,
+    require(d_inner % hf.n_mamba_heads == 0, ARCH,
           f"mamba_expand*hidden_size ({d_inner}) not divisible by n_mamba_heads ({hf.n_mamba_heads})")
-    _need(int(_get(hf, "mamba_headdim", d_inner // hf.n_mamba_heads)) == d_inner // hf.n_mamba_heads, ARCH,
-          f"mamba_headdim {_get(hf, 'mamba_headdim')} (the Mamba heads are mamba_expand*hidden_size / n_mamba_heads "
+    require(int(hf_get(hf, "mamba_headdim", d_inner // hf.n_mamba_heads)) == d_inner // hf.n_mamba_heads, ARCH,
+          f"mamba_headdim {hf_get(hf, 'mamba_headdim')} (the Mamba heads are mamba_expand*hidden_size / n_mamba_heads "
           f"= {d_inner // hf.n_mamba_heads} wide)")
-    n_kv = _get(hf, "num_key_value_heads") or hf.num_attention_heads
-    adapters = bool(_get(hf, "use_shared_attention_adapter", False))
-    _need(not adapters or n_kv == hf.num_attention_heads, ARCH,
+    n_kv = hf_get(hf, "num_key_value_heads") or hf.num_attention_heads
+    adapters = bool(hf_get(hf, "use_shared_attention_adapter", False))
+    require(not adapters or n_kv == hf.num_attention_heads, ARCH,
           f"use_shared_attention_adapter with num_key_value_heads {n_kv} != num_attention_heads "
           "(the adapters are as wide as the query)")
-    _need(int(hf.num_mem_blocks) >= 1, ARCH, f"num_mem_blocks {hf.num_mem_blocks}")
-    rope = bool(_get(hf, "use_mem_rope", False))
+    require(int(hf.num_mem_blocks) >= 1, ARCH, f"num_mem_blocks {hf.num_mem_blocks}")
+    rope = bool(hf_get(hf, "use_mem_rope", False))
     return dict(
         layout=zamba2_layout(hf), vocab_size=hf.vocab_size, d_model=hf.hidden_size,
-        max_seq_len=int(_get(hf, "max_position_embeddings", 4096)), tie_embeddings=_tied(hf), norm="rms",
-        norm_eps=eps, pos_embedding="rope" if rope else "none", rope_base=_rope_base(ARCH, hf) if rope else 10000.0,
+        max_seq_len=int(hf_get(hf, "max_position_embeddings", 4096)), tie_embeddings=hf_tied(hf), norm="rms",
+        norm_eps=eps, pos_embedding="rope" if rope else "none", rope_base=hf_rope_base(ARCH, hf) if rope else 10000.0,
         n_heads=hf.num_attention_heads, n_kv_heads=n_kv, head_dim=hf.attention_head_dim,
         mlp_hidden=hf.intermediate_size, mlp_act=_ACTS[act], mlp_bias=bool(hf.add_bias_linear),
         ssd_d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv, ssd_expand=int(expand),
@@ -78,14 +78,14 @@ def zamba2_config(hf) -> dict:
     )
 
 
-def _mamba(out: dict, prefix: str, s: _Tensors):
-    _copy(out, prefix, s, _MAMBA)
-    _copy(out, prefix, s, _MAMBA_BIASES, optional=True)
+def _mamba(out: dict, prefix: str, s: Tensors):
+    copy_renamed(out, prefix, s, _MAMBA)
+    copy_renamed(out, prefix, s, _MAMBA_BIASES, optional=True)
     out[prefix + "mixer.conv.weight"] = s["mamba.conv1d.weight"].squeeze(1)     # [C, 1, K] -> [C, K]
 
 
-def zamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
-    out = _head(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
+def zamba2_weights(sd: Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
+    out = head_tensors(sd, cfg, "model.embed_tokens.weight", "model.final_layernorm.weight")
     n = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
     hybrid = [i for i in range(n) if f"model.layers.{i}.linear.weight" in sd]
     tags = [getattr(it, "tag", None) for it in parse_layout(cfg.layout, LETTERS.keys()) if it == "Z"]
@@ -94,26 +94,27 @@ def zamba2_weights(sd: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     block = 0
     for i in range(n):
         if i not in hybrid:
-            _mamba(out, f"blocks.{block}.", _Tensors(sd, f"model.layers.{i}."))
+            _mamba(out, f"blocks.{block}.", Tensors(sd, f"model.layers.{i}."))
             block += 1
             continue
         rank = hybrid.index(i)
         z, m = f"blocks.{block}.feed.", f"blocks.{block}.block."
-        layer = _Tensors(sd, f"model.layers.{i}.")
+        layer = Tensors(sd, f"model.layers.{i}.")
         # the shared weights and this occurrence's adapters live in the first hybrid layer of its shared block
-        s = _Tensors(sd, f"model.layers.{hybrid[source[rank]]}.shared_transformer.")
-        _copy(out, z, s, _SHARED)
-        _copy(out, z, s, _SHARED_BIASES, optional=True)
+        s = Tensors(sd, f"model.layers.{hybrid[source[rank]]}.shared_transformer.")
+        copy_renamed(out, z, s, _SHARED)
+        copy_renamed(out, z, s, _SHARED_BIASES, optional=True)
         out[z + "qkv.weight"] = torch.cat([s[f"self_attn.{p}_proj.weight"] for p in "qkv"], 0)
         if cfg.zamba_attn_adapter:
             for j, p in enumerate("qkv"):
-                _copy(out, f"{z}qkv_adapters.{j}.", s, {"down.weight": f"self_attn.linear_{p}_adapter_list.{rank}.0.weight",
-                                                       "up.weight": f"self_attn.linear_{p}_adapter_list.{rank}.1.weight"})
+                lora = f"self_attn.linear_{p}_adapter_list.{rank}"
+                copy_renamed(out, f"{z}qkv_adapters.{j}.", s, {"down.weight": f"{lora}.0.weight",
+                                                                "up.weight": f"{lora}.1.weight"})
         if cfg.zamba_adapter_rank:
-            _copy(out, z + "mlp_adapter.", s, {"down.weight": f"feed_forward.gate_up_proj_adapter_list.{rank}.0.weight",
-                                               "up.weight": f"feed_forward.gate_up_proj_adapter_list.{rank}.1.weight"})
+            lora = f"feed_forward.gate_up_proj_adapter_list.{rank}"
+            copy_renamed(out, z + "mlp_adapter.", s, {"down.weight": f"{lora}.0.weight", "up.weight": f"{lora}.1.weight"})
         out[z + "proj.weight"] = layer["linear.weight"]
-        _mamba(out, m, _Tensors(layer, "mamba_decoder."))
+        _mamba(out, m, Tensors(layer, "mamba_decoder."))
         block += 1
     return out
 

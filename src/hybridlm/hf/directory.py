@@ -15,7 +15,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..jsonio import read_json_object
 from ..models.causal_lm import CausalLM
-from .common import LazyTensor, _Tensors
+from .common import LazyTensor, Tensors
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -97,7 +97,7 @@ def convert_transformers_dir(src_dir: str, out_dir: str, dtype: str | torch.dtyp
     lazy, meta = read_tensors(src_dir)
     _check_shapes(hf_config, meta, src_dir)
     cfg = config_from_transformers(hf_config)
-    sd = convert_weights(hf_config, _Tensors(lazy), cfg)
+    sd = convert_weights(hf_config, Tensors(lazy), cfg)
     if dtype is not None:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         cast = {}                                                # a tied weight is one tensor under two names

@@ -16,7 +16,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig, quiet_unread
-from .common import LazyTensor, _Tensors
+from .common import LazyTensor, Tensors
 from .convert import CONVERTERS   # (importing convert registers every converter)
 
 # options no native class has: they must keep their default (off)
@@ -123,7 +123,7 @@ def to_native(model: CausalLM, **special):
     offsets = torch.tensor([0, *sizes]).cumsum(0).tolist()
     index = torch.int32 if offsets[-1] < 2 ** 31 else torch.int64
     numbered = {k: _Numbered(o, t.shape, index) for (k, t), o in zip(theirs.items(), offsets)}
-    placed = CONVERTERS[hf_cfg.model_type].weights(_Tensors(numbered), model.config)
+    placed = CONVERTERS[hf_cfg.model_type].weights(Tensors(numbered), model.config)
     flat = torch.empty(offsets[-1], dtype=dtype)  # the native weights, one buffer
     filled = torch.zeros(offsets[-1], dtype=torch.bool)
     ours = model.state_dict()

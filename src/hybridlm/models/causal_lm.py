@@ -18,8 +18,6 @@ shapes over the whole preallocated cache, compiled once as a CUDA graph. CPUs ke
 the tokens seen, and the static step measured 1.03-1.3x slower per token there.
 """
 import math
-import os
-import shutil
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +34,7 @@ from ..layers.init import normal_, reset_
 from ..layers.norm import make_norm
 from ..layers.residual import Fed, ParallelResidual, Residual
 from ..layers.short_conv import old_conv_names
+from ..ops.cpu_kernels import cxx_compiler
 from ..ops.loss import cross_entropy, linear_cross_entropy
 from .config import ModelConfig
 from .layout import Hop, Parallel, parse_layout, shared_groups
@@ -55,10 +54,6 @@ class CausalLMOutput:
 
 _COMPILED = {}   # torch.compile'd functions, built on first use
 
-
-def cxx_compiler() -> str | None:
-    """A C++ compiler on PATH ($CXX first), which torch.compile needs to build CPU kernels; None if there is none."""
-    return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
 
 # builders for residual schemes, keyed by ("letter" | "hop" | "parallel"); other modules may add kinds of their own
 BLOCKS = {}

@@ -3,7 +3,8 @@
 An entry holds the letter's builder (config for this layer, layer index) -> nn.Module, its validator, its
 options (config fields that swap the module for another: `wm_dyn_mask` on A builds the dynamic-mask attention) and
 its traits, which the rest of the library asks of the letter instead of keeping lists of letters: the config fields
-it reads, whether it is attention-like, whether DDP must expect parameters without a gradient, and why context
+it reads, whether it is attention-like (and how many keys a query scores), whether a lightning indexer picks its keys,
+whether DDP must expect parameters without a gradient, and why context
 parallelism cannot run it. A trait that depends on options is a function of the layer's config.
 Builders that live in a family module (mixers_*.py) are named "module:function" and imported on first use, so the
 table is complete whatever was imported, in whatever order, and no module rewrites another's entry.
@@ -59,6 +60,8 @@ class Letter:
     attention: bool = False          # attention-like token mixer (the middle of a two-hop block [RWM])
     unused_params: bool | Callable = False   # (cfg ->) some parameters may get no gradient in a step (DDP must know)
     no_context_parallel: str | Callable | None = None   # (cfg ->) why context parallelism cannot run it; None: it can
+    attention_keys: Callable | None = None   # attention: cfg -> the most keys a query scores (window, top-k); None: all
+    indexer: bool = False            # picks each query's keys with a lightning indexer (its captured mass is measured)
 
     def build(self, cfg, idx: int) -> nn.Module:
         """The module of one layer: the first option that is on, else the letter's builder."""
@@ -94,6 +97,17 @@ def layer_configs(cfg) -> list[tuple[str, object]]:
     return [(str(x), cfg.for_layer(i)) for i, x in enumerate(flatten(parse_layout(cfg.layout, LETTERS)))]
 
 
+def attention_layers(cfg) -> list[tuple[str, object, int | None]]:
+    """(letter, layer config, most keys a query scores or None for all earlier ones) of every attention layer."""
+    return [(x, c, LETTERS[x].attention_keys(c) if LETTERS[x].attention_keys else None)
+            for x, c in layer_configs(cfg) if LETTERS[x].attention]
+
+
+def has_indexer(cfg) -> bool:
+    """Whether any layer of `cfg.layout` chooses its keys with a lightning indexer."""
+    return any(LETTERS[x].indexer for x, _ in layer_configs(cfg))
+
+
 LETTERS: dict[str, Letter] = {}
 
 
@@ -105,7 +119,8 @@ def option(field: str, on: Callable, build: Callable | str, validate: Callable |
 def register(letter: str, build: Callable[..., nn.Module] | str, *, token: bool, doc: str = "",
              validate: Callable | str | None = None, options: tuple[Option, ...] = (), residual: bool = True,
              check: Callable | str | None = None, reads: tuple[str, ...] = (), attention: bool = False,
-             unused_params: bool | Callable = False, no_context_parallel: str | Callable | None = None):
+             unused_params: bool | Callable = False, no_context_parallel: str | Callable | None = None,
+             attention_keys: Callable | None = None, indexer: bool = False):
     """Declare `letter` (once: a second declaration is an error; options of a letter go in its one entry) with its
     traits (see `Letter`)."""
     if len(letter) != 1 or not letter.isalpha() or not letter.isupper():
@@ -114,7 +129,7 @@ def register(letter: str, build: Callable[..., nn.Module] | str, *, token: bool,
         raise ValueError(f"mixer letter {letter!r} is already registered ({LETTERS[letter].doc}); a letter is "
                          f"declared once: add an option to its entry in models/registry.py instead")
     LETTERS[letter] = Letter(lazy(build), token, doc, lazy(validate), tuple(options), residual, lazy(check),
-                             tuple(reads), attention, unused_params, no_context_parallel)
+                             tuple(reads), attention, unused_params, no_context_parallel, attention_keys, indexer)
 
 
 def need(cond: bool, msg: str):
@@ -201,7 +216,7 @@ _HEADS = ("n_heads", "n_kv_heads", "head_dim", "n_k_heads", "rope_base", "rope_d
 _ATTN = _HEADS + ("window", "wm_dyn_mask", "wm_keep_window")
 
 register("A", _attention, token=True, doc="softmax attention (MHA/GQA/MQA, RoPE, optional window)",
-         validate=_validate_attention, reads=_ATTN, attention=True,
+         validate=_validate_attention, reads=_ATTN, attention=True, attention_keys=lambda cfg: cfg.window,
          options=(option("wm_dyn_mask", _dyn_mask_on, "mixers_wm:dyn_mask_attention", "mixers_wm:_validate_dyn_mask",
                          "dynamic-mask attention (Wonderful Matrices, Doge)"),))
 register("S", _ssd, token=True, doc="SSD / Mamba-2 block", validate=_validate_ssd,
@@ -210,7 +225,7 @@ register("S", _ssd, token=True, doc="SSD / Mamba-2 block", validate=_validate_ss
                          "mixers_wm:_validate_rope_ssd", "Cheems' SSD: RoPE on C/B, no conv or D"),))
 register("M", _mlp, token=False, doc="MLP or gated MLP (SwiGLU)", reads=("mlp_",))
 register("F", "mixers_wm:inner_attention", token=True, validate="mixers_wm:_validate_inner",
-         reads=_ATTN + ("wm_inner_",), attention=True,
+         reads=_ATTN + ("wm_inner_",), attention=True, attention_keys=lambda cfg: cfg.window,
          doc="inner-function attention (values f(x) from shared value rows; optional dynamic mask)")
 register("E", "mixers_wm:_cdmoe", token=False, validate="mixers_wm:_validate_cdmoe",
          reads=("wm_cdmoe_", "mlp_"), unused_params=True,       # experts a step routes no token to
@@ -224,12 +239,12 @@ register("L", "mixers_deepseek:_mla", token=True, validate="mixers_deepseek:_val
          doc="multi-head latent attention (MLA, DeepSeek-V3): decoupled RoPE, latent cache, absorbed decode")
 register("I", "mixers_deepseek:_indexed", token=True, validate="mixers_deepseek:_validate_indexed",
          reads=_ATTN + ("mla_", "dsa_"), attention=True, unused_params=_indexer_frozen,
-         no_context_parallel=_indexer_cp,
+         no_context_parallel=_indexer_cp, attention_keys=lambda cfg: cfg.dsa_topk, indexer=True,
          doc="lightning-indexer top-k sparse attention (DeepSeek-V3.2) over MLA or attention")
 register("R", "mixers_rodimus:_rodimus", token=True, validate="mixers_rodimus:_validate_rodimus",
          reads=("rodimus_", "d_conv"), doc="Rodimus block (DDTS gated linear attention in a GLU)")
 register("W", "mixers_rodimus:_window_attention", token=True, validate="mixers_rodimus:_validate_window_attention",
-         reads=_HEADS + ("swa_window",), attention=True,
+         reads=_HEADS + ("swa_window",), attention=True, attention_keys=lambda cfg: cfg.swa_window,
          doc="sliding-window attention (swa_window; shared key with attn_shared_key), cache bounded by the window")
 register("K", "mixers_kda:_kda", token=True, validate="mixers_kda:_validate_kda", reads=("kda_", "n_heads", "d_conv"),
          doc="Kimi Delta Attention (Kimi-Linear): gated delta rule with a per-channel forget gate, q/k/v short convs")

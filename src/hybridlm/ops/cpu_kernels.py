@@ -3,7 +3,7 @@ in its stored dtype (float32, bfloat16, int8 per channel, int4 per group), threa
 
 Why: batch-1 decode is bound by how fast the weights stream from memory, and PyTorch's paths stream them slowly on
 some CPUs (its int8 / int4 kernels are vectorised for AVX-512 only; bf16 `F.linear` converts as it goes). The kernel
-is one C++ file, compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
+is one C++ file, compiled on first use with the system's C++ compiler (`cxx_compiler()`: `$CXX`, else g++ / c++ / clang++) for this CPU
 (`-O3 -march=native -fopenmp`), cached under `$HYBRIDLM_CACHE` (default ~/.cache/hybridlm) by a hash of the source,
 the compiler and the CPU's flags, and called through ctypes with the tensors' pointers (no copy). OpenMP links to
 the runtime torch already loaded, so the kernel's threads are torch's (`torch.set_num_threads` sets both).
@@ -15,6 +15,7 @@ to the float32 reference.
 import ctypes
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,14 +33,19 @@ def _cache_dir() -> str:
     return os.path.join(os.environ.get("HYBRIDLM_CACHE", os.path.expanduser("~/.cache/hybridlm")), "kernels")
 
 
-def _compiler() -> str:
-    return os.environ.get("CXX", "c++")
+def cxx_compiler() -> str | None:
+    """The C++ compiler: $CXX when set, else the first of g++, c++, clang++ on PATH; None if there is none. The one
+    lookup for these kernels and for torch.compile on a CPU (which generates C++)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((c for c in names if shutil.which(c)), None)
 
 
 def _build() -> str:
     """Compile the kernel for this CPU (once; cached) and return the library's path; raises on failure."""
     from ..dtypes import cpu_flags
-    cxx = _compiler()
+    cxx = cxx_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     with open(SOURCE, "rb") as f:
         src = f.read()
@@ -72,7 +78,7 @@ def _load():
         try:
             lib = ctypes.CDLL(_build())
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-            warnings.warn(f"hybridlm's CPU decode kernels could not be compiled with {_compiler()!r} ({e}); using "
+            warnings.warn(f"hybridlm's CPU decode kernels could not be compiled with {cxx_compiler()!r} ({e}); using "
                           f"PyTorch's matmul instead (set CXX to a C++ compiler with OpenMP to enable them)",
                           stacklevel=3)
             return _lib

@@ -85,10 +85,11 @@ def _stats(values: list[float]) -> tuple[float, float | None]:
 
 
 def _measure(recipe: Recipe, cfg, data, seed: int, ckpt: str) -> dict:
-    """The recipe's `measure` figures of one trained model. captured_mass: the attention mass its `I` layers' top-k
+    """The recipe's `measure` figures of one trained model. captured_mass: the attention mass its indexed layers' top-k
     keep on the validation split, with the trained indexers and with the indexers put back to their initialisation
     (`train` seeds torch with the run's seed right before building the model: the same draw is made here)."""
-    if "captured_mass" not in recipe.measure or "I" not in cfg.layout:
+    from ..models.registry import has_indexer
+    if "captured_mass" not in recipe.measure or not has_indexer(cfg):
         return {}
     import torch
 

@@ -51,7 +51,7 @@ def clean_name(name: str) -> str:
     return name
 
 
-def _apply_block_wrappers(model: nn.Module, checkpointing: bool, compile: bool):
+def apply_block_wrappers(model: nn.Module, checkpointing: bool, compile: bool):
     """Activation checkpointing, then torch.compile, on each block in place (module names keep their index)."""
     if checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -131,7 +131,7 @@ def parallelize(model: nn.Module, mode: str = "auto", *, world: int = 1, device:
     the optimizer afterwards."""
     if mode not in MODES:
         raise ConfigError(f"parallel must be one of {', '.join(MODES)}, got {mode!r}")
-    _apply_block_wrappers(model, checkpointing, compile)
+    apply_block_wrappers(model, checkpointing, compile)
     if world <= 1 or mode != "fsdp":
         _materialise(model, device, sharded=False)
     if world <= 1:

@@ -121,7 +121,7 @@ class TrainConfig:
 EVAL_BATCH = 4
 
 
-def _setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
+def setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
     """-> (rank, world size, device, whether we initialised the process group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "auto":
@@ -179,7 +179,7 @@ def _metrics_until(path: str, step: int) -> list[dict]:
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data: TokenData, out_dir: str, resume: bool = False,
           progress: bool = True) -> dict:
     """Train and return a summary dict (steps, loss, val_loss, val_ppl, tokens_seen, tokens_per_s, ...)."""
-    rank, world, device, own_pg = _setup_distributed(train_cfg.device)
+    rank, world, device, own_pg = setup_distributed(train_cfg.device)
     cfg = replace(train_cfg, dtype=resolve_dtype(train_cfg.dtype, device)[0])   # checkpoints record what ran
     try:
         with StopSignals() as signals:  # SIGTERM / SIGINT end the run after the current step, with a checkpoint
