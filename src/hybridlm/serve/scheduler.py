@@ -159,6 +159,9 @@ class Scheduler:
             self._emit(r, r.output[-1])
             if r.finished:
                 self._finish(r)
+        if all(r.finished for r in rows):         # nothing left running: free the batch's state now
+            with eng.lock:
+                eng.set_rows([])
         return True
 
     def run_until_idle(self):
