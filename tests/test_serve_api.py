@@ -15,6 +15,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from hybridlm.serve import Request, SamplingParams  # noqa: E402
 from hybridlm.serve.text import TextStream  # noqa: E402
 from serve_helpers import FAMILIES, ChatBytes, free_port, live_server, tiny  # noqa: E402
 
@@ -300,3 +301,42 @@ def test_rss_stable_over_1000_requests(model):
         after_100 = proc.memory_info().rss
         burst(900)
         assert proc.memory_info().rss <= after_100 * 1.05
+
+
+def test_serve_command_errors_are_one_line(tmp_path, capsys):
+    from hybridlm.cli import main
+    ckpt = _checkpoint(tmp_path)
+    for flags, msg in ((["--max-slots", "0"], "--max-slots must be >= 1"),
+                       (["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be >= 0"),
+                       (["--memory-mb", "0.000001"], "memory budget")):
+        assert main(["serve", "--checkpoint", ckpt, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hybridlm: error: ") and msg in err and len(err.strip().splitlines()) == 1
+    assert main(["serve", "--checkpoint", str(tmp_path / "none")]) == 2
+
+
+def test_serve_command_builds_a_quantized_app(tmp_path):
+    import argparse
+    from hybridlm.commands import serve
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    app, sch = serve.build(p.parse_args(["--checkpoint", _checkpoint(tmp_path, "transformer++"), "--quantize", "int8",
+                                         "--max-slots", "2", "--dtype", "float32"]))
+    from hybridlm.layers.quantized import QuantizedLinear
+    assert any(isinstance(m, QuantizedLinear) for m in sch.engine.model.modules())
+    r = Request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
+    sch.submit(r)
+    with torch.inference_mode():
+        sch.run_until_idle()
+    assert len(r.output) >= 1 and r.finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_serve_bench_smoke(tmp_path):
+    from hybridlm.bench.serve import run_serve_bench
+    out = str(tmp_path / "serve.json")
+    res = run_serve_bench(["rodimus++"], (1, 2), params=None, d_model=32, n_layers=1, requests_per_level=3,
+                          max_tokens=4, prefix_len=64, context=256, dtype="float32", out=out, log=lambda *_: None)
+    row = res["presets"]["rodimus++"]
+    assert [lv["requests"] for lv in row["levels"]] == [3, 3] and row["prefix"]["ttft_hit_s"] > 0
+    assert os.path.exists(out) and os.path.exists(str(tmp_path / "serve.png"))
