@@ -340,3 +340,14 @@ def test_serve_bench_smoke(tmp_path):
     row = res["presets"]["rodimus++"]
     assert [lv["requests"] for lv in row["levels"]] == [3, 3] and row["prefix"]["ttft_hit_s"] > 0
     assert os.path.exists(out) and os.path.exists(str(tmp_path / "serve.png"))
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_slot():
+    with live_server(tiny("mamba2", max_seq_len=4096), max_slots=1) as (url, sch):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4000, "ignore_eos": True,
+                                                      "temperature": 0}, timeout=0.3)
+        deadline = time.time() + 10
+        while sch.metrics.requests.get("abort") != 1 and time.time() < deadline:
+            time.sleep(0.02)
+        assert sch.metrics.requests.get("abort") == 1 and sch.counts()["running"] == 0

@@ -39,9 +39,9 @@ def make_checkpoint(preset: str, params: str | None, d_model: int | None, n_laye
     """A random-weight checkpoint of `preset` (byte vocabulary) sized by `params` or d_model/n_layers."""
     import torch
     from ..checkpoint import save_checkpoint
-    from ..commands.common import sized_config
     from ..data.tokenizer import ByteTokenizer
     from ..models import CausalLM, presets
+    from ..models.sizing import fit_params, parse_count
     over = {"vocab_size": 257, "max_seq_len": context}
     if n_layers:
         over["n_layers"] = n_layers
@@ -49,7 +49,8 @@ def make_checkpoint(preset: str, params: str | None, d_model: int | None, n_laye
         over["d_model"] = d_model
         cfg = presets.get(preset, **over)
     else:
-        cfg = sized_config(preset, params or "125M", over)
+        cfg, _ = fit_params(lambda d: presets.get(preset, **over, d_model=d), parse_count(params or "125M"),
+                            range(64, 16385, 64), what="d_model")
     torch.manual_seed(0)
     model = CausalLM(cfg).eval()
     return save_checkpoint(directory, model, tokenizer=ByteTokenizer())

@@ -178,11 +178,19 @@ class Server:
             return "length" if reason == "length" else "stop"
 
         if not stream:
+            async def watch():                # a client that goes away frees the slot (as a stream's does)
+                while not req.finished:
+                    if await request.is_disconnected():
+                        self.scheduler.abort(req)
+                        return
+                    await asyncio.sleep(0.25)
+            watcher = asyncio.ensure_future(watch())
             out, reason = [], None
             try:
                 async for piece, reason in pieces():
                     out.append(piece)
             finally:
+                watcher.cancel()
                 if not req.finished:
                     self.scheduler.abort(req)
             if reason == "error":
