@@ -43,7 +43,7 @@ def test_continuous_batching_greedy_equals_generate(name):
     assert eng.batch is None and eng.rows == []          # every row retired, the state freed
 
 
-@pytest.mark.parametrize("name", ["mamba2-attention", "rodimus++"])
+@pytest.mark.parametrize("name", ["mamba2-attention"])
 def test_prefix_hit_gives_identical_output(name):
     m = tiny(name)
     with_hit = run_mixed(m)[0]
@@ -123,7 +123,7 @@ def test_validation_queue_abort_and_budget():
     with torch.inference_mode():
         sch.step()
         sch.step()
-        assert eng.rows == [a] and b.output == []     # one slot: b waits
+        assert eng.running == [a] and b.output == []     # one slot: b waits
         n = len(a.output)
         sch.abort(a)
         sch.step()                                     # a leaves before the next decode step; b takes its slot
@@ -149,3 +149,31 @@ def test_state_per_slot_recurrent_fixed_attention_grows():
     att = Engine(tiny("transformer++"), block=8)
     assert rec.token_bytes == 0 and rec.fixed_bytes > 0
     assert att.token_bytes > 0 and att.slot_bytes(4096) > att.slot_bytes(128)
+
+
+@pytest.mark.parametrize("name", ["rodimus++", "mamba2-attention", "deepseek-mla"])
+def test_a_joining_request_takes_a_free_row_in_place(name):
+    """A request that joins where one retired is written into the free row (the batch is not rebuilt) and every
+    row still decodes as its own cache does; a longer prompt than the batch's time axis rebuilds it."""
+    m = tiny(name)
+    eng = Engine(m, block=64)
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(torch.randint(0, 256, (n,), generator=g).tolist(), SamplingParams(max_tokens=20, temperature=0))
+            for n in (9, 14, 4, 6, 30)]
+    for r in reqs:
+        eng.start(r)
+        eng.prefill(r)
+    own = {id(r): gather([(r.cache, [0])]) for r in reqs}
+    eng.set_rows(reqs[:3])
+    batch = eng.batch
+    eng.set_rows([reqs[0], reqs[2], reqs[3]])        # reqs[1] retires, reqs[3] (6 tokens <= 14) takes its row
+    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2]]
+    eng.decode()
+    with torch.inference_mode():
+        for r in (reqs[0], reqs[3], reqs[2]):
+            t = m._decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
+            assert r.output[1] == t, name
+    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens: longer than the batch, so a rebuild
+    assert eng.batch is not batch and eng.batch.batch_size == 4
+    eng.decode()
+    assert all(len(r.output) == 3 for r in reqs[2:4]) and len(reqs[4].output) == 2

@@ -20,7 +20,7 @@ import torch
 from ..errors import InputError
 from ..models.generation import sample_next
 from .prefix_cache import PrefixCache, block_hashes
-from .slots import gather
+from .slots import first_real, gather, place
 
 
 @dataclass
@@ -85,13 +85,18 @@ class Engine:
         self.context = model.config.max_seq_len
         self.prefix = PrefixCache(block, prefix_cache_bytes)
         self.batch = None                 # InferenceCache of the running rows
-        self.rows: list[Request] = []     # the request of each batch row
+        self.rows: list[Request | None] = []     # the request of each batch row (None: a free row)
         self.lock = threading.Lock()      # held by the engine's thread while it steps (readers: metrics)
         self.fixed_bytes, self.token_bytes = self._measure_state()
         self.memory_bytes = memory_bytes
         if memory_bytes is not None and self.slot_bytes(1) > memory_bytes:
             raise InputError(f"the memory budget ({memory_bytes} bytes) holds no request: one costs "
                              f"{self.slot_bytes(1)} bytes of state")
+
+    @property
+    def running(self) -> list[Request]:
+        """The requests in the batch (free rows left out)."""
+        return [r for r in self.rows if r is not None]
 
     # ---------------------------------------------------------------- memory
     @torch.inference_mode()
@@ -174,29 +179,54 @@ class Engine:
 
     @torch.inference_mode()
     def set_rows(self, rows: list[Request]):
-        """Make `rows` the running batch, in this order: rows already in it keep their state, new ones bring the
-        cache of their prefill (which is released); rows not listed are dropped."""
-        if [id(r) for r in rows] == [id(r) for r in self.rows]:
-            return
+        """Make `rows` the running requests: rows already in the batch keep their state, new ones bring the cache of
+        their prefill (then released); rows not listed retire. A new request takes a free row in place when one is
+        there and its prompt fits the batch's time axis; otherwise (or when free rows or padding pile up) the batch
+        is rebuilt compactly."""
         if not rows:
             self.batch, self.rows = None, []
             return
-        where = {id(r): i for i, r in enumerate(self.rows)}
-        kept = [where[id(r)] for r in rows if id(r) in where]
-        new = [r for r in rows if id(r) not in where]
-        ordered = [r for r in rows if id(r) in where] + new     # gather puts the kept rows first
-        sources = ([(self.batch, kept)] if kept else []) + [(r.cache, [0]) for r in new]
+        wanted = {id(r) for r in rows}
+        slots = [r if r is not None and id(r) in wanted else None for r in self.rows]
+        have = {id(r) for r in slots if r is not None}
+        new = [r for r in rows if id(r) not in have]
+        free = [i for i, r in enumerate(slots) if r is None]
+        if self.batch is not None and new and len(new) <= len(free) \
+                and all(r.cache.seen <= self.batch.seen for r in new):
+            for r, i in zip(new, free):
+                place(self.batch, i, r.cache)
+                slots[i] = r
+                r.cache = None
+            new = []
+        live = [i for i, r in enumerate(slots) if r is not None]
+        dead = len(slots) - len(live)
+        if not new and live and dead <= len(live) // 4 and not self._padded(live):
+            self.rows = slots
+            return
+        sources = ([(self.batch, live)] if live else []) + [(r.cache, [0]) for r in new]
         self.batch = gather(sources, extra=16)
-        self.rows = ordered
+        self.rows = [slots[i] for i in live] + new
         for r in new:
             r.cache = None
 
+    def _padded(self, live: list[int]) -> bool:
+        """Whether the batch's time axis has grown well past what its live rows need (rows that joined in place
+        and retired rows leave columns of padding): then a rebuild trims it."""
+        span = int((self.batch.seen - first_real(self.batch)[live]).max())
+        return self.batch.seen > 2 * span + 64
+
     @torch.inference_mode()
     def decode(self):
-        """One new token for every running row (one forward pass over the batch)."""
-        ids = torch.tensor([[r.output[-1]] for r in self.rows], dtype=torch.long, device=self.device)
+        """One new token for every running row (one forward pass over the batch; free rows run a dummy token at
+        position 0 and their output is dropped)."""
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        ids = torch.tensor([[r.output[-1] if r is not None else 0] for r in self.rows], dtype=torch.long,
+                           device=self.device)
+        if len(live) < len(self.rows):
+            dead = torch.tensor([i for i, r in enumerate(self.rows) if r is None], device=self.device)
+            self.batch.next_pos[dead] = 0      # positions stay inside a learned position table
         logits = self.model._decode_step(ids, self.batch)
-        self._append(self.rows, logits)
+        self._append([self.rows[i] for i in live], logits[live] if len(live) < len(self.rows) else logits)
 
     def _append(self, reqs: list[Request], logits):
         """Sample each request's next token from logits [B, V] and note whether it is finished."""

@@ -64,15 +64,15 @@ class Scheduler:
 
     @property
     def running(self) -> list[Request]:
-        return [r for r in self.engine.rows if not r.finished]
+        return [r for r in self.engine.running if not r.finished]
 
     def counts(self) -> dict:
         with self.cv:
             return {"waiting": len(self.waiting), "prefilling": len(self.prefilling),
-                    "running": sum(not r.finished for r in self.engine.rows)}
+                    "running": sum(not r.finished for r in self.engine.running)}
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or any(not r.finished for r in self.engine.rows))
+        return bool(self.waiting or self.prefilling or any(not r.finished for r in self.engine.running))
 
     # ------------------------------------------------------------ the engine's thread
     def _finish(self, req: Request, reason: str | None = None, error: str | None = None):
@@ -93,13 +93,13 @@ class Scheduler:
 
     def _in_flight_bytes(self) -> int:
         eng = self.engine
-        return sum(eng.request_bytes(r) for r in self.prefilling + [r for r in eng.rows if not r.finished])
+        return sum(eng.request_bytes(r) for r in self.prefilling + [r for r in eng.running if not r.finished])
 
     def step(self) -> bool:
         """One iteration; returns whether anything ran."""
         eng = self.engine
         # 1. retire
-        for r in eng.rows:
+        for r in eng.running:
             if r.aborted and not r.finished:
                 self._finish(r, "abort")
         with self.cv:
@@ -110,7 +110,7 @@ class Scheduler:
                 self.prefilling.remove(r)
                 self._finish(r, "abort")
             # 2. admit
-            live = [r for r in eng.rows if not r.finished]
+            live = [r for r in eng.running if not r.finished]
             used = self._in_flight_bytes()
             while self.waiting and len(live) + len(self.prefilling) < eng.max_slots:
                 need = eng.request_bytes(self.waiting[0])
@@ -142,7 +142,7 @@ class Scheduler:
                 else:
                     joined.append(r)
         # 4. decode
-        rows = [r for r in eng.rows if not r.finished] + joined
+        rows = [r for r in eng.running if not r.finished] + joined
         with eng.lock:
             eng.set_rows(rows)
             if not rows:
@@ -190,7 +190,7 @@ class Scheduler:
         with self.cv:
             self.accepting = False
             if not drain:
-                for r in list(self.waiting) + self.prefilling + self.engine.rows:
+                for r in list(self.waiting) + self.prefilling + self.engine.running:
                     r.abort()
             self._stop = True
             self.cv.notify_all()

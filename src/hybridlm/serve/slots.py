@@ -9,7 +9,8 @@ tokens is padded on the left, columns that are padding in every chosen row are d
   RecurrentCache         conv tail and float32 state: no time axis, rows are taken as they are
   IndexerCache           its keys as a KVCache plus the slot of the attention it wraps
 The same call clones one cache compactly (a prefix-cache snapshot), resumes from a snapshot, adds a prefilled
-request to the running batch and drops finished rows.
+request to the running batch and drops finished rows. `place` is the cheap path of the last two: it writes one
+prefilled request into a free row of the batch in place (the rest of the batch is not copied).
 """
 import torch
 from torch import Tensor
@@ -102,3 +103,43 @@ def gather(sources: list[tuple[InferenceCache, list[int]]], extra: int = 0) -> I
             raise ValueError(f"layer {i} has state in some caches and not in others")
         out.layers[i] = _gather_slot(slots, shifts, S, cap)
     return out
+
+
+def _place_slot(dst, i: int, src, d: int, s: int):
+    """Write row 0 of slot `src` (s tokens seen) into row i of slot `dst`, shifted right by d tokens."""
+    if type(dst) is not type(src):
+        raise TypeError(f"cannot place a {type(src).__name__} into a {type(dst).__name__}")
+    if isinstance(dst, KVCache):
+        dst.k[i, d:d + s] = src.k[0, :s]
+        dst.v[i, d:d + s] = src.v[0, :s]
+    elif isinstance(dst, WindowKVCache):
+        dst.k[i] = torch.roll(src.k[0], d, 0)
+        dst.v[i] = torch.roll(src.v[0], d, 0)
+    elif isinstance(dst, RecurrentCache):
+        for name in ("conv", "state"):
+            t = getattr(src, name)
+            if t is not None:
+                getattr(dst, name)[i] = t[0]
+    elif isinstance(dst, IndexerCache):
+        _place_slot(dst.keys, i, src.keys, d, s)
+        if dst.main is not None:
+            _place_slot(dst.main, i, src.main, d, s)
+    else:
+        raise TypeError(f"no batching rule for cache slot {type(dst).__name__}")
+
+
+def place(batch: InferenceCache, i: int, src: InferenceCache):
+    """Row i of `batch` := the state of the batch-1 cache `src` (whose `seen` must not exceed the batch's: it is
+    aligned at its last token, the columns before it masked)."""
+    S, s = batch.seen, src.seen
+    if s > S:
+        raise ValueError(f"a row of {s} tokens does not fit a batch of {S}")
+    d = S - s
+    if batch.key_mask is None:
+        batch.key_mask = torch.ones(batch.batch_size, S, dtype=torch.bool, device=batch.next_pos.device)
+    batch.key_mask[i] = False
+    batch.key_mask[i, d:] = True if src.key_mask is None else src.key_mask[0]
+    batch.next_pos[i] = src.next_pos[0]
+    for dst_slot, src_slot in zip(batch.layers, src.layers):
+        if dst_slot is not None:
+            _place_slot(dst_slot, i, src_slot, d, s)
