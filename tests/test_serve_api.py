@@ -161,6 +161,7 @@ def test_errors_are_openai_shaped(server, client):
         (_post(url, {**ok, "prompt": [1, 300]}), 400, "prompt"),
         (_post(url, {**ok, "prompt": [-1]}), 400, "prompt"),
         (_post(url, {**ok, "n": 2}), 400, "n"),
+        (_post(url, {**ok, "frequency_penalty": 0.5}), 400, "frequency_penalty"),
         (_post(url, {k: v for k, v in ok.items() if k != "prompt"}), 400, "prompt"),
         (_post(url, ok, key=None), 401, None),
         (_post(url, ok, key="wrong"), 401, None),
@@ -351,3 +352,15 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot():
         while sch.metrics.requests.get("abort") != 1 and time.time() < deadline:
             time.sleep(0.02)
         assert sch.metrics.requests.get("abort") == 1 and sch.counts()["running"] == 0
+
+
+def test_a_busy_port_is_one_line(tmp_path, capsys):
+    from hybridlm.cli import main
+    sock = free_port()
+    sock.listen()
+    try:
+        assert main(["serve", "--checkpoint", str(tmp_path), "--port", str(sock.getsockname()[1])]) == 2
+    finally:
+        sock.close()
+    err = capsys.readouterr().err
+    assert err.startswith("hybridlm: error: cannot listen on 127.0.0.1:") and len(err.strip().splitlines()) == 1

@@ -46,21 +46,39 @@ def build(args):
     return app, scheduler
 
 
+def listen(host: str, port: int):
+    """A socket bound to host:port (one clear error when it cannot be)."""
+    import socket
+    from ..errors import InputError
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4])
+    except OSError as e:
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def main(args) -> int:
     import signal
     import uvicorn
     from .common import out
+    if not 0 <= args.port <= 65535:
+        from ..errors import InputError
+        raise InputError(f"--port must be in 0..65535, got {args.port}")
+    sock = listen(args.host, args.port)      # before loading: a busy port fails fast
     app, _ = build(args)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown (stop accepting, let open responses finish, then our
     # lifespan drains the engine) and then re-raises the signal to the handler it found: make that one harmless,
     # so a stop by signal exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    out(f"serving  http://{args.host}:{args.port}/v1  (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
-        "/health, /metrics)")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
-    uvicorn.Server(config).run()
+    out(f"serving    http://{args.host}:{sock.getsockname()[1]}/v1  (POST /v1/completions, /v1/chat/completions; "
+        "GET /v1/models, /health, /metrics)")
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
+                            access_log=args.log_level == "debug")
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -64,6 +64,12 @@ def _sampling(body: dict, default_max_tokens: int) -> tuple[SamplingParams, list
         raise APIError(400, "only n=1 is supported", "n")
     if _get(body, "logprobs", (bool, int), None):
         raise APIError(400, "logprobs are not supported", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, (int, float), 0):
+            raise APIError(400, f"'{name}' is not supported (only 0)", name)
+    for name in ("tools", "functions", "logit_bias", "best_of"):
+        if body.get(name) not in (None, [], {}, 1):
+            raise APIError(400, f"'{name}' is not supported", name)
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) for s in stop):
