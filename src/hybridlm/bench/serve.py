@@ -25,6 +25,7 @@ import tempfile
 import time
 
 PRESETS = ["transformer++", "mamba2", "rodimus++", "mamba2-attention"]
+VOCAB = 128
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -36,13 +37,15 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def make_checkpoint(preset: str, params: str | None, d_model: int | None, n_layers: int | None, context: int,
                     directory: str) -> str:
-    """A random-weight checkpoint of `preset` (byte vocabulary) sized by `params` or d_model/n_layers."""
+    """A random-weight checkpoint of `preset` sized by `params` or d_model/n_layers, with the byte tokenizer and a
+    vocabulary of the 128 ASCII bytes: every generated token is a character, so every token is one streamed event
+    and the client's clock sees each (random bytes >= 128 would often wait for the next to finish a character)."""
     import torch
     from ..checkpoint import save_checkpoint
     from ..data.tokenizer import ByteTokenizer
     from ..models import CausalLM, presets
     from ..models.sizing import fit_params, parse_count
-    over = {"vocab_size": 257, "max_seq_len": context}
+    over = {"vocab_size": VOCAB, "max_seq_len": context}
     if n_layers:
         over["n_layers"] = n_layers
     if d_model:
@@ -107,7 +110,7 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = events = 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
@@ -118,9 +121,11 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
             now = time.perf_counter()
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
-            if ev.get("choices") and (ev["choices"][0]["text"] or ev["choices"][0]["finish_reason"]):
+            if ev.get("choices") and (ev["choices"][0].get("text") or ev["choices"][0].get("finish_reason")):
                 first = first or now
                 last = now
+                events += bool(ev["choices"][0].get("text"))
+    tokens = tokens or events          # a server without usage in its stream: one event per token
     return {"ttft": first - t0, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
             "start": t0, "end": last}
 
@@ -130,7 +135,7 @@ async def _load(url: str, concurrency: int, n_requests: int, prompt_len: int, ma
     """`n_requests` completions, `concurrency` at a time, none started after `time_limit` seconds."""
     import httpx
     rng = random.Random(seed)
-    prompts = [[rng.randrange(256) for _ in range(prompt_len)] for _ in range(n_requests)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(prompt_len)] for _ in range(n_requests)]
     results, queue = [], list(prompts)
     t_start = time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
@@ -151,12 +156,26 @@ async def _prefix(url: str, prefix_len: int, seed: int) -> dict:
     """TTFT of a `prefix_len`-token prompt (plus a short tail) cold, then of another prompt sharing the prefix."""
     import httpx
     rng = random.Random(seed)
-    shared = [rng.randrange(256) for _ in range(prefix_len)]
+    shared = [rng.randrange(VOCAB) for _ in range(prefix_len)]
     async with httpx.AsyncClient(timeout=600) as client:
-        cold = await _one(client, url, shared + [rng.randrange(256) for _ in range(16)], 2)
-        hit = await _one(client, url, shared + [rng.randrange(256) for _ in range(16)], 2)
+        cold = await _one(client, url, shared + [rng.randrange(VOCAB) for _ in range(16)], 2)
+        hit = await _one(client, url, shared + [rng.randrange(VOCAB) for _ in range(16)], 2)
     return {"prompt_tokens": prefix_len + 16, "ttft_cold_s": cold["ttft"], "ttft_hit_s": hit["ttft"],
             "speedup": round(cold["ttft"] / hit["ttft"], 2)}
+
+
+def load_external(url: str, concurrencies=(1, 16), *, prompt_len: int = 64, max_tokens: int = 48,
+                  requests_per_level: int | None = None, time_limit: float = 120, log=print) -> list[dict]:
+    """The same load against a server already running at `url` (any OpenAI-compatible one, e.g. llama.cpp's
+    `llama-server -np 16`, to compare on the same weights)."""
+    levels = []
+    for c in concurrencies:
+        lv = asyncio.run(_load(url.rstrip("/"), c, requests_per_level or max(2 * c, 8), prompt_len, max_tokens,
+                               time_limit, c))
+        levels.append(lv)
+        log(f"{url} c={c:<3} {lv['tokens_per_s']:>9.1f} tok/s  TTFT p50 {lv['ttft_p50_s']:.3f}s  "
+            f"TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)")
+    return levels
 
 
 def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: str | None = "125M",
@@ -256,9 +275,18 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
     p.add_argument("--out", default="serve-bench.json")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--url", default=None, help="load a server already running there instead (any OpenAI-compatible "
+                   "one: llama-server -np 16 on the same weights, say); JSON to --out")
     a = p.parse_args(argv)
     if min(a.concurrency) < 1 or a.max_tokens < 1 or a.prompt_len < 1:
         p.error("--concurrency, --max-tokens and --prompt-len must be >= 1")
+    if a.url:
+        levels = load_external(a.url, a.concurrency, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
+                               requests_per_level=a.requests, time_limit=a.time_limit)
+        with open(a.out, "w") as f:
+            json.dump({"url": a.url, "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()}, "levels": levels}, f,
+                      indent=1)
+        return 0
     run_serve_bench(a.presets, a.concurrency, params=a.params, d_model=a.d_model, n_layers=a.n_layers,
                     prompt_len=a.prompt_len, max_tokens=a.max_tokens, requests_per_level=a.requests,
                     time_limit=a.time_limit, prefix_len=a.prefix_len, context=a.context,
