@@ -1,4 +1,6 @@
 """The serving engine without HTTP: continuous batching and the prefix cache give what `generate` gives."""
+import time
+
 import pytest
 import torch
 
@@ -177,3 +179,31 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
     assert eng.batch is not batch and eng.batch.batch_size == 4
     eng.decode()
     assert all(len(r.output) == 3 for r in reqs[2:4]) and len(reqs[4].output) == 2
+
+
+def test_an_engine_fault_fails_the_requests_in_flight_not_the_server():
+    m = tiny("mamba2")
+    eng = Engine(m, block=8)
+    sch = Scheduler(eng)
+    sch.start()
+    try:
+        done = []
+        broken = eng.decode
+        eng.decode = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
+        r = Request([1, 2, 3], SamplingParams(max_tokens=5), on_token=lambda req, t: t is None and done.append(req))
+        sch.submit(r)
+        for _ in range(500):
+            if done:
+                break
+            time.sleep(0.01)
+        assert r.finish_reason == "error" and "boom" in r.error
+        eng.decode = broken
+        r2 = Request([1, 2, 3], SamplingParams(max_tokens=3), on_token=lambda req, t: t is None and done.append(req))
+        sch.submit(r2)
+        for _ in range(500):
+            if len(done) == 2:
+                break
+            time.sleep(0.01)
+        assert r2.finish_reason == "length"
+    finally:
+        sch.stop()

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 import uuid
+from functools import partial
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -373,8 +374,10 @@ def create_app(scheduler, tokenizer, model_name: str, api_key: str | None = None
         if scheduler._thread is None:
             scheduler.start()
         yield
+        # uvicorn has let open responses finish (or ended them after its graceful-shutdown timeout): what is still
+        # in flight has no client left
         server.draining = True
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        await asyncio.get_running_loop().run_in_executor(None, partial(scheduler.stop, drain=False))
 
     routes = [Route("/v1/completions", wrap(server.completions), methods=["POST"]),
               Route("/v1/chat/completions", wrap(server.chat_completions), methods=["POST"]),

@@ -177,8 +177,23 @@ class Scheduler:
                         self.cv.wait()
                     if self._stop and not self.busy():
                         break
-                self.step()
+                try:
+                    self.step()
+                except Exception as e:           # a bug of ours: fail what is in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(str(e))
         self.engine.set_rows([])
+
+    def _fail_all(self, why: str):
+        with self.cv:
+            reqs = list(self.waiting) + self.prefilling + self.engine.running
+            self.waiting.clear()
+            self.prefilling.clear()
+        for r in reqs:
+            if not r.finished:
+                self._finish(r, "error", error=why)
+        with self.engine.lock:
+            self.engine.set_rows([])
 
     def start(self):
         """Run the engine in a daemon thread."""
