@@ -53,8 +53,10 @@ def test_completion_text_and_usage(client, model):
     assert r.choices[0].finish_reason == ("length" if n == 12 else "stop")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt), n, len(prompt) + n)
     ids = [5, 77, 250, 31]                             # a prompt of token ids
-    r = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
-    assert r.choices[0].text == ChatBytes().decode(model.generate(torch.tensor([ids]), 5, temperature=0)[0, 4:].tolist())
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    want = model.generate(torch.tensor([ids]), 5, temperature=0)[0, 4:].tolist()
+    assert r.choices[0].text == ChatBytes().decode(want)
     assert r.usage.completion_tokens == 5
 
 

@@ -30,15 +30,17 @@ def build(args):
     model, tok = load_for_inference(args, str(device))
     torch.set_grad_enabled(False)
     mb = 1 << 20
-    engine = Engine(model, eos_id=tok.eos_id, block=args.prefix_block, prefix_cache_bytes=int(args.prefix_cache_mb * mb),
-                    max_slots=args.max_slots, memory_bytes=int(args.memory_mb * mb) if args.memory_mb else None)
+    engine = Engine(model, eos_id=tok.eos_id, block=args.prefix_block,
+                    prefix_cache_bytes=int(args.prefix_cache_mb * mb), max_slots=args.max_slots,
+                    memory_bytes=int(args.memory_mb * mb) if args.memory_mb else None)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
     cfg = model.config
     out(f"model      {name}: {cfg.layout}, {model.num_parameters() / 1e6:.1f}M parameters, "
         f"{next(model.parameters()).dtype}, {device}")
     out(f"state      {human(engine.fixed_bytes)} fixed + {engine.token_bytes:,} bytes/token per request "
         f"({human(engine.slot_bytes(cfg.max_seq_len))} at the full context of {cfg.max_seq_len})")
-    out(f"slots      {args.max_slots}" + (f", memory budget {human(engine.memory_bytes)}" if engine.memory_bytes else "")
+    budget = f", memory budget {human(engine.memory_bytes)}" if engine.memory_bytes else ""
+    out(f"slots      {args.max_slots}{budget}"
         + f"; prefix cache {args.prefix_cache_mb} MiB in blocks of {args.prefix_block} tokens")
     scheduler = Scheduler(engine, max_queue=args.max_queue)
     key = args.api_key or os.environ.get(API_KEY_ENV) or None
