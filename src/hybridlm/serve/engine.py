@@ -149,12 +149,12 @@ class Engine:
         n = len(req.prompt)
         req.keys = block_hashes(req.prompt, self.block) if self.prefix.max_bytes else []
         hit, snap = self.prefix.longest(req.keys[: (n - 1) // self.block])
-        room = n + req.params.max_tokens
+        # the prompt only: the request decodes in the batch's cache
         if snap is not None:
-            req.cache = gather([(snap, [0])], extra=room - hit * self.block)
+            req.cache = gather([(snap, [0])], extra=n - hit * self.block)
             req.prefilled = req.cached_tokens = hit * self.block
         else:
-            req.cache = self.model.make_cache(1, max_tokens=room)
+            req.cache = self.model.make_cache(1, max_tokens=n)
         seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
         req.generator = torch.Generator(device=self.device).manual_seed(seed)
 
