@@ -39,7 +39,10 @@ def build(args):
         f"{next(model.parameters()).dtype}, {device}")
     out(f"state      {human(engine.fixed_bytes)} fixed + {engine.token_bytes:,} bytes/token per request "
         f"({human(engine.slot_bytes(cfg.max_seq_len))} at the full context of {cfg.max_seq_len})")
-    budget = f", memory budget {human(engine.memory_bytes)}" if engine.memory_bytes else ""
+    budget = ""
+    if engine.memory_bytes:
+        fit = engine.memory_bytes // engine.slot_bytes(cfg.max_seq_len)
+        budget = f", memory budget {human(engine.memory_bytes)} ({fit} requests at the full context)"
     out(f"slots      {args.max_slots}{budget}"
         + f"; prefix cache {args.prefix_cache_mb} MiB in blocks of {args.prefix_block} tokens")
     scheduler = Scheduler(engine, max_queue=args.max_queue)

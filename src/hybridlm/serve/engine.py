@@ -4,8 +4,9 @@ Plain Python, no HTTP and no threads (the scheduler drives it). One request's li
   `start`    look up the prompt's longest cached prefix and make its own batch-1 cache (a copy of the snapshot)
   `prefill`  run the next chunk of its prompt (chunks end at `block` boundaries, where snapshots are taken);
              after the last chunk the first token is sampled
-  `set_rows` move prefilled requests into the running batch and drop finished ones: one left-padded
-             `InferenceCache` for all rows (serve/slots.py aligns rows of different lengths)
+  `set_rows` move prefilled requests into the running batch and retire finished ones: one left-padded
+             `InferenceCache` [rows, time] for all (serve/slots.py aligns rows of different lengths); a new
+             request takes a free row in place, and the batch is rebuilt only when it must be
   `decode`   one token for every running row in one forward pass: the weights are read once per step for all rows
 Greedy decoding (temperature 0) gives what `CausalLM.generate` gives for the same prompt: batched, left-padded
 decoding equals single decoding for every layout, and a prefill in chunks equals one in one go.
@@ -13,6 +14,7 @@ decoding equals single decoding for every layout, and a prefill in chunks equals
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,14 +42,14 @@ class Request:
     (max_tokens), "abort" (aborted or disconnected) or "error" (`error` says why))."""
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    on_token: object = None
+    on_token: Callable | None = None
     id: str = ""
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0            # prompt tokens resumed from the prefix cache
     # engine state
-    cache: object = None              # its own batch-1 cache while it is prefilled
+    cache: object = None              # its own batch-1 InferenceCache while it is prefilled
     prefilled: int = 0                # prompt tokens run so far
     keys: list = field(default_factory=list, repr=False)
     generator: object = None
