@@ -86,7 +86,7 @@ def test_streaming_sse_and_usage(server, client, model):
     assert lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
 
 
-def test_stop_strings_cut_as_openai(client, model):
+def test_stop_strings_cut_as_openai(server, client, model):
     ids = [1, 2, 3]
     full = ChatBytes().decode(model.generate(torch.tensor([ids]), 30, temperature=0)[0, 3:].tolist())
     stop = next(ch for ch in full[2:] if ch != "\ufffd" and ch.isprintable())     # (two bytes: "ö")
@@ -98,6 +98,7 @@ def test_stop_strings_cut_as_openai(client, model):
     assert r.usage.completion_tokens < 30
     chunks = list(client.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+    assert "abort" not in server[1].metrics.requests             # a stop string is a stop
 
 
 class _Chars:

@@ -168,7 +168,7 @@ class Server:
                     continue
                 piece = text.add(token)
                 if text.stopped:
-                    self.scheduler.abort(req)
+                    self.scheduler.abort(req, "stop")
                     yield piece, "stop"
                     return
                 if piece:

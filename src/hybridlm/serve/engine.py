@@ -54,6 +54,7 @@ class Request:
     keys: list = field(default_factory=list, repr=False)
     generator: object = None
     aborted: bool = False             # set from any thread; the engine thread acts on it
+    abort_reason: str = "abort"       # the finish reason it is retired with ("stop": the API met a stop string)
     # timings (time.perf_counter)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -63,8 +64,10 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def abort(self):
-        self.aborted = True
+    def abort(self, reason: str = "abort"):
+        if not self.aborted:          # the first reason stands
+            self.abort_reason = reason
+            self.aborted = True
 
 
 class Engine:

@@ -56,9 +56,9 @@ class Scheduler:
             self.waiting.append(req)
             self.cv.notify()
 
-    def abort(self, req: Request):
-        """Stop `req` (its slot is freed before the next decode step)."""
-        req.abort()
+    def abort(self, req: Request, reason: str = "abort"):
+        """Stop `req` (its slot is freed before the next decode step); it finishes with `reason`."""
+        req.abort(reason)
         with self.cv:
             self.cv.notify()
 
@@ -101,14 +101,14 @@ class Scheduler:
         # 1. retire
         for r in eng.running:
             if r.aborted and not r.finished:
-                self._finish(r, "abort")
+                self._finish(r, r.abort_reason)
         with self.cv:
             for r in [r for r in self.waiting if r.aborted]:
                 self.waiting.remove(r)
-                self._finish(r, "abort")
+                self._finish(r, r.abort_reason)
             for r in [r for r in self.prefilling if r.aborted]:
                 self.prefilling.remove(r)
-                self._finish(r, "abort")
+                self._finish(r, r.abort_reason)
             # 2. admit
             live = [r for r in eng.running if not r.finished]
             used = self._in_flight_bytes()
