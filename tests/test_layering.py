@@ -23,6 +23,7 @@ LAYERS = [
     {"eval"},
     {"train"},
     {"hf"},
+    {"serve"},
     {"bench"},
     {"commands"},
     {"cli", "__main__"},

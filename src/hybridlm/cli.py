@@ -28,6 +28,7 @@ COMMANDS = {
     "report": ("hybridlm.commands.report", "docs/results.md from the outputs of ablate, mqar and bench"),
     "mqar": ("hybridlm.commands.mqar", "multi-query associative recall accuracy over layouts, widths and lengths"),
     "plot": ("hybridlm.commands.plot", "training and validation curves of several runs on one PNG"),
+    "serve": ("hybridlm.commands.serve", "OpenAI-compatible HTTP server with continuous batching and a prefix cache"),
 }
 
 

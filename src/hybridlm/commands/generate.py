@@ -33,7 +33,10 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8
     return text
 
 
-def main(args) -> int:
+def load_for_inference(args, device: str = "cpu"):
+    """(model, tokenizer) as --checkpoint/--tokenizer/--quantize/--dtype ask, ready to decode: quantized from the
+    saved weights (before a cast to bf16), cast, on `device`, decode's matrix-vector products through the project's
+    CPU kernels. Shared by `generate` and `serve`."""
     import torch
     from ..dtypes import resolve_dtype
     from ..train import load_checkpoint, load_pretrained
@@ -44,9 +47,15 @@ def main(args) -> int:
     else:
         model, tok = load_pretrained(args.checkpoint)
     model = quantized(model, args)     # from the saved weights, before a cast to bf16
-    model = model.to(getattr(torch, resolve_dtype(args.dtype, "cpu")[0]))   # no header: stdout is the text
+    model = model.to(device=device, dtype=getattr(torch, resolve_dtype(args.dtype, device)[0]))
     from ..models.quantize import use_cpu_kernels_
     use_cpu_kernels_(model)            # decode's matrix-vector products through the project's CPU kernels
+    return model, tok
+
+
+def main(args) -> int:
+    import torch
+    model, tok = load_for_inference(args)   # no header: stdout is the text
     prompt = args.prompt
     if args.chat:  # the tokenizer's chat template around one user turn, ending where the assistant speaks
         from ..data.tokenizer import apply_chat_template

@@ -1,0 +1,299 @@
+"""Serving benchmark: a real HTTP load generator against `hybridlm serve` servers it starts on loopback.
+
+For each preset (random weights at one size, saved as a checkpoint): aggregate output tokens/s, time to first
+token and time per output token (p50, p99) at each concurrency; the state one request holds (fixed + per token,
+and how many fit a memory budget at a context); time to first token of a long prompt cold and after a
+shared-prefix hit. Every load is bounded in requests and time. JSON + one PNG.
+
+    python -m hybridlm.bench.serve --presets rodimus++ mamba2 --concurrency 1 4 16 --out serve.json
+
+Client-side timing from server-sent events: TTFT is the time to the first event with text (a token whose bytes do
+not finish a UTF-8 character yet is sent with the next one), TPOT is (last event - first event) / (tokens - 1)
+with the token count from the final usage.
+"""
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+PRESETS = ["transformer++", "mamba2", "rodimus++", "mamba2-attention"]
+VOCAB = 128
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def make_checkpoint(preset: str, params: str | None, d_model: int | None, n_layers: int | None, context: int,
+                    directory: str) -> str:
+    """A random-weight checkpoint of `preset` sized by `params` or d_model/n_layers, with the byte tokenizer and a
+    vocabulary of the 128 ASCII bytes: every generated token is a character, so every token is one streamed event
+    and the client's clock sees each (random bytes >= 128 would often wait for the next to finish a character)."""
+    import torch
+    from ..checkpoint import save_checkpoint
+    from ..data.tokenizer import ByteTokenizer
+    from ..models import CausalLM, presets
+    from ..models.sizing import fit_params, parse_count
+    over = {"vocab_size": VOCAB, "max_seq_len": context}
+    if n_layers:
+        over["n_layers"] = n_layers
+    if d_model:
+        over["d_model"] = d_model
+        cfg = presets.get(preset, **over)
+    else:
+        cfg, _ = fit_params(lambda d: presets.get(preset, **over, d_model=d), parse_count(params or "125M"),
+                            range(64, 16385, 64), what="d_model")
+    torch.manual_seed(0)
+    model = CausalLM(cfg).eval()
+    return save_checkpoint(directory, model, tokenizer=ByteTokenizer())
+
+
+class ServerProcess:
+    """`hybridlm serve` in a subprocess on a free loopback port."""
+
+    def __init__(self, checkpoint: str, args: list[str], startup_s: float = 300):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybridlm", "serve", "--checkpoint", checkpoint,
+                                      "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        import httpx
+        deadline = time.time() + startup_s
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                out = self.proc.stdout.read().decode(errors="replace") if self.proc.poll() is not None else ""
+                self.stop()
+                raise RuntimeError(f"the server did not start: {out[-2000:]}")
+            time.sleep(0.2)
+
+    def metrics(self) -> dict:
+        import httpx
+        vals = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.split()
+                vals[name.removeprefix("hybridlm_")] = float(value)
+        return vals
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def _one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion -> {"ttft", "tpot", "tokens", "start", "end"}."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = events = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            now = time.perf_counter()
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            if ev.get("choices") and (ev["choices"][0].get("text") or ev["choices"][0].get("finish_reason")):
+                first = first or now
+                last = now
+                events += bool(ev["choices"][0].get("text"))
+    tokens = tokens or events          # a server without usage in its stream: one event per token
+    return {"ttft": first - t0, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
+            "start": t0, "end": last}
+
+
+async def _load(url: str, concurrency: int, n_requests: int, prompt_len: int, max_tokens: int, time_limit: float,
+                seed: int) -> dict:
+    """`n_requests` completions, `concurrency` at a time, none started after `time_limit` seconds."""
+    import httpx
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB) for _ in range(prompt_len)] for _ in range(n_requests)]
+    results, queue = [], list(prompts)
+    t_start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def worker():
+            while queue and time.perf_counter() - t_start < time_limit:
+                results.append(await _one(client, url, queue.pop(), max_tokens))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = max(r["end"] for r in results) - t_start
+    ttft = [r["ttft"] for r in results]
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    return {"concurrency": concurrency, "requests": len(results), "output_tokens": sum(r["tokens"] for r in results),
+            "wall_s": round(wall, 3), "tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 2),
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99)}
+
+
+async def _prefix(url: str, prefix_len: int, seed: int) -> dict:
+    """TTFT of a `prefix_len`-token prompt (plus a short tail) cold, then of another prompt sharing the prefix."""
+    import httpx
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(prefix_len)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        cold = await _one(client, url, shared + [rng.randrange(VOCAB) for _ in range(16)], 2)
+        hit = await _one(client, url, shared + [rng.randrange(VOCAB) for _ in range(16)], 2)
+    return {"prompt_tokens": prefix_len + 16, "ttft_cold_s": cold["ttft"], "ttft_hit_s": hit["ttft"],
+            "speedup": round(cold["ttft"] / hit["ttft"], 2)}
+
+
+def load_external(url: str, concurrencies=(1, 16), *, prompt_len: int = 64, max_tokens: int = 48,
+                  requests_per_level: int | None = None, time_limit: float = 120, log=print) -> list[dict]:
+    """The same load against a server already running at `url` (any OpenAI-compatible one, e.g. llama.cpp's
+    `llama-server -np 16`, to compare on the same weights)."""
+    levels = []
+    for c in concurrencies:
+        lv = asyncio.run(_load(url.rstrip("/"), c, requests_per_level or max(2 * c, 8), prompt_len, max_tokens,
+                               time_limit, c))
+        levels.append(lv)
+        log(f"{url} c={c:<3} {lv['tokens_per_s']:>9.1f} tok/s  TTFT p50 {lv['ttft_p50_s']:.3f}s  "
+            f"TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)")
+    return levels
+
+
+def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: str | None = "125M",
+                    d_model: int | None = None, n_layers: int | None = None, prompt_len: int = 64,
+                    max_tokens: int = 48, requests_per_level: int | None = None, time_limit: float = 120,
+                    prefix_len: int = 2048, context: int = 4096, memory_budget_mb: float = 1024,
+                    dtype: str = "auto", quantize: str | None = None, out: str = "serve-bench.json",
+                    plot: bool = True, log=print) -> dict:
+    """Start a server per preset, load it at each concurrency, measure; write `out` (JSON) and a PNG beside it."""
+    result = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+              "command": " ".join([os.path.basename(sys.executable), "-m", "hybridlm.bench.serve", *sys.argv[1:]]),
+              "settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
+                           "max_tokens": max_tokens, "prefix_len": prefix_len, "context": context, "dtype": dtype,
+                           "quantize": quantize, "memory_budget_mb": memory_budget_mb},
+              "presets": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in presets:
+            ckpt = make_checkpoint(preset, params, d_model, n_layers, context, os.path.join(tmp, preset))
+            args = ["--max-slots", str(max(concurrencies)), "--max-queue", "4096", "--dtype", dtype,
+                    "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else [])
+            server = ServerProcess(ckpt, args)
+            try:
+                m = server.metrics()
+                per_slot = m["slot_fixed_bytes"] + m["slot_token_bytes"] * context
+                row = {"state_fixed_bytes": m["slot_fixed_bytes"], "state_bytes_per_token": m["slot_token_bytes"],
+                       f"state_bytes_at_{context}": per_slot,
+                       f"slots_in_{memory_budget_mb:g}_mb_at_{context}": int(memory_budget_mb * 2**20 // per_slot),
+                       "levels": []}
+                asyncio.run(_load(server.url, 1, 2, prompt_len, 4, time_limit, 99))           # warm-up
+                for c in concurrencies:
+                    n = requests_per_level or max(2 * c, 8)
+                    lv = asyncio.run(_load(server.url, c, n, prompt_len, max_tokens, time_limit, c))
+                    row["levels"].append(lv)
+                    log(f"{preset:<18} c={c:<3} {lv['tokens_per_s']:>9.1f} tok/s  TTFT p50 {lv['ttft_p50_s']:.3f}s "
+                        f"p99 {lv['ttft_p99_s']:.3f}s  TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)")
+                if prefix_len:
+                    row["prefix"] = asyncio.run(_prefix(server.url, prefix_len, 7))
+                    log(f"{preset:<18} prefix {prefix_len}: TTFT cold {row['prefix']['ttft_cold_s']:.3f}s, "
+                        f"after a hit {row['prefix']['ttft_hit_s']:.3f}s ({row['prefix']['speedup']}x)")
+            finally:
+                server.stop()
+            result["presets"][preset] = row
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    if plot:
+        _plot(result, os.path.splitext(out)[0] + ".png")
+    return result
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def _plot(result: dict, path: str):
+    from ..plots import pyplot
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for preset, row in result["presets"].items():
+        cs = [lv["concurrency"] for lv in row["levels"]]
+        a.plot(cs, [lv["tokens_per_s"] for lv in row["levels"]], marker="o", label=preset)
+    a.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="aggregate throughput")
+    a.legend()
+    names = [p for p, r in result["presets"].items() if "prefix" in r]
+    if names:
+        x = range(len(names))
+        b.bar([i - 0.2 for i in x], [result["presets"][p]["prefix"]["ttft_cold_s"] for p in names], 0.4,
+              label="cold")
+        b.bar([i + 0.2 for i in x], [result["presets"][p]["prefix"]["ttft_hit_s"] for p in names], 0.4,
+              label="prefix hit")
+        b.set_xticks(list(x), names, rotation=15)
+        b.set(ylabel="seconds", title=f"time to first token, {result['settings']['prefix_len']}-token prompt")
+        b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=PRESETS)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--params", default="125M", help="size every preset to about this many parameters")
+    p.add_argument("--d-model", type=int, default=None, help="a width instead of --params")
+    p.add_argument("--n-layers", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 8)")
+    p.add_argument("--time-limit", type=float, default=120, help="seconds per level after which no request starts")
+    p.add_argument("--prefix-len", type=int, default=2048, help="prompt of the prefix-cache figure (0: skip)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--memory-budget-mb", type=float, default=1024)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    p.add_argument("--out", default="serve-bench.json")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--url", default=None, help="load a server already running there instead (any OpenAI-compatible "
+                   "one: llama-server -np 16 on the same weights, say); JSON to --out")
+    a = p.parse_args(argv)
+    if min(a.concurrency) < 1 or a.max_tokens < 1 or a.prompt_len < 1:
+        p.error("--concurrency, --max-tokens and --prompt-len must be >= 1")
+    if a.url:
+        levels = load_external(a.url, a.concurrency, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
+                               requests_per_level=a.requests, time_limit=a.time_limit)
+        with open(a.out, "w") as f:
+            json.dump({"url": a.url, "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()}, "levels": levels}, f,
+                      indent=1)
+        return 0
+    run_serve_bench(a.presets, a.concurrency, params=a.params, d_model=a.d_model, n_layers=a.n_layers,
+                    prompt_len=a.prompt_len, max_tokens=a.max_tokens, requests_per_level=a.requests,
+                    time_limit=a.time_limit, prefix_len=a.prefix_len, context=a.context,
+                    memory_budget_mb=a.memory_budget_mb, dtype=a.dtype, quantize=a.quantize, out=a.out,
+                    plot=not a.no_plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The serving engine without HTTP: continuous batching and the prefix cache give what `generate` gives."""
+import re
+import time
+
+import pytest
+import torch
+
+from conftest import assert_close
+from hybridlm import presets
+from hybridlm.errors import InputError
+from hybridlm.serve import Engine, QueueFull, Request, SamplingParams, Scheduler
+from hybridlm.serve.slots import gather
+from serve_helpers import FAMILIES, tiny
+
+# every other preset family (sizes of one family and Doge's 16,384 experts left out), as slow tests
+MORE = [n for n in presets.names() if n not in FAMILIES and n != "doge" and not re.search(r"-(\d|wt103)", n)]
+
+
+def run_mixed(m, block=8, prefix_bytes=1 << 24, max_slots=3):
+    """Prompts of mixed lengths: two start, four join mid-flight (one shares two blocks of an earlier prompt, one
+    is longer than a block); -> (requests, prompts, new-token counts, engine)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 19, 9, 12, 3)]
+    prompts.append(prompts[1][:16] + [3, 4, 5])
+    ns = [7, 4, 9, 5, 6, 5]
+    eng = Engine(m, eos_id=None, block=block, prefix_cache_bytes=prefix_bytes, max_slots=max_slots)
+    sch = Scheduler(eng)
+    reqs = [Request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, ns)]
+    with torch.inference_mode():
+        for r in reqs[:2]:
+            sch.submit(r)
+        sch.step()
+        sch.step()
+        for r in reqs[2:]:
+            sch.submit(r)
+        sch.run_until_idle()
+    return reqs, prompts, ns, eng
+
+
+@pytest.mark.parametrize("name", FAMILIES + [pytest.param(n, marks=pytest.mark.slow) for n in MORE])
+def test_continuous_batching_greedy_equals_generate(name):
+    m = tiny(name)
+    reqs, prompts, ns, eng = run_mixed(m)
+    assert eng.prefix.hits == 1 and reqs[-1].cached_tokens == 16
+    for r, p, n in zip(reqs, prompts, ns):
+        assert r.finish_reason == "length"
+        assert r.output == m.generate(torch.tensor([p]), n, temperature=0)[0, len(p):].tolist(), (name, len(p))
+    assert eng.batch is None and eng.rows == []          # every row retired, the state freed
+
+
+@pytest.mark.parametrize("name", ["mamba2-attention"])
+def test_prefix_hit_gives_identical_output(name):
+    m = tiny(name)
+    with_hit = run_mixed(m)[0]
+    without = run_mixed(m, prefix_bytes=0)[0]
+    assert [r.output for r in with_hit] == [r.output for r in without]
+    assert with_hit[-1].cached_tokens == 16 and without[-1].cached_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["rodimus++", "mamba2-attention", "deepseek-mla"])
+def test_gather_rows_decode_like_their_own_caches(name):
+    """A batch gathered from caches of different lengths decodes every row exactly as its own cache does."""
+    m = tiny(name)
+    g = torch.Generator().manual_seed(0)
+    caches, ids = [], []
+    with torch.inference_mode():
+        for n in (3, 11, 6):
+            c = m.make_cache(1)
+            m(torch.randint(0, 256, (1, n), generator=g), cache=c)
+            caches.append(c)
+            ids.append(torch.randint(0, 256, (1, 1), generator=g))
+        batch = gather([(c, [0]) for c in caches], extra=4)
+        own = torch.cat([m._decode_step(i, gather([(c, [0])])) for i, c in zip(ids, caches)])
+        assert_close(m._decode_step(torch.cat(ids), batch), own, atol=1e-5, msg=name)
+        sub = gather([(batch, [2, 0])])         # drop a row (its padding columns go with it)
+        assert sub.seen == 7
+        nxt = torch.randint(0, 256, (2, 1), generator=g)
+        ref = torch.cat([m._decode_step(nxt[j:j + 1], gather([(caches[k], [0])])) for j, k in enumerate((2, 0))])
+        for c, i in zip(caches, ids):          # advance the own caches by the token the batch saw
+            m._decode_step(i, c)
+        ref = torch.cat([m._decode_step(nxt[j:j + 1], caches[k]) for j, k in enumerate((2, 0))])
+        assert_close(m._decode_step(nxt, sub), ref, atol=1e-5, msg=name)
+
+
+def test_seeded_sampling_matches_generate():
+    m = tiny("mamba2")
+    p = [5, 6, 7, 8]
+    eng = Engine(m, eos_id=None, block=8)
+    sch = Scheduler(eng)
+    r = Request(p, SamplingParams(max_tokens=6, temperature=0.9, top_k=50, top_p=0.9, seed=3))
+    sch.submit(r)
+    with torch.inference_mode():
+        sch.run_until_idle()
+    ref = m.generate(torch.tensor([p]), 6, temperature=0.9, top_k=50, top_p=0.9,
+                     generator=torch.Generator().manual_seed(3))[0, 4:].tolist()
+    assert r.output == ref
+
+
+def test_eos_stops_unless_ignored():
+    m = tiny("mamba2")
+    first = m.generate(torch.tensor([[1, 2, 3]]), 1, temperature=0)[0, -1].item()
+    eng = Engine(m, eos_id=first, block=8)
+    sch = Scheduler(eng)
+    a = Request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0))
+    b = Request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    sch.submit(a)
+    sch.submit(b)
+    with torch.inference_mode():
+        sch.run_until_idle()
+    assert (a.output, a.finish_reason) == ([first], "stop")
+    assert len(b.output) == 5 and b.finish_reason == "length"
+
+
+def test_validation_queue_abort_and_budget():
+    m = tiny("transformer++")
+    eng = Engine(m, eos_id=None, block=8, max_slots=1)
+    sch = Scheduler(eng, max_queue=2)
+    for bad, msg in (([], "empty"), ([300], "out of range"), ([1] * 120, "context")):
+        with pytest.raises(InputError, match=msg):
+            sch.submit(Request(bad, SamplingParams(max_tokens=10)))
+    with pytest.raises(InputError, match="max_tokens"):
+        sch.submit(Request([1], SamplingParams(max_tokens=0)))
+    a, b = Request([1, 2], SamplingParams(max_tokens=50, temperature=0)), Request([3], SamplingParams(max_tokens=2))
+    sch.submit(a)
+    sch.submit(b)
+    with pytest.raises(QueueFull):
+        sch.submit(Request([4], SamplingParams(max_tokens=2)))
+    with torch.inference_mode():
+        sch.step()
+        sch.step()
+        assert eng.running == [a] and b.output == []     # one slot: b waits
+        n = len(a.output)
+        sch.abort(a)
+        sch.step()                                     # a leaves before the next decode step; b takes its slot
+        assert a.finish_reason == "abort" and len(a.output) == n and b.output
+        sch.run_until_idle()
+    assert b.finish_reason == "length"
+    # a memory budget: attention K/V grows with the tokens, so two long requests do not fit where two short ones do
+    eng = Engine(m, eos_id=None, block=8, max_slots=8, memory_bytes=None)
+    per = eng.slot_bytes(64)
+    eng.memory_bytes = int(per * 1.5)
+    sch = Scheduler(eng)
+    for _ in range(2):
+        sch.submit(Request([1] * 32, SamplingParams(max_tokens=32, temperature=0)))
+    with torch.inference_mode():
+        sch.step()
+    assert len(sch.prefilling) + len(eng.rows) == 1 and len(sch.waiting) == 1
+    with pytest.raises(InputError, match="memory budget"):
+        sch.submit(Request([1] * 60, SamplingParams(max_tokens=60)))
+
+
+def test_state_per_slot_recurrent_fixed_attention_grows():
+    rec = Engine(tiny("rodimus"), block=8)
+    att = Engine(tiny("transformer++"), block=8)
+    assert rec.token_bytes == 0 and rec.fixed_bytes > 0
+    assert att.token_bytes > 0 and att.slot_bytes(4096) > att.slot_bytes(128)
+
+
+@pytest.mark.parametrize("name", ["rodimus++", "mamba2-attention", "deepseek-mla"])
+def test_a_joining_request_takes_a_free_row_in_place(name):
+    """A request that joins where one retired is written into the free row (the batch is not rebuilt) and every
+    row still decodes as its own cache does; a longer prompt than the batch's time axis rebuilds it."""
+    m = tiny(name)
+    eng = Engine(m, block=64)
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(torch.randint(0, 256, (n,), generator=g).tolist(), SamplingParams(max_tokens=20, temperature=0))
+            for n in (9, 14, 4, 6, 30)]
+    for r in reqs:
+        eng.start(r)
+        eng.prefill(r)
+    own = {id(r): gather([(r.cache, [0])]) for r in reqs}
+    eng.set_rows(reqs[:3])
+    batch = eng.batch
+    eng.set_rows([reqs[0], reqs[2], reqs[3]])        # reqs[1] retires, reqs[3] (6 tokens <= 14) takes its row
+    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2]]
+    eng.decode()
+    with torch.inference_mode():
+        for r in (reqs[0], reqs[3], reqs[2]):
+            t = m._decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
+            assert r.output[1] == t, name
+    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens: longer than the batch, so a rebuild
+    assert eng.batch is not batch and eng.batch.batch_size == 4
+    eng.decode()
+    assert all(len(r.output) == 3 for r in reqs[2:4]) and len(reqs[4].output) == 2
+
+
+def test_an_engine_fault_fails_the_requests_in_flight_not_the_server():
+    m = tiny("mamba2")
+    eng = Engine(m, block=8)
+    sch = Scheduler(eng)
+    sch.start()
+    try:
+        done = []
+        broken = eng.decode
+        eng.decode = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
+        r = Request([1, 2, 3], SamplingParams(max_tokens=5), on_token=lambda req, t: t is None and done.append(req))
+        sch.submit(r)
+        for _ in range(500):
+            if done:
+                break
+            time.sleep(0.01)
+        assert r.finish_reason == "error" and "boom" in r.error
+        eng.decode = broken
+        r2 = Request([1, 2, 3], SamplingParams(max_tokens=3), on_token=lambda req, t: t is None and done.append(req))
+        sch.submit(r2)
+        for _ in range(500):
+            if len(done) == 2:
+                break
+            time.sleep(0.01)
+        assert r2.finish_reason == "length"
+    finally:
+        sch.stop()
