@@ -367,3 +367,14 @@ def test_a_busy_port_is_one_line(tmp_path, capsys):
         sock.close()
     err = capsys.readouterr().err
     assert err.startswith("hybridlm: error: cannot listen on 127.0.0.1:") and len(err.strip().splitlines()) == 1
+
+
+def test_serve_suite_through_the_bench_command(tmp_path):
+    """`hybridlm bench --suite serve --quick`: a tiny mamba2 served and loaded at concurrency 1 and 2, JSON written."""
+    from hybridlm.cli import main
+    out = tmp_path / "serve.json"
+    assert main(["bench", "--suite", "serve", "--quick", "--requests", "2", "--dtype", "float32",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    levels = res["presets"]["mamba2"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["output_tokens"] > 0 for lv in levels)

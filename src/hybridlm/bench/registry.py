@@ -90,6 +90,26 @@ SUITES = {
                                          "bf16,q8_0,q4_0 (f32 too if asked)",
                                 llamacpp_src="the llama.cpp source tree llama-cpp-python was built from (its "
                                              "sdist's vendor/llama.cpp), for convert_hf_to_gguf.py")),
+    "serve": Suite("hybridlm serve under HTTP load: tokens/s, TTFT and TPOT per concurrency, state per slot, "
+                   "prefix-hit TTFT (and llama-server beside it with --llama-server)", "serve:serve_suite",
+                   dict(presets="transformer++,mamba2,rodimus++,mamba2-attention", concurrency=(1, 4, 16, 64),
+                        params="125M", d_model=None, n_layers=None, prompt_len=64, max_tokens=48, requests=None,
+                        time_limit=120.0, prefix_len=2048, context=4096, memory_budget_mb=1024.0, dtype="auto",
+                        quantize="", no_plot=False, url="", llama_server="", llamacpp_src="",
+                        dir=os.path.join("runs", "serve")),
+                   quick=dict(presets="mamba2", concurrency=(1, 2), params="", d_model=64, n_layers=2,
+                              prompt_len=8, max_tokens=4, prefix_len=0, context=256, time_limit=30.0,
+                              no_plot=True),
+                   types=dict(d_model=int, n_layers=int, requests=int),
+                   help=dict(concurrency="concurrent requests per level, a comma list",
+                             params="size every preset to about this many parameters ('' with --d-model)",
+                             requests="requests per level (default 2 x concurrency, at least 8)",
+                             time_limit="seconds per level after which no request starts",
+                             prefix_len="prompt of the prefix-cache figure (0: skip)",
+                             url="load a server already running there instead (any OpenAI-compatible one)",
+                             llama_server="llama.cpp's llama-server binary: serve a TinyLlama-shaped Llama from "
+                                          "the same weights with both (needs --llamacpp-src)",
+                             quantize="int8 or int4 weights")),
     "release": Suite("a released-size Rodimus+ checkpoint: convert, then decode float / int8 / int4 beside a "
                      "Transformer++ (CPU)", "rodimus_release:release_suite",
                      dict(dir=os.path.join("runs", "rodimus-release"), contexts=(128, 4096), steps=16,

@@ -11,7 +11,6 @@ Client-side timing from server-sent events: TTFT is the time to the first event 
 not finish a UTF-8 character yet is sent with the next one), TPOT is (last event - first event) / (tokens - 1)
 with the token count from the final usage.
 """
-import argparse
 import asyncio
 import json
 import os
@@ -63,10 +62,7 @@ class ServerProcess:
     """`hybridlm serve` in a subprocess on a free loopback port."""
 
     def __init__(self, checkpoint: str, args: list[str], startup_s: float = 300):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
+        self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "hybridlm", "serve", "--checkpoint", checkpoint,
                                       "--port", str(self.port), *args], stdout=subprocess.PIPE,
@@ -257,43 +253,84 @@ def _plot(result: dict, path: str):
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", nargs="+", default=PRESETS)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--params", default="125M", help="size every preset to about this many parameters")
-    p.add_argument("--d-model", type=int, default=None, help="a width instead of --params")
-    p.add_argument("--n-layers", type=int, default=None)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 8)")
-    p.add_argument("--time-limit", type=float, default=120, help="seconds per level after which no request starts")
-    p.add_argument("--prefix-len", type=int, default=2048, help="prompt of the prefix-cache figure (0: skip)")
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--memory-budget-mb", type=float, default=1024)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None)
-    p.add_argument("--out", default="serve-bench.json")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--url", default=None, help="load a server already running there instead (any OpenAI-compatible "
-                   "one: llama-server -np 16 on the same weights, say); JSON to --out")
-    a = p.parse_args(argv)
-    if min(a.concurrency) < 1 or a.max_tokens < 1 or a.prompt_len < 1:
-        p.error("--concurrency, --max-tokens and --prompt-len must be >= 1")
-    if a.url:
-        levels = load_external(a.url, a.concurrency, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
-                               requests_per_level=a.requests, time_limit=a.time_limit)
-        with open(a.out, "w") as f:
-            json.dump({"url": a.url, "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()}, "levels": levels}, f,
-                      indent=1)
-        return 0
-    run_serve_bench(a.presets, a.concurrency, params=a.params, d_model=a.d_model, n_layers=a.n_layers,
-                    prompt_len=a.prompt_len, max_tokens=a.max_tokens, requests_per_level=a.requests,
-                    time_limit=a.time_limit, prefix_len=a.prefix_len, context=a.context,
-                    memory_budget_mb=a.memory_budget_mb, dtype=a.dtype, quantize=a.quantize, out=a.out,
-                    plot=not a.no_plot)
-    return 0
+def serve_suite(s: dict, log=print) -> dict:
+    """`hybridlm bench --suite serve`. Settings (registry.py): presets, concurrency, params, d_model, n_layers,
+    prompt_len, max_tokens, requests, time_limit, prefix_len, context, memory_budget_mb, dtype, quantize, no_plot,
+    url (load a running server instead), llama_server (also compare with llama.cpp's server)."""
+    from ..errors import ConfigError
+    if min(s["concurrency"]) < 1 or s["max_tokens"] < 1 or s["prompt_len"] < 1:
+        raise ConfigError("--concurrency, --max-tokens and --prompt-len must be >= 1")
+    load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
+                time_limit=s["time_limit"], log=log)
+    if s["url"]:
+        return {"url": s["url"], "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()},
+                "levels": load_external(s["url"], s["concurrency"], **load)}
+    if s["llama_server"]:
+        return compare_llama_server(s, log)
+    return run_serve_bench(s["presets"].split(","), s["concurrency"], params=s["params"] or None,
+                           d_model=s["d_model"], n_layers=s["n_layers"], prefix_len=s["prefix_len"],
+                           context=s["context"], memory_budget_mb=s["memory_budget_mb"], dtype=s["dtype"],
+                           quantize=s["quantize"] or None, out=s["out"], plot=not s["no_plot"], **load)
+
+
+def compare_llama_server(s: dict, log=print) -> dict:
+    """llama.cpp's own server (`llama-server -np N -t <threads>`, the binary `s["llama_server"]`) and `hybridlm
+    serve` on the same weights: a Llama in TinyLlama's shape (bench/llamacpp_families.py builds the transformers
+    directory and llama.cpp converts it to a bf16 GGUF), the same load at each concurrency, one server at a time."""
+    import torch
+    from .llamacpp_families import build_family
+    made = build_family("llama", os.path.join(s["dir"], "families"), s["llamacpp_src"], s["quick"], ("bf16",))
+    n = max(s["concurrency"])
+    ctx = n * (s["prompt_len"] + s["max_tokens"] + 16)
+    port = _free_port()
+    threads = str(torch.get_num_threads())
+    cmd = [s["llama_server"], "-m", made["gguf"]["bf16"], "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
+           "-t", threads, "-tb", threads, "-c", str(ctx), "--no-webui"]
+    load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
+                time_limit=s["time_limit"], log=log)
+    out = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": int(threads)},
+           "weights": {"family": "llama", "parameters": made["parameters"], "dtype": "bfloat16"}, "servers": {}}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        load_external(f"http://127.0.0.1:{port}", (1,), **{**load, "requests_per_level": 2, "log": lambda *a: None})
+        out["servers"]["llama-server"] = {"command": " ".join(cmd[1:]),
+                                          "levels": load_external(f"http://127.0.0.1:{port}", s["concurrency"], **load)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    server = ServerProcess(made["hf"], ["--max-slots", str(n), "--dtype", "bfloat16"])
+    try:
+        load_external(server.url, (1,), **{**load, "requests_per_level": 2, "log": lambda *a: None})
+        out["servers"]["hybridlm"] = {"levels": load_external(server.url, s["concurrency"], **load)}
+    finally:
+        server.stop()
+    ours, theirs = out["servers"]["hybridlm"]["levels"][-1], out["servers"]["llama-server"]["levels"][-1]
+    out["ratio_at_max_concurrency"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
+    log(f"at concurrency {n}: hybridlm serve {ours['tokens_per_s']:.1f} tok/s, llama-server "
+        f"{theirs['tokens_per_s']:.1f} tok/s ({out['ratio_at_max_concurrency']:.2f}x)")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc, startup_s: float = 300):
+    import httpx
+    deadline = time.time() + startup_s
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the server at {url} did not start")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .registry import main
+    sys.exit(main("serve"))
