@@ -210,3 +210,19 @@ def test_kernel_layout_keeps_values_and_state_dict():
     loss.backward()
     assert all(p.is_contiguous() for p in m.parameters())
     assert all(type(x) is not nn.Linear for x in m.modules())
+
+
+def test_transformers_generate_uses_kernels(monkeypatch):
+    pytest.importorskip("transformers")
+    from hybridlm.hf.modeling import HybridLMForCausalLM
+    torch.manual_seed(0)
+    m = tiny("qwen3-next")
+    ids = torch.randint(0, 97, (1, 6))
+    monkeypatch.setattr("hybridlm.models.quantize.cpu_kernels_by_default_", lambda model: model)   # as before
+    before = copy.deepcopy(m).generate(ids, 5, temperature=0)
+    monkeypatch.undo()
+    w = HybridLMForCausalLM.from_model(m)
+    out = w.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, eos_token_id=None,
+                     pad_token_id=0)
+    assert any(isinstance(x, KernelLinear) for x in m.modules())
+    assert torch.equal(out, before)
