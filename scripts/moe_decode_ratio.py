@@ -45,6 +45,20 @@ def _decode(m, ids, new: int) -> tuple[float, list[int]]:
     return new / (time.perf_counter() - t), out
 
 
+@torch.inference_mode()
+def _step_gap(models: dict, ids) -> float:
+    """Largest difference between the two forms' logits at the first decode step (the same prefill and token)."""
+    out = {}
+    for form, m in models.items():
+        _batched(m, form == "batched")
+        cache = m.make_cache(1, max_tokens=ids.shape[1] + 2)
+        nxt = m(ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
+        out[form] = m._decode_step(nxt[:, None], cache).float()
+    _batched(models["batched"], False)
+    _step_gap.scale = out["batched"].abs().max().item()
+    return (out["batched"] - out["selected"]).abs().max().item()
+
+
 def _batched(m, on: bool):
     """The form before: every RoutedMoE runs the batched matmul on its weights as trained (or, on=False, back to the
     selected experts on the kernels' layout)."""
@@ -98,8 +112,12 @@ def main():
                 rate, toks[form] = _decode(m, ids, a.new)
                 best[form] = max(best.get(form, 0.0), rate)
             _batched(models["batched"], False)
+        agree = next((i for i, (u, v) in enumerate(zip(toks["batched"], toks["selected"])) if u != v),
+                     len(toks["batched"]))
         print(f"{dt:9s} batched {best['batched']:6.2f} tok/s   selected {best['selected']:6.2f} tok/s   "
-              f"ratio {best['selected'] / best['batched']:.2f}x   same tokens: {toks['batched'] == toks['selected']}")
+              f"ratio {best['selected'] / best['batched']:.2f}x   greedy tokens agree: {agree} of "
+              f"{len(toks['batched'])}   first step's logits differ by {_step_gap(models, ids):.2g} (max |logit| "
+              f"{_step_gap.scale:.2g})")
         del models
 
 

@@ -116,7 +116,7 @@ def _grads(m, ids):
 
 
 @pytest.mark.parametrize("name", ["qwen3-next", "transformer++"])
-def test_generate_uses_kernels_same_tokens_and_training_unchanged(name, monkeypatch):
+def test_generate_uses_kernels_same_tokens_and_training_unchanged(name, monkeypatch, tmp_path):
     torch.manual_seed(0)
     m = tiny(name).train()
     ref = copy.deepcopy(m)
@@ -135,6 +135,9 @@ def test_generate_uses_kernels_same_tokens_and_training_unchanged(name, monkeypa
                                                                                                    want_grads[k])]
     assert all(p.is_contiguous() for p in m.parameters())
     assert m.state_dict().keys() == ref.state_dict().keys()
+    m.generate(ids, 1)
+    from safetensors.torch import save_file     # a state dict taken after decoding: contiguous, as it was
+    save_file(m.state_dict(), str(tmp_path / "after-generate.safetensors"))
     use_cpu_kernels_(m, False)                    # and reversible
     assert not any(isinstance(x, KernelLinear) for x in m.modules())
 

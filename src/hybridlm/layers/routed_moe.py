@@ -41,6 +41,7 @@ class RoutedMoE(nn.Module):
         self.shared = MLP(d_model, shared_hidden or hidden, act=act, gated=gated) if shared_expert else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_expert and shared_gate else None
         self.aux_loss: Tensor | None = None
+        self.register_state_dict_pre_hook(_stored_layout)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float):
@@ -61,7 +62,8 @@ class RoutedMoE(nn.Module):
         """Store each float expert weight transposed in memory (w[e] then is the transpose of a contiguous
         [d_out, d_in] matrix, the CPU kernels' layout: `ops.moe.float_experts`), or back (on=False). The values, shapes,
         Parameters and state dict stay the same; only CPU tensors move. A training forward puts the layout back first,
-        so the batched matmul reads what it always read (the same gradients, bit for bit)."""
+        so the batched matmul reads what it always read (the same gradients, bit for bit), and so does `state_dict`
+        (contiguous tensors, as safetensors needs them)."""
         with torch.inference_mode(False), torch.no_grad():     # normal tensors, even when called while decoding
             for w in self._float_weights():
                 if on and w.device.type == "cpu" and type(w.data) is Tensor and w.is_contiguous():
@@ -96,3 +98,8 @@ class RoutedMoE(nn.Module):
             s = self.shared(x)
             y = y + (s if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * s)
         return y.view(shape)
+
+
+def _stored_layout(module: RoutedMoE, prefix: str, keep_vars: bool):
+    """state_dict pre-hook: the experts back in their stored layout (see RoutedMoE.kernel_layout_)."""
+    module.kernel_layout_(False)

@@ -412,7 +412,8 @@ def float_experts(w: Tensor) -> ExpertProduct:
 
     def product(e: int, rows: Tensor) -> Tensor:
         we = w[e]
-        if we.mT.is_contiguous() and not (torch.is_grad_enabled() and we.requires_grad) and cpu_kernels.serves(rows):
+        if (we.dtype in (torch.float32, torch.bfloat16) and we.mT.is_contiguous()
+                and not (torch.is_grad_enabled() and we.requires_grad) and cpu_kernels.serves(rows)):
             return cpu_kernels.linear(rows, we.mT)
         return rows @ we
     return product
