@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from conftest import assert_close, decode_logits
@@ -136,8 +137,7 @@ def test_generate_uses_kernels_same_tokens_and_training_unchanged(name, monkeypa
     assert all(p.is_contiguous() for p in m.parameters())
     assert m.state_dict().keys() == ref.state_dict().keys()
     m.generate(ids, 1)
-    from safetensors.torch import save_file     # a state dict taken after decoding: contiguous, as it was
-    save_file(m.state_dict(), str(tmp_path / "after-generate.safetensors"))
+    save_file(m.state_dict(), str(tmp_path / "after.safetensors"))   # after decoding: contiguous, as it was
     use_cpu_kernels_(m, False)                    # and reversible
     assert not any(isinstance(x, KernelLinear) for x in m.modules())
 
