@@ -24,6 +24,7 @@ from ..checkpoint.remote_code import AUTO_MAP, write_shim
 from ..errors import InputError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
+from ..models.quantize import cpu_kernels_by_default_
 
 
 class HybridLMConfig(PreTrainedConfig):
@@ -199,6 +200,12 @@ class HybridLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value):
         self.model.lm_head = value
+
+    def generate(self, *args, **kwargs):
+        """transformers' generate, with the project's CPU kernels on a CPU as in our own decoding
+        (`models.quantize.cpu_kernels_by_default_`: training unaffected; HYBRIDLM_CPU_KERNELS=0 turns them off)."""
+        cpu_kernels_by_default_(self.model)
+        return super().generate(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):

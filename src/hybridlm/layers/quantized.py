@@ -1,5 +1,6 @@
 """`QuantizedLinear`: a linear layer whose weight is stored quantized (ops/quant.py), the drop-in that
-`models/quantize.py` swaps for an `nn.Linear` from outside the model.
+`models/quantize.py` swaps for an `nn.Linear` from outside the model; `QuantizedExperts`, the same for a stack of
+routed experts' weights; `KernelLinear`, an `nn.Linear` whose decode calls run the project's CPU kernel.
 
 Buffers (what the state dict and a checkpoint hold): int8: `weight_q` int8 [N, K], `scale` [N]; int4: `weight_q`
 uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if
@@ -86,6 +87,64 @@ class QuantizedLinear(nn.Module):
         group = f", group_size={self.group_size}" if self.group_size else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{group}, "
                 f"bias={self.bias is not None}")
+
+
+class QuantizedExperts(nn.Module):
+    """A stack of E expert weights [E, d_in, d_out] (layers.routed_moe's w_gate / w_up / w_down) stored quantized
+    per expert, each expert as a QuantizedLinear stores its [d_out, d_in] matrix: int8: `weight_q` int8 [E, N, K],
+    `scale` [E, N]; int4: `weight_q` uint8 [E, N, K' / 2], `scale`, `zero` [E, N, K' / group_size] (N = d_out,
+    K = d_in). `expert(e, rows)` is expert e's product (ops.moe's ExpertProduct): decode-sized CPU rows read the stored
+    expert with the project's kernels (a contiguous slice, no copy); other rows, and other devices, the expert
+    dequantized (one expert at a time: the stack is never dequantized whole)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, scheme: str,
+                 group_size: int | None = None, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features, self.scheme = (num_experts, in_features,
+                                                                              out_features, scheme)
+        self.group_size = group_size if scheme == "int4" else None
+        E, N = num_experts, out_features
+        if scheme == "int8":
+            self.register_buffer("weight_q", torch.empty(E, N, in_features, dtype=torch.int8, device=device))
+            self.register_buffer("scale", torch.empty(E, N, dtype=dtype, device=device))
+        else:
+            G = -(-in_features // group_size)
+            self.register_buffer("weight_q", torch.empty(E, N, G * group_size // 2, dtype=torch.uint8, device=device))
+            self.register_buffer("scale", torch.empty(E, N, G, dtype=dtype, device=device))
+            self.register_buffer("zero", torch.empty(E, N, G, dtype=dtype, device=device))
+
+    @classmethod
+    @torch.no_grad()
+    def from_weight(cls, w: Tensor, scheme: str, group_size: int | None = None) -> "QuantizedExperts":
+        """Quantize the experts of w [E, d_in, d_out], one at a time; the scales keep w's floating dtype."""
+        q = cls(w.shape[0], w.shape[1], w.shape[2], scheme, group_size, device=w.device, dtype=w.dtype)
+        per_expert = [quant.quantize(we.mT, scheme, group_size) for we in w.unbind()]
+        for i, buf in enumerate(q.stored()):
+            buf.data = torch.stack([t[i] for t in per_expert]).to(buf.dtype)
+        return q
+
+    def stored(self) -> tuple[Tensor, ...]:
+        return (self.weight_q, self.scale) if self.scheme == "int8" else (self.weight_q, self.scale, self.zero)
+
+    def dequantized(self) -> Tensor:
+        """The float32 weights [E, d_in, d_out] the quantized ones stand for."""
+        return torch.stack([quant.dequantize(self.scheme, tuple(t[e] for t in self.stored()))[:, :self.in_features].T
+                            for e in range(self.num_experts)])
+
+    def expert(self, e: int, rows: Tensor) -> Tensor:
+        """rows [n, d_in] -> [n, d_out] through expert e."""
+        stored = tuple(t[e] for t in self.stored())
+        if rows.device.type == "cpu" and cpu_kernels.serves(rows):
+            fn = cpu_kernels.int8_linear if self.scheme == "int8" else cpu_kernels.int4_linear
+            return fn(rows, *stored)
+        if rows.device.type == "cpu" and cpu_kernels.decode_sized(rows) and self.scheme == "int8":
+            return quant.int8_linear(rows.to(self.scale.dtype), *stored).to(rows.dtype)   # no compiler: PyTorch's
+        return F.linear(rows, quant.dequantize(self.scheme, stored)[:, :self.in_features].to(rows.dtype))
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"scheme={self.scheme}{group}")
 
 
 class KernelLinear(nn.Linear):

@@ -498,8 +498,12 @@ class CausalLM(nn.Module):
         """Yield the next token ids [B] one step at a time (prefill once, then one-token decode). The cache is
         sized for prompt + max_new_tokens up front, so decode never reallocates it; `compile` runs the decode
         step under torch.compile (see `compiled_decode_step`). `static` decodes with fixed shapes over the whole
-        preallocated cache (`static_decode_step`); default: when compiling on CUDA, where it runs as a CUDA graph."""
+        preallocated cache (`static_decode_step`); default: when compiling on CUDA, where it runs as a CUDA graph.
+        On a CPU the decode steps run the project's matrix-vector kernels (`quantize.cpu_kernels_by_default_`; they
+        leave training as it was; HYBRIDLM_CPU_KERNELS=0 turns them off)."""
         from .generation import sample_next
+        from .quantize import cpu_kernels_by_default_
+        cpu_kernels_by_default_(self)
         if max_new_tokens < 0:
             raise InputError("max_new_tokens must be >= 0")
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:

@@ -7,10 +7,12 @@ Pure functions on flattened tokens x [N, d]. Two families:
   top of a shared MLP. ``product_key_topk`` does the retrieval, ``expert_neurons`` the gathered
   computation.
 * Routed top-k MoE (Switch / Mixtral style): a router picks k of E gated-MLP experts per token;
-  ``route_topk``, ``routed_experts`` (dropless, grouped by expert) and ``load_balancing_loss``.
+  ``route_topk``, ``routed_experts`` (dropless, grouped by expert), ``routed_experts_selected`` (decode: only the
+  chosen experts, one at a time) and ``load_balancing_loss``.
 
 Every op has a ``*_ref`` twin written the obvious, dense way; tests check one against the other.
-No Python loop runs over experts or tokens: everything is gathers, sorts and batched matmuls.
+No Python loop runs over experts or tokens, except in ``routed_experts_selected``, whose loop is over the few experts
+a decode step chose: everything else is gathers, sorts and batched matmuls.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = [
     "route_topk",
     "routed_experts",
     "routed_experts_ref",
+    "routed_experts_selected",
+    "float_experts",
     "load_balancing_loss",
 ]
 
@@ -321,6 +325,9 @@ def route_topk(logits: Tensor, k: int, *, norm_topk: bool = True, score: str = "
     return weights.to(logits.dtype), ids, probs
 
 
+ExpertProduct = Callable[[int, Tensor], Tensor]   # (expert, rows [n, d_in]) -> [n, d_out]
+
+
 def _expert_hidden(h_up: Tensor, h_gate: Tensor | None, act) -> Tensor:
     return act(h_up) if h_gate is None else act(h_gate) * h_up
 
@@ -356,6 +363,60 @@ def routed_experts(
     # summed in float32 and returned in the experts' dtype (bf16 under autocast, as a linear layer's output)
     acc = torch.promote_types(out.dtype, torch.float32)
     return y_pairs.new_zeros(N, d, dtype=acc).index_add(0, tok, y_pairs.to(acc)).to(out.dtype)
+
+
+def routed_experts_selected(
+    x: Tensor, ids: Tensor, weights: Tensor, up: ExpertProduct, down: ExpertProduct, gate: ExpertProduct | None = None,
+    act=F.silu,
+) -> Tensor:
+    """`routed_experts` computing only the experts some token chose, one at a time: each expert's weights are read
+    once, by its own matrix products, and the others not at all (a decode step with k of E experts reads k/E of the
+    bytes the batched form reads). Forward only in spirit (autograd flows through, but training keeps the batched
+    form: one matmul, not a Python loop).
+
+    x: [N, d]; ids, weights: [N, k]; up, gate, down: an expert's products, f(e, rows [n, d_in]) -> [n, d_out]
+    (up, gate: d -> f; down: f -> d; `float_experts` makes them from [E, d_in, d_out] weights). Returns [N, d].
+    """
+    N, d = x.shape
+    k = ids.shape[1]
+    acc = torch.promote_types(x.dtype, torch.float32)
+
+    def expert(e: int, rows: Tensor) -> Tensor:
+        h = _expert_hidden(up(e, rows), None if gate is None else gate(e, rows), act)
+        return down(e, h)
+
+    if N == 1:      # decode: the k experts are distinct, every one sees the token (no sort, no gather)
+        out = None
+        for e, w in zip(ids[0].tolist(), weights[0].to(acc).unbind()):
+            y = expert(e, x).to(acc) * w
+            out = y if out is None else out + y
+        return out.to(x.dtype)
+    flat = ids.reshape(-1)  # pair p = n*k + i
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    tok, w = order // k, weights.reshape(-1)[order].to(acc)
+    out = x.new_zeros(N, d, dtype=acc)
+    start = 0
+    for e, c in zip(experts.tolist(), counts.tolist()):
+        t = tok[start:start + c]
+        out.index_add_(0, t, expert(e, x.index_select(0, t)).to(acc) * w[start:start + c, None])
+        start += c
+    return out.to(x.dtype)
+
+
+def float_experts(w: Tensor) -> ExpertProduct:
+    """The expert product of float weights w [E, d_in, d_out]: f(e, rows [n, d_in]) = rows @ w[e], through the
+    project's CPU matrix-vector kernel (ops/cpu_kernels.py) for decode-sized rows when w[e] is stored transposed
+    ([d_out, d_in] contiguous, the kernel's layout: see layers.routed_moe.RoutedMoE.kernel_layout_)."""
+    from . import cpu_kernels
+
+    def product(e: int, rows: Tensor) -> Tensor:
+        we = w[e]
+        if (we.dtype in (torch.float32, torch.bfloat16) and we.mT.is_contiguous()
+                and not (torch.is_grad_enabled() and we.requires_grad) and cpu_kernels.serves(rows)):
+            return cpu_kernels.linear(rows, we.mT)
+        return rows @ we
+    return product
 
 
 def routed_experts_ref(
