@@ -83,17 +83,25 @@ def _load():
 def bind(lib):
     """Declare the kernels' C signatures on a loaded library (ctypes.CDLL of matvec.cpp); returns it."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.mv_f32.argtypes = lib.mv_bf16.argtypes = [p, i64, i64, p, i64, p]
+    lib.mv_f32.argtypes = lib.mv_bf16.argtypes = lib.mv_bf16_f32.argtypes = [p, i64, i64, p, i64, p]
     lib.mv_int8.argtypes = [p, i64, i64, p, p, i64, p]
     lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
-    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_int8, lib.mv_int4):
+    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.mv_int4):
         fn.restype = None
+    lib.mv_bf16_dot.argtypes, lib.mv_bf16_dot.restype = [], ctypes.c_int
+    lib.read_sum.argtypes, lib.read_sum.restype = [p, i64], ctypes.c_float
     return lib
 
 
 def available() -> bool:
     """True when the kernels are compiled and loaded (builds them on first call)."""
     return bool(_load())
+
+
+def bf16_dot() -> bool:
+    """True when the bf16 kernel runs on the CPU's bf16 dot products (AVX512-BF16, chosen when the kernel is
+    compiled for this CPU): x is then rounded to bf16 once per call. Else it converts W to float32 as it reads."""
+    return available() and bool(_lib.mv_bf16_dot())
 
 
 def decode_sized(x: Tensor) -> bool:
@@ -162,7 +170,9 @@ _ops = {"linear": _custom_op("cpu_linear", _linear, lambda w, bias=None: w.shape
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ w [N, K]ᵀ (+ bias) -> [..., N] in x's dtype, w float32 or bfloat16 (contiguous)."""
+    """x [..., K] @ w [N, K]ᵀ (+ bias) -> [..., N] in x's dtype, w float32 or bfloat16 (contiguous). With bf16 w on a
+    CPU with bf16 dot products (`bf16_dot()`) x is rounded to bf16 once per call, as llama.cpp does (a relative
+    error of 2⁻⁹ per element of x, the size of the weight's own rounding); products are summed in float32."""
     return (_ops["linear"] if torch.compiler.is_compiling() else _linear)(x, w, bias)
 
 
