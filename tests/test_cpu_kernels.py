@@ -143,7 +143,7 @@ def test_portable_build_equals_native(tmp_path, monkeypatch, march):
     assert cpu_kernels.available()
     so = tmp_path / "other.so"
     subprocess.run([os.environ.get("CXX", "c++"), "-O2", *march, "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-                    "-Wno-psabi", cpu_kernels.SOURCE, "-o", str(so)], check=True, capture_output=True)
+                    "-Wno-psabi", *cpu_kernels.SOURCES, "-o", str(so)], check=True, capture_output=True)
     torch.manual_seed(0)
     w, x = torch.randn(37, 224), torch.randn(3, 224)
     xb, wb = x.bfloat16().float(), w.bfloat16()

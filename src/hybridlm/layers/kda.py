@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
+from ..ops import cpu_decode
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.norm import l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -79,8 +80,9 @@ class KimiDeltaAttention(nn.Module):
 
         scale = D ** -0.5
         if step:
-            o, slot.state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], log_a[:, 0], slot.state,
-                                            scale=scale)
+            args = (q[:, 0], k[:, 0], v[:, 0], beta[:, 0], log_a[:, 0], slot.state)
+            o, slot.state = (cpu_decode.delta_rule_step if cpu_decode.serves(*args) else delta_rule_step)(
+                *args, scale=scale)
             o = o.unsqueeze(1)
         else:
             o, final = delta_rule(q, k, v, beta, log_a, scale=scale,

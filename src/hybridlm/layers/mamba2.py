@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
+from ..ops import cpu_decode
 from ..ops.norm import gated_rms_norm
 from ..ops.ssd import ssd_chunked, ssd_step
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -76,8 +77,11 @@ class Mamba2(nn.Module):
         A = -torch.exp(self.A_log.float())
         xs = xs.view(B, T, h, p)
         if slot is not None and T == 1 and slot.state is not None:
-            y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state,
-                                     inplace=not torch.is_grad_enabled())
+            args = (xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state)
+            if cpu_decode.serves(*args) and not torch.is_grad_enabled():      # one C++ call, in place
+                y, slot.state = cpu_decode.ssd_step(*args)
+            else:
+                y, slot.state = ssd_step(*args, inplace=not torch.is_grad_enabled())
             y = y.unsqueeze(1)
         else:
             y, final = ssd_chunked(xs, dt, A, Bm.view(B, T, g, n), Cm.view(B, T, g, n), chunk_size=self.chunk_size,
@@ -89,6 +93,7 @@ class Mamba2(nn.Module):
         if self.norm_weight is None:
             y = (y.float() * F.silu(z.float())).to(y.dtype)
         else:
-            y = gated_rms_norm(y, z, self.norm_weight, group_size=self.d_inner // g, eps=self.norm_eps,
-                               norm_before_gate=self.norm == "norm_gate")
+            norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(y, z) else gated_rms_norm
+            y = norm(y, gate=z, weight=self.norm_weight, group_size=self.d_inner // g, eps=self.norm_eps,
+                     norm_before_gate=self.norm == "norm_gate")
         return self.out_proj(y)

@@ -3,7 +3,8 @@ in its stored dtype (float32, bfloat16, int8 per channel, int4 per group), threa
 
 Why: batch-1 decode is bound by how fast the weights stream from memory, and PyTorch's paths stream them slowly on
 some CPUs (its int8 / int4 kernels are vectorised for AVX-512 only; bf16 `F.linear` converts as it goes). The kernel
-is one C++ file, compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
+is one C++ file (compiled into one library with csrc/decode_ops.cpp, the one-token decode ops of ops/cpu_decode.py),
+compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
 (`-O3 -march=native -fopenmp`), cached under `$HYBRIDLM_CACHE` (default ~/.cache/hybridlm) by a hash of the source,
 the compiler and the CPU's flags, and called through ctypes with the tensors' pointers (no copy). OpenMP links to
 the runtime torch already loaded, so the kernel's threads are torch's (`torch.set_num_threads` sets both).
@@ -24,6 +25,8 @@ import torch
 from torch import Tensor
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "matvec.cpp")
+# compiled into the same library: the one-token decode ops (ops/cpu_decode.py)
+SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "decode_ops.cpp"))
 MAX_ROWS = 8       # rows of x the kernels take (decode, speculative steps); more go to PyTorch's matmul
 _lib = None        # the loaded library, False once it could not be built
 
@@ -41,8 +44,10 @@ def _build() -> str:
     from ..dtypes import cpu_flags
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + version.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"matvec-{key}.so")
     if os.path.exists(path):
@@ -51,7 +56,7 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
     os.close(fd)
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    done = subprocess.run([cxx, *flags, SOURCE, "-o", tmp], capture_output=True, text=True)
+    done = subprocess.run([cxx, *flags, *SOURCES, "-o", tmp], capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
@@ -90,6 +95,16 @@ def bind(lib):
         fn.restype = None
     lib.mv_bf16_dot.argtypes, lib.mv_bf16_dot.restype = [], ctypes.c_int
     lib.read_sum.argtypes, lib.read_sum.restype = [p, i64], ctypes.c_float
+    f32, i32 = ctypes.c_float, ctypes.c_int
+    decode = {"dec_ssd_step": [p, p, p, p, p, p, p, i64, i64, i64, i64, i64],
+              "dec_gla_step": [p, p, p, p, p, p, i64, i64, i64, i64, f32],
+              "dec_delta_step": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, f32],
+              "dec_conv_step": [p, p, p, p, p, i64, i64, i64, i32, i32],
+              "dec_attention": [p, p, p, p, *[i64] * 11, f32, i32],
+              "dec_rms_norm": [p, p, p, p, p, i64, i64, i64, i32, f32, i32]}
+    for name, args in decode.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
     return lib
 
 

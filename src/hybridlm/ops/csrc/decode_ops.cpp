@@ -1,0 +1,214 @@
+// One-token decode ops on a CPU, each a single call in place of the many small PyTorch ops of its reference form
+// (ops/ssd.ssd_step, ops/gla.gla_step, ops/delta_rule.delta_rule_step, ops/conv.causal_conv1d_step,
+// ops/attention.decode_attention, ops/norm.rms_norm / gated_rms_norm): at batch 1 each of those ops costs a few
+// microseconds of dispatch for a few microseconds of work, and a layer ran 30-80 of them. Compiled with matvec.cpp
+// into one library by ops/cpu_kernels.py; ops/cpu_decode.py calls them and tests hold each to its reference.
+//
+// Recurrent states are float32 [B, H, K, V] and are updated in place (a decode cache owns its state); the small
+// inputs are float32 (the wrappers convert, a no-op for most); attention reads the KV cache as stored (float32 or
+// bf16, `bf` = 1) through its strides; every sum is in float32. Threads (OpenMP, torch's) split batch x heads.
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+static inline float bf2f(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2bf(float f) {            // round to nearest even, as torch's .to(bfloat16)
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+template <typename T> static inline float ld(const T* p, int64_t i);
+template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf2f(p[i]); }
+template <typename T> static inline void st(T* p, int64_t i, float v);
+template <> inline void st<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void st<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f2bf(v); }
+
+// SSD (Mamba-2) step: x [B, H, P], dt [B, H], A [H], Bm, Cm [B, G, N], state [B, H, P, N] ->
+// state = exp(dt A) state + dt x Bᵀ, y [B, H, P] = state C (heads h of group h / (H / G))
+extern "C" void dec_ssd_step(const float* x, const float* dt, const float* A, const float* Bm, const float* Cm,
+                             float* state, float* y, int64_t Bn, int64_t H, int64_t P, int64_t G, int64_t N) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < Bn * H; bh++) {
+        const int64_t b = bh / H, h = bh % H, g = h / (H / G);
+        const float d = dt[bh], decay = std::exp(d * A[h]);
+        const float* Bv = Bm + (b * G + g) * N;
+        const float* Cv = Cm + (b * G + g) * N;
+        for (int64_t p = 0; p < P; p++) {
+            float* s = state + (bh * P + p) * N;
+            const float xd = x[bh * P + p] * d;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t n = 0; n < N; n++) {
+                const float v = s[n] * decay + xd * Bv[n];
+                s[n] = v;
+                acc += v * Cv[n];
+            }
+            y[bh * P + p] = acc;
+        }
+    }
+}
+
+// GLA step (Rodimus): q, k, log_decay [B, H, K], v [B, H, V], state [B, H, K, V] ->
+// state = exp(log_decay)[:, None] state + k vᵀ, o [B, H, V] = (scale q)ᵀ state
+extern "C" void dec_gla_step(const float* q, const float* k, const float* v, const float* logd, float* state,
+                             float* o, int64_t Bn, int64_t H, int64_t K, int64_t V, float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < Bn * H; bh++) {
+        float* out = o + bh * V;
+        const float* vv = v + bh * V;
+        for (int64_t j = 0; j < V; j++) out[j] = 0.f;
+        for (int64_t i = 0; i < K; i++) {
+            float* s = state + (bh * K + i) * V;
+            const float a = std::exp(logd[bh * K + i]), kk = k[bh * K + i], qq = q[bh * K + i] * scale;
+            for (int64_t j = 0; j < V; j++) {
+                const float t = a * s[j] + kk * vv[j];
+                s[j] = t;
+                out[j] += qq * t;
+            }
+        }
+    }
+}
+
+// delta-rule step (Gated DeltaNet, KDA): q, k [B, H, K], v [B, H, V], beta [B, H], log_decay [B, H] (per head,
+// `per_key` 0) or [B, H, K] (per key channel, 1), state [B, H, K, V] ->
+// S = a S; u = beta (v - Sᵀk); S += k uᵀ; o = (scale q)ᵀ S
+extern "C" void dec_delta_step(const float* q, const float* k, const float* v, const float* beta, const float* logd,
+                               int per_key, float* state, float* o, int64_t Bn, int64_t H, int64_t K, int64_t V,
+                               float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < Bn * H; bh++) {
+        std::vector<float> u(V, 0.f);
+        float* out = o + bh * V;
+        const float* kv = k + bh * K;
+        const float* qv = q + bh * K;
+        for (int64_t i = 0; i < K; i++) {               // decay, and Sᵀk of the decayed state
+            float* s = state + (bh * K + i) * V;
+            const float a = std::exp(per_key ? logd[bh * K + i] : logd[bh]), kk = kv[i];
+            for (int64_t j = 0; j < V; j++) {
+                s[j] *= a;
+                u[j] += kk * s[j];
+            }
+        }
+        const float bt = beta[bh];
+        for (int64_t j = 0; j < V; j++) {
+            u[j] = bt * (v[bh * V + j] - u[j]);
+            out[j] = 0.f;
+        }
+        for (int64_t i = 0; i < K; i++) {
+            float* s = state + (bh * K + i) * V;
+            const float kk = kv[i], qq = qv[i] * scale;
+            for (int64_t j = 0; j < V; j++) {
+                const float t = s[j] + kk * u[j];
+                s[j] = t;
+                out[j] += qq * t;
+            }
+        }
+    }
+}
+
+// causal depthwise conv step: x [B, C], state [B, W-1, C] (the last W-1 inputs, shifted in place), weight [C, W],
+// bias [C] or null -> y [B, C] = sum_j weight[:, j] window[j] (+ bias), SiLU'd when `silu`. T: x, state, y, weight.
+template <typename T>
+static void conv_step(const T* x, T* state, const T* w, const T* bias, T* y, int64_t Bn, int64_t C, int64_t W,
+                      int silu) {
+    for (int64_t b = 0; b < Bn; b++) {
+        T* s = state + b * (W - 1) * C;
+        for (int64_t c = 0; c < C; c++) {
+            const float xc = ld(x, b * C + c);
+            float acc = bias ? ld(bias, c) : 0.f;
+            for (int64_t j = 0; j < W - 1; j++) acc += ld(w, c * W + j) * ld(s, j * C + c);
+            acc += ld(w, c * W + W - 1) * xc;
+            for (int64_t j = 0; j + 1 < W - 1; j++) s[j * C + c] = s[(j + 1) * C + c];
+            if (W > 1) st(s, (W - 2) * C + c, xc);
+            if (silu) acc = acc / (1.f + std::exp(-acc));
+            st(y, b * C + c, acc);
+        }
+    }
+}
+
+extern "C" void dec_conv_step(const void* x, void* state, const void* w, const void* bias, void* y, int64_t Bn,
+                              int64_t C, int64_t W, int silu, int bf) {
+    if (bf) conv_step((const uint16_t*)x, (uint16_t*)state, (const uint16_t*)w, (const uint16_t*)bias, (uint16_t*)y,
+                      Bn, C, W, silu);
+    else conv_step((const float*)x, (float*)state, (const float*)w, (const float*)bias, (float*)y, Bn, C, W, silu);
+}
+
+// one query over every cached key: q [B, Hq, D]; k, v as stored in the cache, element strides (batch, time) and
+// heads contiguous [.., Hk, D] / [.., Hv, Dv]; Hk and Hv divide Hq -> o [B, Hq, Dv] = softmax(scale q kᵀ) v
+template <typename T>
+static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t S, int64_t Hq, int64_t Hk,
+                   int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t vsb, int64_t vss,
+                   float scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < Bn * Hq; bh++) {
+        const int64_t b = bh / Hq, h = bh % Hq;
+        const T* kb = k + b * ksb + (h / (Hq / Hk)) * D;
+        const T* vb = v + b * vsb + (h / (Hq / Hv)) * Dv;
+        std::vector<float> qf(D), p(S), acc(Dv, 0.f);
+        for (int64_t d = 0; d < D; d++) qf[d] = ld(q, bh * D + d) * scale;
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < S; s++) {
+            const T* kr = kb + s * kss;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qf[d] * ld(kr, d);
+            p[s] = dot;
+            mx = dot > mx ? dot : mx;
+        }
+        float sum = 0.f;
+        for (int64_t s = 0; s < S; s++) { p[s] = std::exp(p[s] - mx); sum += p[s]; }
+        for (int64_t s = 0; s < S; s++) {
+            const T* vr = vb + s * vss;
+            const float w = p[s];
+            for (int64_t d = 0; d < Dv; d++) acc[d] += w * ld(vr, d);
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < Dv; d++) st(o, bh * Dv + d, acc[d] * inv);
+    }
+}
+
+extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t S,
+                              int64_t Hq, int64_t Hk, int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss,
+                              int64_t vsb, int64_t vss, float scale, int bf) {
+    if (bf) attend((const uint16_t*)q, (const uint16_t*)k, (const uint16_t*)v, (uint16_t*)o, Bn, S, Hq, Hk, Hv, D, Dv,
+                   ksb, kss, vsb, vss, scale);
+    else attend((const float*)q, (const float*)k, (const float*)v, (float*)o, Bn, S, Hq, Hk, Hv, D, Dv, ksb, kss,
+                vsb, vss, scale);
+}
+
+// (gated) RMSNorm of rows: x [R, d] -> y [R, d] = norm(x') · weight (float32 [d] or null), the mean of squares per group of `group`
+// channels; x' = x, or with a gate z [R, d]: x · silu(z) (`mode` 1), or the gate after the norm (mode 2:
+// norm(x) · weight · silu(z)). `res` (optional, [R, d]): x += res first, written back (the residual stream's add
+// fused with the next norm).
+template <typename T>
+static void rms_rows(T* x, const T* res, const T* z, const float* w, T* y, int64_t R, int64_t d, int64_t group,
+                     int mode, float eps) {
+    std::vector<float> xf(d);
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t c = 0; c < d; c++) {
+            float v = ld(x, r * d + c);
+            if (res) { v += ld(res, r * d + c); st(x, r * d + c, v); v = ld(x, r * d + c); }
+            if (mode == 1) { const float g = ld(z, r * d + c); v *= g / (1.f + std::exp(-g)); }
+            xf[c] = v;
+        }
+        for (int64_t g0 = 0; g0 < d; g0 += group) {
+            float ss = 0.f;
+            for (int64_t c = g0; c < g0 + group; c++) ss += xf[c] * xf[c];
+            const float inv = 1.f / std::sqrt(ss / float(group) + eps);
+            for (int64_t c = g0; c < g0 + group; c++) {
+                float v = xf[c] * inv * (w ? w[c] : 1.f);
+                if (mode == 2) { const float g = ld(z, r * d + c); v *= g / (1.f + std::exp(-g)); }
+                st(y, r * d + c, v);
+            }
+        }
+    }
+}
+
+extern "C" void dec_rms_norm(void* x, const void* res, const void* z, const void* w, void* y, int64_t R, int64_t d,
+                             int64_t group, int mode, float eps, int bf) {
+    if (bf) rms_rows((uint16_t*)x, (const uint16_t*)res, (const uint16_t*)z, (const float*)w, (uint16_t*)y, R, d,
+                     group, mode, eps);
+    else rms_rows((float*)x, (const float*)res, (const float*)z, (const float*)w, (float*)y, R, d, group, mode, eps);
+}
