@@ -58,6 +58,24 @@ def test_bf16_dot_products_equal_float_convert(N, K):
     assert ((y - exact).abs() <= 2 ** -8 * (x.abs() @ w.float().abs().T) + 1e-6).all()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_in_and_out_equals_the_float_path(bias):
+    """bf16 x, w and bias: the kernel reads x and writes y as bf16 (mv_bf16_io), bit for bit what the float path
+    gives rounded to bf16; 1 and 3 rows; a non-contiguous x takes the float path."""
+    assert cpu_kernels.available()
+    torch.manual_seed(0)
+    w, b = torch.randn(37, 200).bfloat16(), torch.randn(37).bfloat16() if bias else None
+    for rows in (1, 3):
+        x = torch.randn(rows, 1, 200).bfloat16()
+        y = cpu_kernels.linear(x, w, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 1, 37)
+        want = cpu_kernels.linear(x.float(), w, b.float() if bias else None).bfloat16()
+        assert torch.equal(y, want)
+    xt = torch.randn(200, 2).bfloat16().T
+    assert_close(cpu_kernels.linear(xt, w, b).float(), cpu_kernels.linear(xt.contiguous(), w, b).float(), rtol=0,
+                 atol=0)
+
+
 def test_bf16_dot_products_follow_the_cpu():
     """The build takes the bf16 dot-product loop exactly where the CPU has AVX512-BF16."""
     from hybridlm.dtypes import cpu_flags

@@ -93,6 +93,7 @@ def bind(lib):
     lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
     for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.mv_int4):
         fn.restype = None
+    lib.mv_bf16_io.argtypes, lib.mv_bf16_io.restype = [p, i64, i64, p, i64, p, p], None
     lib.mv_bf16_dot.argtypes, lib.mv_bf16_dot.restype = [], ctypes.c_int
     lib.read_sum.argtypes, lib.read_sum.restype = [p, i64], ctypes.c_float
     f32, i32 = ctypes.c_float, ctypes.c_int
@@ -141,6 +142,13 @@ def _out(x: Tensor, y: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    bf16 = torch.bfloat16
+    if x.dtype == w.dtype == bf16 and (bias is None or bias.dtype == bf16) and x.is_contiguous():
+        # a bf16 model: x read and y written as bf16 by the kernel (no conversions around the call)
+        y = torch.empty(*x.shape[:-1], w.shape[0], dtype=bf16)
+        _lib.mv_bf16_io(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), w.shape[0],
+                        bias.data_ptr() if bias is not None else None, y.data_ptr())
+        return y
     x2 = _rows(x)
     y = torch.empty(x2.shape[0], w.shape[0])
     fn = _lib.mv_bf16 if w.dtype == torch.bfloat16 else _lib.mv_f32

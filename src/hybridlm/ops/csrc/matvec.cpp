@@ -141,6 +141,24 @@ extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
 #endif
 }
 
+// bf16 in, bf16 out (a bf16 model's decode): x [M, K] and y [M, N] bfloat16, bias [N] bfloat16 or null; the sums
+// and the bias add in float32, y rounded to nearest even once (what y.float() + bias.float() -> .to(bf16) gives),
+// so the caller converts nothing
+static inline float bf_f(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint16_t f_bf(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+extern "C" void mv_bf16_io(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                           const uint16_t* bias, uint16_t* y) {
+    std::vector<float> xf(M * K), yf(M * N);
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf_f(x[i]);
+    mv_bf16(xf.data(), M, K, w, N, yf.data());
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * N + n] = f_bf(yf[m * N + n] + (bias ? bf_f(bias[n]) : 0.f));
+}
+
 // the float32-convert loop whatever the build (the reference the bf16 dot-product loop is measured against)
 extern "C" void mv_bf16_f32(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
     matvec(x, M, K, w, N, y);
