@@ -15,7 +15,7 @@ from hybridlm.ops.attention import decode_attention
 from hybridlm.ops.conv import causal_conv1d_step
 from hybridlm.ops.delta_rule import delta_rule_step
 from hybridlm.ops.gla import gla_step
-from hybridlm.ops.norm import gated_rms_norm, rms_norm
+from hybridlm.ops.norm import gated_rms_norm, l2_norm, rms_norm
 from hybridlm.ops.ssd import ssd_step
 from test_models import tiny
 
@@ -72,6 +72,25 @@ def test_delta_rule_step(dtype, per_key):
     assert_close(o.float(), o_ref.float(), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("per_key,Hk", [(False, 2), (False, 4), (True, 4)])
+def test_gated_delta_step(per_key, Hk):
+    """The gates and norms inside (Gated DeltaNet: per-head decay, key heads shared by H / Hk value heads; KDA:
+    per-key decay) against the layers' PyTorch lines then delta_rule_step."""
+    torch.manual_seed(0)
+    B, H, K, V = 2, 4, 8, 6
+    qkv, b, A_log = r(B, 2 * Hk * K + H * V), r(B, H), torch.rand(H)
+    a, dt_bias = (r(B, H, K), r(H * K)) if per_key else (r(B, H), r(H))
+    s0 = r(B, H, K, V)
+    q, k, v = qkv.split((Hk * K, Hk * K, H * V), -1)
+    q, k = (l2_norm(t.view(B, Hk, K)).repeat_interleave(H // Hk, 1) for t in (q, k))
+    A = -torch.exp(A_log)
+    ld = A[:, None] * F.softplus(a + dt_bias.view(H, K)) if per_key else A * F.softplus(a + dt_bias)
+    o_ref, s_ref = delta_rule_step(q, k, v.view(B, H, V), torch.sigmoid(b), ld, s0.clone(), scale=0.4)
+    o, s = cpu_decode.gated_delta_step(qkv, b, a, A_log, dt_bias, s0.clone(), key_heads=Hk, head_k=K, scale=0.4)
+    assert_close(s, s_ref, **TOL[torch.float32])
+    assert_close(o, o_ref, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("W,bias", [(4, True), (3, False), (2, True)])
 def test_conv_step(dtype, W, bias):
@@ -106,6 +125,10 @@ def test_rms_norms(dtype):
             assert_close(cpu_decode.rms_norm(x, w, 1e-5, gate=z, group_size=group, norm_before_gate=before).float(),
                          gated_rms_norm(x, z, w, group_size=group, eps=1e-5, norm_before_gate=before).float(),
                          **TOL[dtype])
+    of = x.float()
+    want = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float() * torch.sigmoid(z.float())
+    got = cpu_decode.rms_norm(x, w, 1e-5, gate=z, norm_before_gate=True, sigmoid_gate=True)
+    assert_close(got.float(), want.to(dtype).float(), **TOL[dtype])
     res, x2 = r(2, 1, 24, dtype=dtype), x.clone()
     y = cpu_decode.rms_norm(x2, w, 1e-5, residual=res)
     assert_close(x2.float(), (x + res).float(), rtol=0, atol=0)
@@ -131,7 +154,8 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
     m = use_cpu_kernels_(tiny(name).to(dtype))
     ids = torch.randint(0, 97, (2, 19))
     used = set()
-    for fn in ("ssd_step", "gla_step", "delta_rule_step", "conv_step", "decode_attention", "rms_norm"):
+    for fn in ("ssd_step", "gla_step", "delta_rule_step", "gated_delta_step", "conv_step", "decode_attention",
+               "rms_norm"):
         real = getattr(cpu_decode, fn)
         monkeypatch.setattr(cpu_decode, fn, lambda *a, _f=real, _n=fn, **k: used.add(_n) or _f(*a, **k))
     with torch.no_grad():
@@ -141,6 +165,6 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
     assert_close(dec, full, **tol, msg=name)
     want = {"llama": {"decode_attention"}, "mamba2": {"ssd_step", "conv_step"}, "rodimus": {"gla_step", "conv_step"},
-            "qwen3-next": {"delta_rule_step", "decode_attention"}, "kimi-linear": {"delta_rule_step", "conv_step"},
+            "qwen3-next": {"gated_delta_step", "decode_attention"}, "kimi-linear": {"gated_delta_step", "conv_step"},
             "lfm2": {"conv_step", "decode_attention"}}.get(name, set()) | {"rms_norm"}
     assert want <= used, (name, used)

@@ -66,6 +66,11 @@ class GatedDeltaNet(nn.Module):
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(self.conv(qkv, ctx, slot))
+        if step and mask is None and cpu_decode.serves(qkv, slot.state):
+            # decode on a CPU: the norms, gates and state update below in one C++ call
+            o, slot.state = cpu_decode.gated_delta_step(qkv[:, 0], b.reshape(B, hv), a.reshape(B, hv), self.A_log,
+                                                        self.dt_bias, slot.state, key_heads=hk, head_k=dk)
+            return self._output(o.unsqueeze(1), z, x)
         q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), -1)
         q, k = l2_norm(q.view(B, T, hk, dk)), l2_norm(k.view(B, T, hk, dk))
         if r > 1:                     # each key head serves r consecutive value heads
@@ -84,7 +89,12 @@ class GatedDeltaNet(nn.Module):
                                   resets=ctx.resets, chunk_size=self.chunk_size)
             if slot is not None:
                 slot.state = final
-        o, z = o.to(x.dtype), z.reshape(B, T, hv, dv)
+        return self._output(o, z, x)
+
+    def _output(self, o: Tensor, z: Tensor, x: Tensor) -> Tensor:
+        """o [B, T, hv, dv] -> out_proj(RMSNorm(o) · silu(z)) [B, T, d_model]."""
+        B, T = x.shape[:2]
+        o, z = o.to(x.dtype), z.reshape(B, T, self.hv, self.dv)
         norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(o, z) else gated_rms_norm
         o = norm(o, gate=z, weight=self.norm_weight, eps=self.norm_eps, norm_before_gate=True)
-        return self.out_proj(o.reshape(B, T, hv * dv))
+        return self.out_proj(o.reshape(B, T, self.hv * self.dv))

@@ -67,6 +67,13 @@ class KimiDeltaAttention(nn.Module):
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(self.conv(qkv, ctx, slot))
+        if step and mask is None and cpu_decode.serves(qkv, slot.state):
+            # decode on a CPU: the norms, gates and state update below in one C++ call
+            f = self.f_b(self.f_a(x))
+            o, slot.state = cpu_decode.gated_delta_step(qkv[:, 0], self.b_proj(x)[:, 0], f[:, 0].view(B, H, D),
+                                                        self.A_log, self.dt_bias, slot.state, key_heads=H, head_k=D,
+                                                        scale=D ** -0.5)
+            return self._output(o.unsqueeze(1), x)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q, k = l2_norm(q), l2_norm(k)                                  # float32 (at least), as FLA
 
@@ -89,9 +96,20 @@ class KimiDeltaAttention(nn.Module):
                                   initial_state=slot.state if slot is not None else None, resets=ctx.resets)
             if slot is not None:
                 slot.state = final
+        return self._output(o, x)
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """o [B, T, H, D] -> o_proj(RMSNorm(o) · sigmoid(gate)) [B, T, d_model], the norm per head."""
+        B, T = x.shape[:2]
+        H, D = self.n_heads, self.head_dim
+        f32 = torch.promote_types(x.dtype, torch.float32)
+        gate = self.g_b(self.g_a(x)).view(B, T, H, D)
+        if T == 1 and cpu_decode.serves(o, gate):
+            y = cpu_decode.rms_norm(o.to(f32), self.norm_weight, self.norm_eps, gate=gate, norm_before_gate=True,
+                                    sigmoid_gate=True)
+            return self.o_proj(y.to(x.dtype).reshape(B, T, H * D))
         # gated RMSNorm per head: norm in float32, weight, then sigmoid output gate
         of = o.to(f32)
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(f32)
-        gate = self.g_b(self.g_a(x)).view(B, T, H, D)
         y = (of * torch.sigmoid(gate.to(f32))).to(x.dtype)
         return self.o_proj(y.reshape(B, T, H * D))

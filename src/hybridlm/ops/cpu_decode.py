@@ -6,6 +6,8 @@ signature and semantics (the reference named in its docstring; tests/test_cpu_de
     ssd_step            ops/ssd.ssd_step (inplace)           state float32 [B, H, P, N], updated in place
     gla_step            ops/gla.gla_step                     state float32 [B, H, K, V], updated in place
     delta_rule_step     ops/delta_rule.delta_rule_step       state float32 [B, H, K, V], updated in place
+    gated_delta_step    the same with Gated DeltaNet's / KDA's L2 norms and gates computed inside (the layers'
+                        decode lines before delta_rule_step)
     conv_step           ops/conv.causal_conv1d_step (+ SiLU) conv tail [B, W-1, C] in x's dtype, shifted in place
     decode_attention    ops/attention.decode_attention       reads the KV cache as stored, through its strides
     rms_norm            ops/norm.rms_norm / gated_rms_norm   (+ the residual add before it)
@@ -91,6 +93,25 @@ def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Te
     return o.to(q.dtype), state
 
 
+def gated_delta_step(qkv: Tensor, b: Tensor, a: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor, *,
+                     key_heads: int, head_k: int, scale: float | None = None, eps: float = 1e-6
+                     ) -> tuple[Tensor, Tensor]:
+    """The decode step of Gated DeltaNet and KDA from the layer's raw inputs, gates included: qkv [B, 2 Hk K + H V]
+    ([q | k | v] after the conv), q and k L2-normalised (ops/norm.l2_norm), key head h // (H / Hk) serving value head
+    h; beta = sigmoid(b [B, H]); log decay = -exp(A_log) · softplus(a + dt_bias): a [B, H], dt_bias [H] (Gated
+    DeltaNet) or a [B, H, K], dt_bias [H * K] (KDA, per key channel); then delta_rule_step. state [B, H, K, V]
+    float32, updated in place -> (o [B, H, V] in qkv's dtype, the state)."""
+    B, H = b.shape
+    K, V = head_k, state.shape[-1]
+    state = _owned(state, torch.float32)
+    qf, bf, af, Af, df = (_f32(t) for t in (qkv, b, a, A_log, dt_bias))
+    o = torch.empty(B, H, V)
+    cpu_kernels._lib.dec_delta_gated(qf.data_ptr(), bf.data_ptr(), af.data_ptr(), Af.data_ptr(), df.data_ptr(),
+                                     int(a.dim() == 3), state.data_ptr(), o.data_ptr(), B, H, key_heads, K, V,
+                                     K ** -0.5 if scale is None else scale, eps)
+    return o.to(qkv.dtype), state
+
+
 def conv_step(x: Tensor, state: Tensor, weight: Tensor, bias: Tensor | None = None, *,
               silu: bool = False) -> tuple[Tensor, Tensor]:
     """ops/conv.causal_conv1d_step (then SiLU when `silu`): x [B, C]; state [B, W-1, C]; weight [C, W]; bias [C]
@@ -124,11 +145,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6, *, gate: Tensor | None = None,
-             group_size: int | None = None, norm_before_gate: bool = False,
+             group_size: int | None = None, norm_before_gate: bool = False, sigmoid_gate: bool = False,
              residual: Tensor | None = None) -> Tensor:
     """ops/norm.rms_norm (no gate) or gated_rms_norm (a gate: RMSNorm(x · silu(gate)), or RMSNorm(x) · silu(gate)
     with norm_before_gate), the mean per group of `group_size` channels (default all). x, gate [..., d] -> [..., d]
-    in x's dtype. With `residual`: x += residual first (in place, in x's dtype: the stream's add), then the norm."""
+    in x's dtype (`sigmoid_gate`: RMSNorm(x) · sigmoid(gate), KDA's output gate). With `residual`: x += residual first (in place, in x's dtype: the stream's add), then the norm."""
     d, dt = x.shape[-1], x.dtype
     if residual is not None and not x.is_contiguous():
         raise ValueError("rms_norm with a residual adds it to x in place: x must be contiguous")
@@ -137,7 +158,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6, *, gate: Tenso
     w = _f32(weight) if weight is not None else None
     r = residual.to(dt).contiguous() if residual is not None else None
     y = torch.empty_like(xc)
-    mode = 0 if gate is None else (2 if norm_before_gate else 1)
+    mode = 0 if gate is None else (3 if sigmoid_gate else 2 if norm_before_gate else 1)
     cpu_kernels._lib.dec_rms_norm(xc.data_ptr(), r.data_ptr() if r is not None else None,
                                   z.data_ptr() if z is not None else None, w.data_ptr() if w is not None else None,
                                   y.data_ptr(), xc.numel() // d, d, group_size or d, mode, eps,

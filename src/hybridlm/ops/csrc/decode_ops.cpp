@@ -71,40 +71,71 @@ extern "C" void dec_gla_step(const float* q, const float* k, const float* v, con
     }
 }
 
+// delta rule on one head: q, k [K], v [V], beta, log decay (one, or one per key channel when `per_key`), the head's
+// state [K, V] -> S = a S; u = beta (v - Sᵀk); S += k uᵀ; out [V] = (scale q)ᵀ S
+static void delta_head(const float* q, const float* k, const float* v, float beta, const float* logd, int per_key,
+                       float* state, float* out, int64_t K, int64_t V, float scale) {
+    std::vector<float> u(V, 0.f);
+    for (int64_t i = 0; i < K; i++) {                   // decay, and Sᵀk of the decayed state
+        float* s = state + i * V;
+        const float a = std::exp(per_key ? logd[i] : logd[0]), kk = k[i];
+        for (int64_t j = 0; j < V; j++) {
+            s[j] *= a;
+            u[j] += kk * s[j];
+        }
+    }
+    for (int64_t j = 0; j < V; j++) {
+        u[j] = beta * (v[j] - u[j]);
+        out[j] = 0.f;
+    }
+    for (int64_t i = 0; i < K; i++) {
+        float* s = state + i * V;
+        const float kk = k[i], qq = q[i] * scale;
+        for (int64_t j = 0; j < V; j++) {
+            const float t = s[j] + kk * u[j];
+            s[j] = t;
+            out[j] += qq * t;
+        }
+    }
+}
+
 // delta-rule step (Gated DeltaNet, KDA): q, k [B, H, K], v [B, H, V], beta [B, H], log_decay [B, H] (per head,
-// `per_key` 0) or [B, H, K] (per key channel, 1), state [B, H, K, V] ->
-// S = a S; u = beta (v - Sᵀk); S += k uᵀ; o = (scale q)ᵀ S
+// `per_key` 0) or [B, H, K] (per key channel, 1), state [B, H, K, V] -> o [B, H, V]
 extern "C" void dec_delta_step(const float* q, const float* k, const float* v, const float* beta, const float* logd,
                                int per_key, float* state, float* o, int64_t Bn, int64_t H, int64_t K, int64_t V,
                                float scale) {
 #pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < Bn * H; bh++)
+        delta_head(q + bh * K, k + bh * K, v + bh * V, beta[bh], logd + (per_key ? bh * K : bh), per_key,
+                   state + bh * K * V, o + bh * V, K, V, scale);
+}
+
+static inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }   // torch's threshold 20
+
+// the delta-rule step with the gates computed from the layer's raw inputs (Gated DeltaNet and KDA decode):
+// qkv [B, 2 Hk K + H V] = [q | k | v] after the conv, q and k L2-normalised here (x / sqrt(Σx² + eps)), key head
+// h / (H / Hk) serving value head h; beta = sigmoid(b [B, H]); log decay = -exp(A_log[h]) · softplus(a + dt_bias),
+// a [B, H] and dt_bias [H] (per head), or a [B, H, K] and dt_bias [H, K] (`per_key`, KDA) -> o [B, H, V]
+extern "C" void dec_delta_gated(const float* qkv, const float* b, const float* a, const float* A_log,
+                                const float* dt_bias, int per_key, float* state, float* o, int64_t Bn, int64_t H,
+                                int64_t Hk, int64_t K, int64_t V, float scale, float eps) {
+    const int64_t row = 2 * Hk * K + H * V;
+#pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < Bn * H; bh++) {
-        std::vector<float> u(V, 0.f);
-        float* out = o + bh * V;
-        const float* kv = k + bh * K;
-        const float* qv = q + bh * K;
-        for (int64_t i = 0; i < K; i++) {               // decay, and Sᵀk of the decayed state
-            float* s = state + (bh * K + i) * V;
-            const float a = std::exp(per_key ? logd[bh * K + i] : logd[bh]), kk = kv[i];
-            for (int64_t j = 0; j < V; j++) {
-                s[j] *= a;
-                u[j] += kk * s[j];
-            }
-        }
-        const float bt = beta[bh];
-        for (int64_t j = 0; j < V; j++) {
-            u[j] = bt * (v[bh * V + j] - u[j]);
-            out[j] = 0.f;
-        }
-        for (int64_t i = 0; i < K; i++) {
-            float* s = state + (bh * K + i) * V;
-            const float kk = kv[i], qq = qv[i] * scale;
-            for (int64_t j = 0; j < V; j++) {
-                const float t = s[j] + kk * u[j];
-                s[j] = t;
-                out[j] += qq * t;
-            }
-        }
+        const int64_t bi = bh / H, h = bh % H, hk = h / (H / Hk);
+        const float* qr = qkv + bi * row + hk * K;
+        const float* kr = qr + Hk * K;
+        const float* vr = qkv + bi * row + 2 * Hk * K + h * V;
+        std::vector<float> qn(K), kn(K), ld(per_key ? K : 1);
+        float sq = 0.f, sk = 0.f;
+        for (int64_t i = 0; i < K; i++) { sq += qr[i] * qr[i]; sk += kr[i] * kr[i]; }
+        const float iq = 1.f / std::sqrt(sq + eps), ik = 1.f / std::sqrt(sk + eps);
+        for (int64_t i = 0; i < K; i++) { qn[i] = qr[i] * iq; kn[i] = kr[i] * ik; }
+        const float A = -std::exp(A_log[h]);
+        if (per_key) for (int64_t i = 0; i < K; i++) ld[i] = A * softplus(a[bh * K + i] + dt_bias[h * K + i]);
+        else ld[0] = A * softplus(a[bh] + dt_bias[h]);
+        const float beta = 1.f / (1.f + std::exp(-b[bh]));
+        delta_head(qn.data(), kn.data(), vr, beta, ld.data(), per_key, state + bh * K * V, o + bh * V, K, V, scale);
     }
 }
 
@@ -180,7 +211,7 @@ extern "C" void dec_attention(const void* q, const void* k, const void* v, void*
 
 // (gated) RMSNorm of rows: x [R, d] -> y [R, d] = norm(x') · weight (float32 [d] or null), the mean of squares per group of `group`
 // channels; x' = x, or with a gate z [R, d]: x · silu(z) (`mode` 1), or the gate after the norm (mode 2:
-// norm(x) · weight · silu(z)). `res` (optional, [R, d]): x += res first, written back (the residual stream's add
+// norm(x) · weight · silu(z); mode 3: · sigmoid(z)). `res` (optional, [R, d]): x += res first, written back (the residual stream's add
 // fused with the next norm).
 template <typename T>
 static void rms_rows(T* x, const T* res, const T* z, const float* w, T* y, int64_t R, int64_t d, int64_t group,
@@ -200,6 +231,7 @@ static void rms_rows(T* x, const T* res, const T* z, const float* w, T* y, int64
             for (int64_t c = g0; c < g0 + group; c++) {
                 float v = xf[c] * inv * (w ? w[c] : 1.f);
                 if (mode == 2) { const float g = ld(z, r * d + c); v *= g / (1.f + std::exp(-g)); }
+                if (mode == 3) v /= 1.f + std::exp(-ld(z, r * d + c));
                 st(y, r * d + c, v);
             }
         }
