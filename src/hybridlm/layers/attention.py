@@ -115,7 +115,8 @@ class Attention(nn.Module):
         if T == 1 and cache is not None and window is None and key_mask is None and bias is None \
                 and ctx.segment_ids is None and not need_weights:
             # one query sees every cached key: read them once, unexpanded (one C++ call on a CPU)
-            y = (cpu_decode.decode_attention if cpu_decode.serves(q, k, v) else decode_attention)(q, k, v)
+            fast = cpu_decode.serves(q, k, v) and cpu_decode.short_cache(q, k)
+            y = (cpu_decode.decode_attention if fast else decode_attention)(q, k, v)
         else:
             if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
                 k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)

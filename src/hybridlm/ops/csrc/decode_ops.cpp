@@ -21,6 +21,31 @@ static inline uint16_t f2bf(float f) {            // round to nearest even, as t
 template <typename T> static inline float ld(const T* p, int64_t i);
 template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
 template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf2f(p[i]); }
+// a row of n values -> float32 (bf16: the bits widened in an integer loop the compiler vectorises)
+static inline void row_f32(const float* p, int64_t n, float* out, uint32_t*) { std::memcpy(out, p, n * 4); }
+static inline void row_f32(const uint16_t* p, int64_t n, float* out, uint32_t* bits) {
+    for (int64_t i = 0; i < n; i++) bits[i] = uint32_t(p[i]) << 16;
+    std::memcpy(out, bits, n * 4);
+}
+// exp(x) for x <= 0 (softmax after the max is taken off) in plain arithmetic the compiler vectorises (std::exp is a
+// scalar call, and a long context's softmax spent most of its time there): 2^n · p(r), x = n ln2 + r, |r| <= ln2/2,
+// p the degree-6 Taylor polynomial (relative error < 2e-7); below -87 it is 0
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = std::nearbyint(x * 1.44269504f);
+    const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t e = (int32_t(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &e, 4);
+    return p * scale;
+}
 template <typename T> static inline void st(T* p, int64_t i, float v);
 template <> inline void st<float>(float* p, int64_t i, float v) { p[i] = v; }
 template <> inline void st<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f2bf(v); }
@@ -167,36 +192,59 @@ extern "C" void dec_conv_step(const void* x, void* state, const void* w, const v
 }
 
 // one query over every cached key: q [B, Hq, D]; k, v as stored in the cache, element strides (batch, time) and
-// heads contiguous [.., Hk, D] / [.., Hv, Dv]; Hk and Hv divide Hq -> o [B, Hq, Dv] = softmax(scale q kᵀ) v
+// heads contiguous [.., Hk, D] / [.., Hv, Dv]; Hk and Hv divide Hq -> o [B, Hq, Dv] = softmax(scale q kᵀ) v.
+// By key head, then by value head: each cached row is read and converted once for all the query heads it serves.
 template <typename T>
 static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t S, int64_t Hq, int64_t Hk,
                    int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t vsb, int64_t vss,
                    float scale) {
+    const int64_t gk = Hq / Hk, gv = Hq / Hv;
+    std::vector<float> P(Bn * Hq * S);
+#pragma omp parallel for schedule(static)
+    for (int64_t bk = 0; bk < Bn * Hk; bk++) {
+        const int64_t b = bk / Hk, hk = bk % Hk;
+        std::vector<float> qf(gk * D), kf(D);
+        std::vector<uint32_t> bits(D);
+        for (int64_t j = 0; j < gk; j++)
+            for (int64_t d = 0; d < D; d++) qf[j * D + d] = ld(q, (b * Hq + hk * gk + j) * D + d) * scale;
+        for (int64_t s = 0; s < S; s++) {
+            const T* kr = k + b * ksb + s * kss + hk * D;
+            row_f32(kr, D, kf.data(), bits.data());
+            for (int64_t j = 0; j < gk; j++) {
+                const float* qj = qf.data() + j * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qj[d] * kf[d];
+                P[(b * Hq + hk * gk + j) * S + s] = dot;
+            }
+        }
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < Bn * Hq; bh++) {
-        const int64_t b = bh / Hq, h = bh % Hq;
-        const T* kb = k + b * ksb + (h / (Hq / Hk)) * D;
-        const T* vb = v + b * vsb + (h / (Hq / Hv)) * Dv;
-        std::vector<float> qf(D), p(S), acc(Dv, 0.f);
-        for (int64_t d = 0; d < D; d++) qf[d] = ld(q, bh * D + d) * scale;
-        float mx = -INFINITY;
-        for (int64_t s = 0; s < S; s++) {
-            const T* kr = kb + s * kss;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; d++) dot += qf[d] * ld(kr, d);
-            p[s] = dot;
-            mx = dot > mx ? dot : mx;
-        }
-        float sum = 0.f;
-        for (int64_t s = 0; s < S; s++) { p[s] = std::exp(p[s] - mx); sum += p[s]; }
-        for (int64_t s = 0; s < S; s++) {
-            const T* vr = vb + s * vss;
-            const float w = p[s];
-            for (int64_t d = 0; d < Dv; d++) acc[d] += w * ld(vr, d);
-        }
+        float* p = P.data() + bh * S;
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t s = 0; s < S; s++) mx = p[s] > mx ? p[s] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t s = 0; s < S; s++) { p[s] = exp_neg(p[s] - mx); sum += p[s]; }
         const float inv = 1.f / sum;
-        for (int64_t d = 0; d < Dv; d++) st(o, bh * Dv + d, acc[d] * inv);
+        for (int64_t s = 0; s < S; s++) p[s] *= inv;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t bv = 0; bv < Bn * Hv; bv++) {
+        const int64_t b = bv / Hv, hv = bv % Hv;
+        std::vector<float> acc(gv * Dv, 0.f), vf(Dv);
+        std::vector<uint32_t> bits(Dv);
+        for (int64_t s = 0; s < S; s++) {
+            const T* vr = v + b * vsb + s * vss + hv * Dv;
+            row_f32(vr, Dv, vf.data(), bits.data());
+            for (int64_t j = 0; j < gv; j++) {
+                const float w = P[(b * Hq + hv * gv + j) * S + s];
+                float* a = acc.data() + j * Dv;
+                for (int64_t d = 0; d < Dv; d++) a[d] += w * vf[d];
+            }
+        }
+        for (int64_t j = 0; j < gv; j++)
+            for (int64_t d = 0; d < Dv; d++) st(o, (b * Hq + hv * gv + j) * Dv + d, acc[j * Dv + d]);
     }
 }
 
