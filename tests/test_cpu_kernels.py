@@ -94,6 +94,20 @@ def test_quantized_kernels_equal_reference(scheme, g, N, K):
     assert (err <= int16_bound(x, scheme, t)).all(), err.max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme,g", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_one_pass_dequantize_equals_reference(scheme, g, dtype):
+    """Prefill's weight: the kernels' one-pass dequantization equals ops/quant's (float32: to the last bit an FMA
+    may round differently; bf16: the same bf16 values but for such ties)."""
+    assert cpu_kernels.available()
+    torch.manual_seed(0)
+    t = quant.quantize(torch.randn(9, 300), scheme, g)
+    got = cpu_kernels.dequantize(scheme, t, dtype)
+    want = quant.dequantize(scheme, t).to(dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert_close(got.float(), want.float(), rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_linear_paths_agree(scheme, monkeypatch):
     """Decode rows go to the kernel, prefill rows to dequantize + matmul, and without the kernel to PyTorch's

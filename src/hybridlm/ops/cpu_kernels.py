@@ -93,6 +93,8 @@ def bind(lib):
     lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
     for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.mv_int4):
         fn.restype = None
+    lib.dq_int4.argtypes, lib.dq_int4.restype = [p, p, p, i64, i64, i64, p, ctypes.c_int], None
+    lib.dq_int8.argtypes, lib.dq_int8.restype = [p, p, i64, i64, p, ctypes.c_int], None
     lib.mv_bf16_io.argtypes, lib.mv_bf16_io.restype = [p, i64, i64, p, i64, p, p], None
     lib.mv_bf16_dot.argtypes, lib.mv_bf16_dot.restype = [], ctypes.c_int
     lib.read_sum.argtypes, lib.read_sum.restype = [p, i64], ctypes.c_float
@@ -175,6 +177,22 @@ def _int4_linear(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor
     y = torch.empty(x2.shape[0], N)
     _lib.mv_int4(x2.data_ptr(), x2.shape[0], Kp, q.data_ptr(), s.data_ptr(), z.data_ptr(), G, N, y.data_ptr())
     return _out(x, y, bias)
+
+
+def dequantize(scheme: str, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """ops/quant.dequantize(scheme, tensors).to(dtype) in one pass (prefill's weight for one matmul): [N, K'] in
+    float32 or bfloat16, computed in float32 (an FMA may round the last bit differently). Needs `available()`."""
+    q, scale = tensors[0], tensors[1].float().contiguous()
+    N = q.shape[0]
+    bf = dtype == torch.bfloat16
+    out = torch.empty(N, q.shape[1] * (2 if scheme == "int4" else 1), dtype=torch.bfloat16 if bf else torch.float32)
+    if scheme == "int4":
+        zero = tensors[2].float().contiguous()
+        _lib.dq_int4(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), N, out.shape[1], scale.shape[1],
+                     out.data_ptr(), int(bf))
+    else:
+        _lib.dq_int8(q.data_ptr(), scale.data_ptr(), N, out.shape[1], out.data_ptr(), int(bf))
+    return out if dtype in (torch.float32, torch.bfloat16) else out.to(dtype)
 
 
 # the same functions as torch custom ops, which torch.compile keeps as calls inside its graph (a ctypes call would

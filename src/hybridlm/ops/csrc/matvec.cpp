@@ -318,3 +318,37 @@ extern "C" float read_sum(const float* p, int64_t n) {
     for (int64_t i = blocks * 4096; i < n; i++) total += p[i];
     return total;
 }
+
+// prefill: the quantized weight dequantized in one pass, rows in parallel, into float32 or bfloat16 (`bf`) for one
+// matmul (PyTorch's form unpacks, widens, scales and shifts in separate passes over the whole matrix).
+// int4: q [N, K/2], scale and zero float32 [N, G] -> w [N, K] = (v - 8) scale + zero; int8: w = q scale[n].
+extern "C" void dq_int4(const uint8_t* q, const float* scale, const float* zero, int64_t N, int64_t K, int64_t G,
+                        void* out, int bf) {
+    const int64_t group = K / G;                         // 32, 64 or 128 (ops/quant.INT4_GROUPS)
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* row = q + n * (K / 2);
+        float w[256];                                    // a group (<= 128 columns here), then stored
+        for (int64_t g = 0; g < G; g++) {
+            const float s = scale[n * G + g], z = zero[n * G + g];
+            const uint8_t* b = row + g * group / 2;
+            for (int64_t j = 0; j < group / 2; j++) {
+                w[2 * j] = (float(b[j] & 15) - 8.f) * s + z;
+                w[2 * j + 1] = (float(b[j] >> 4) - 8.f) * s + z;
+            }
+            const int64_t k0 = n * K + g * group;
+            if (bf) for (int64_t k = 0; k < group; k++) ((uint16_t*)out)[k0 + k] = f_bf(w[k]);
+            else std::memcpy((float*)out + k0, w, group * 4);
+        }
+    }
+}
+
+extern "C" void dq_int8(const int8_t* q, const float* scale, int64_t N, int64_t K, void* out, int bf) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) {
+            const float w = float(q[n * K + k]) * scale[n];
+            if (bf) ((uint16_t*)out)[n * K + k] = f_bf(w);
+            else ((float*)out)[n * K + k] = w;
+        }
+}
