@@ -48,6 +48,23 @@ def test_ssd_step(dtype, h, p, g, n):
     assert_close(y.float(), y_ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("limit", [None, (0.01, 0.5)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ssd_gated_step(dtype, limit):
+    """dt, A and the D skip inside, against Mamba-2's lines around ssd_step."""
+    torch.manual_seed(0)
+    h, p, g, n = 6, 5, 3, 7
+    x, dt, B, C = r(2, h, p, dtype=dtype), r(2, h, dtype=dtype), r(2, g, n, dtype=dtype), r(2, g, n, dtype=dtype)
+    dt_bias, A_log, D, s0 = r(h), torch.rand(h), r(h), r(2, h, p, n)
+    d = F.softplus(dt.float() + dt_bias)
+    d = d.clamp(*limit) if limit else d
+    y_ref, s_ref = ssd_step(x, d, -torch.exp(A_log), B, C, s0.clone())
+    y_ref = torch.addcmul(y_ref, x, D.to(dtype).unsqueeze(-1))
+    y, s = cpu_decode.ssd_gated_step(x, dt, dt_bias, A_log, D, B, C, s0.clone(), dt_limit=limit)
+    assert_close(s, s_ref, **TOL[torch.float32])
+    assert_close(y.float(), y_ref.float(), **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gla_step(dtype):
     torch.manual_seed(0)
@@ -154,8 +171,8 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
     m = use_cpu_kernels_(tiny(name).to(dtype))
     ids = torch.randint(0, 97, (2, 19))
     used = set()
-    for fn in ("ssd_step", "gla_step", "delta_rule_step", "gated_delta_step", "conv_step", "decode_attention",
-               "rms_norm"):
+    for fn in ("ssd_step", "ssd_gated_step", "gla_step", "delta_rule_step", "gated_delta_step", "conv_step",
+               "decode_attention", "rms_norm"):
         real = getattr(cpu_decode, fn)
         monkeypatch.setattr(cpu_decode, fn, lambda *a, _f=real, _n=fn, **k: used.add(_n) or _f(*a, **k))
     with torch.no_grad():
@@ -164,7 +181,8 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
         dec = decode_logits(m, ids, 7, cache=m.make_cache(2)).float()
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
     assert_close(dec, full, **tol, msg=name)
-    want = {"llama": {"decode_attention"}, "mamba2": {"ssd_step", "conv_step"}, "rodimus": {"gla_step", "conv_step"},
+    want = {"llama": {"decode_attention"}, "mamba2": {"ssd_gated_step", "conv_step"},
+            "nemotron-h": {"ssd_gated_step", "decode_attention"}, "falcon-h1": {"ssd_gated_step"}, "rodimus": {"gla_step", "conv_step"},
             "qwen3-next": {"gated_delta_step", "decode_attention"}, "kimi-linear": {"gated_delta_step", "conv_step"},
             "lfm2": {"conv_step", "decode_attention"}}.get(name, set()) | {"rms_norm"}
     assert want <= used, (name, used)

@@ -4,6 +4,7 @@ ops/cpu_kernels.py): at batch 1 the reference forms below cost a few microsecond
 signature and semantics (the reference named in its docstring; tests/test_cpu_decode.py holds them together):
 
     ssd_step            ops/ssd.ssd_step (inplace)           state float32 [B, H, P, N], updated in place
+    ssd_gated_step      the same with Mamba-2's dt, A and D skip computed inside (the layer's lines around it)
     gla_step            ops/gla.gla_step                     state float32 [B, H, K, V], updated in place
     delta_rule_step     ops/delta_rule.delta_rule_step       state float32 [B, H, K, V], updated in place
     gated_delta_step    the same with Gated DeltaNet's / KDA's L2 norms and gates computed inside (the layers'
@@ -60,6 +61,23 @@ def ssd_step(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tens
     y = torch.empty(b, h, p)
     cpu_kernels._lib.dec_ssd_step(xf.data_ptr(), dtf.data_ptr(), Af.data_ptr(), Bf.data_ptr(), Cf.data_ptr(),
                                   state.data_ptr(), y.data_ptr(), b, h, p, g, n)
+    return y.to(x.dtype), state
+
+
+def ssd_gated_step(x: Tensor, dt: Tensor, dt_bias: Tensor, A_log: Tensor, D: Tensor, B: Tensor, C: Tensor,
+                   state: Tensor, *, dt_limit: tuple[float, float] | None = None) -> tuple[Tensor, Tensor]:
+    """Mamba-2's decode step from the layer's raw inputs: dt = softplus(dt + dt_bias) (clamped to `dt_limit`),
+    A = -exp(A_log), ssd_step, then y + D x (the layer's lines around ops/ssd.ssd_step). x [b, h, p]; dt [b, h];
+    dt_bias, A_log, D [h]; B, C [b, g, n]; state [b, h, p, n] float32, updated in place -> (y [b, h, p] in x's
+    dtype, the state)."""
+    b, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    state = _owned(state, torch.float32)
+    lo, hi = dt_limit if dt_limit is not None else (0.0, float("inf"))
+    xf, dtf, bf, af, df, Bf, Cf = (_f32(t) for t in (x, dt, dt_bias, A_log, D, B, C))
+    y = torch.empty(b, h, p)
+    cpu_kernels._lib.dec_ssd_gated(xf.data_ptr(), dtf.data_ptr(), bf.data_ptr(), af.data_ptr(), df.data_ptr(), lo, hi,
+                                   Bf.data_ptr(), Cf.data_ptr(), state.data_ptr(), y.data_ptr(), b, h, p, g, n)
     return y.to(x.dtype), state
 
 

@@ -100,6 +100,7 @@ def bind(lib):
     lib.read_sum.argtypes, lib.read_sum.restype = [p, i64], ctypes.c_float
     f32, i32 = ctypes.c_float, ctypes.c_int
     decode = {"dec_ssd_step": [p, p, p, p, p, p, p, i64, i64, i64, i64, i64],
+              "dec_ssd_gated": [p, p, p, p, p, f32, f32, p, p, p, p, i64, i64, i64, i64, i64],
               "dec_gla_step": [p, p, p, p, p, p, i64, i64, i64, i64, f32],
               "dec_delta_step": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, f32],
               "dec_delta_gated": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, i64, f32, f32],

@@ -75,6 +75,23 @@ extern "C" void dec_ssd_step(const float* x, const float* dt, const float* A, co
     }
 }
 
+static inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }   // torch's threshold 20
+
+// Mamba-2's step from the layer's raw inputs: dt = clamp(softplus(dt_raw + dt_bias), lo, hi), A = -exp(A_log),
+// the SSD step above, then y += D x. x [B, H, P], dt_raw [B, H], dt_bias, A_log, D [H], Bm, Cm [B, G, N]
+extern "C" void dec_ssd_gated(const float* x, const float* dt_raw, const float* dt_bias, const float* A_log,
+                              const float* D, float lo, float hi, const float* Bm, const float* Cm, float* state,
+                              float* y, int64_t Bn, int64_t H, int64_t P, int64_t G, int64_t N) {
+    std::vector<float> dt(Bn * H), A(H);
+    for (int64_t h = 0; h < H; h++) A[h] = -std::exp(A_log[h]);
+    for (int64_t i = 0; i < Bn * H; i++) {
+        const float d = softplus(dt_raw[i] + dt_bias[i % H]);
+        dt[i] = d < lo ? lo : d > hi ? hi : d;
+    }
+    dec_ssd_step(x, dt.data(), A.data(), Bm, Cm, state, y, Bn, H, P, G, N);
+    for (int64_t i = 0; i < Bn * H * P; i++) y[i] += D[(i / P) % H] * x[i];
+}
+
 // GLA step (Rodimus): q, k, log_decay [B, H, K], v [B, H, V], state [B, H, K, V] ->
 // state = exp(log_decay)[:, None] state + k vᵀ, o [B, H, V] = (scale q)ᵀ state
 extern "C" void dec_gla_step(const float* q, const float* k, const float* v, const float* logd, float* state,
@@ -134,8 +151,6 @@ extern "C" void dec_delta_step(const float* q, const float* k, const float* v, c
         delta_head(q + bh * K, k + bh * K, v + bh * V, beta[bh], logd + (per_key ? bh * K : bh), per_key,
                    state + bh * K * V, o + bh * V, K, V, scale);
 }
-
-static inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }   // torch's threshold 20
 
 // the delta-rule step with the gates computed from the layer's raw inputs (Gated DeltaNet and KDA decode):
 // qkv [B, 2 Hk K + H V] = [q | k | v] after the conv, q and k L2-normalised here (x / sqrt(Σx² + eps)), key head
