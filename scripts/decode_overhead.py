@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from hybridlm.models.causal_lm import CausalLM
 from hybridlm.models import presets
+from hybridlm.models.causal_lm import CausalLM
 from hybridlm.models.quantize import use_cpu_kernels_
 from hybridlm.ops import cpu_decode, cpu_kernels
 
@@ -39,13 +39,9 @@ SIZE = dict(d_model=2048, n_heads=32, n_kv_heads=4, head_dim=64, vocab_size=512,
 
 def build(letter: str, n: int) -> CausalLM:
     preset, layout = KINDS[letter]
-    try:
-        cfg = presets.get(preset, layout=layout.format(n=n), n_layers=n, **SIZE)
-    except Exception:
-        cfg = presets.get(preset, layout=layout.format(n=n), n_layers=n, d_model=2048, vocab_size=512)
+    cfg = presets.get(preset, layout=layout.format(n=n), n_layers=n, **SIZE)
     torch.manual_seed(0)
-    m = CausalLM(cfg).to(torch.bfloat16).eval()
-    m.init_weights() if hasattr(m, "init_weights") else None
+    m = CausalLM(cfg).to(torch.bfloat16).eval()         # initialised when built
     return use_cpu_kernels_(m)
 
 
@@ -136,7 +132,8 @@ def measure(letter: str, n: int, repeats: int, profile: bool) -> dict:
                "other_ms_per_layer": 1e3 * (t["step"] - t["kernel"] - fused) / n,
                "ref_other_ms_per_layer": 1e3 * (t["reference"] - t["kernel"]) / n}
         if profile:
-            from torch.profiler import ProfilerActivity, profile as prof
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as prof
             with prof(activities=[ProfilerActivity.CPU]) as p:
                 for _ in range(5):
                     step()
@@ -191,13 +188,14 @@ def main():
     torch.set_num_threads(a.threads)
     assert cpu_kernels.available()
     from cpu_kernel_speed import FLAGS, cpu_model
+
     from hybridlm.dtypes import cpu_flags
     print(f"CPU: {cpu_model()}, flags {' '.join(sorted(set(FLAGS) & cpu_flags()))}; {a.threads} threads; "
           f"bf16 weights, batch 1, d_model 2048, {a.layers} layers a kind; "
           f"{'wall' if clock is time.perf_counter else 'thread CPU'} time, best of {a.repeats}")
     if a.small:
-        print(f"per layer at d_model 256 (the kernels' work negligible): (step of 9 layers - step of 1) / 8\n"
-              f"| kind | ms / layer, PyTorch small ops | fused ops |\n|---|---|---|")
+        print("per layer at d_model 256 (the kernels' work negligible): (step of 9 layers - step of 1) / 8\n"
+              "| kind | ms / layer, PyTorch small ops | fused ops |\n|---|---|---|")
         for letter in a.letters:
             r = slope(letter, a.repeats)
             print(f"| {letter} | {r[False]:.3f} | {r[True]:.3f} |", flush=True)

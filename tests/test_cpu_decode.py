@@ -7,8 +7,9 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_close, decode_logits
+from test_models import tiny
+
 from hybridlm.models.quantize import use_cpu_kernels_
 from hybridlm.ops import cpu_decode
 from hybridlm.ops.attention import decode_attention
@@ -17,7 +18,6 @@ from hybridlm.ops.delta_rule import delta_rule_step
 from hybridlm.ops.gla import gla_step
 from hybridlm.ops.norm import gated_rms_norm, l2_norm, rms_norm
 from hybridlm.ops.ssd import ssd_step
-from test_models import tiny
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
