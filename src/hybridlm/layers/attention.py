@@ -6,6 +6,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache, WindowKVCache
 from ..context import SeqContext
+from ..ops import cpu_decode
 from ..ops.attention import attention, decode_attention
 from ..ops.indexer_loss import attention_target
 from ..ops.rope import apply_rope
@@ -113,7 +114,9 @@ class Attention(nn.Module):
         masks = dict(causal=causal, key_mask=key_mask, window=window, segment_ids=ctx.segment_ids, bias=bias)
         if T == 1 and cache is not None and window is None and key_mask is None and bias is None \
                 and ctx.segment_ids is None and not need_weights:
-            y = decode_attention(q, k, v)   # one query sees every cached key: read them once, unexpanded
+            # one query sees every cached key: read them once, unexpanded (one C++ call on a CPU)
+            fast = cpu_decode.serves(q, k, v) and cpu_decode.short_cache(q, k)
+            y = (cpu_decode.decode_attention if fast else decode_attention)(q, k, v)
         else:
             if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
                 k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
+from ..ops import cpu_decode
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.norm import gated_rms_norm, l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -65,6 +66,11 @@ class GatedDeltaNet(nn.Module):
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(self.conv(qkv, ctx, slot))
+        if step and mask is None and cpu_decode.serves(qkv, slot.state):
+            # decode on a CPU: the norms, gates and state update below in one C++ call
+            o, slot.state = cpu_decode.gated_delta_step(qkv[:, 0], b.reshape(B, hv), a.reshape(B, hv), self.A_log,
+                                                        self.dt_bias, slot.state, key_heads=hk, head_k=dk)
+            return self._output(o.unsqueeze(1), z, x)
         q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), -1)
         q, k = l2_norm(q.view(B, T, hk, dk)), l2_norm(k.view(B, T, hk, dk))
         if r > 1:                     # each key head serves r consecutive value heads
@@ -75,13 +81,20 @@ class GatedDeltaNet(nn.Module):
         if mask is not None:          # no decay and no write: the state passes padding unchanged
             beta, g = beta * mask, g * mask
         if step:
-            o, slot.state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], slot.state)
+            args = (q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], slot.state)
+            o, slot.state = (cpu_decode.delta_rule_step if cpu_decode.serves(*args) else delta_rule_step)(*args)
             o = o.unsqueeze(1)
         else:
             o, final = delta_rule(q, k, v, beta, g, initial_state=slot.state if slot is not None else None,
                                   resets=ctx.resets, chunk_size=self.chunk_size)
             if slot is not None:
                 slot.state = final
-        o = gated_rms_norm(o.to(x.dtype), z.reshape(B, T, hv, dv), self.norm_weight, eps=self.norm_eps,
-                           norm_before_gate=True)
-        return self.out_proj(o.reshape(B, T, hv * dv))
+        return self._output(o, z, x)
+
+    def _output(self, o: Tensor, z: Tensor, x: Tensor) -> Tensor:
+        """o [B, T, hv, dv] -> out_proj(RMSNorm(o) · silu(z)) [B, T, d_model]."""
+        B, T = x.shape[:2]
+        o, z = o.to(x.dtype), z.reshape(B, T, self.hv, self.dv)
+        norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(o, z) else gated_rms_norm
+        o = norm(o, gate=z, weight=self.norm_weight, eps=self.norm_eps, norm_before_gate=True)
+        return self.out_proj(o.reshape(B, T, self.hv * self.dv))

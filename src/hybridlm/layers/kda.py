@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
+from ..ops import cpu_decode
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.norm import l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -66,6 +67,13 @@ class KimiDeltaAttention(nn.Module):
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(self.conv(qkv, ctx, slot))
+        if step and mask is None and cpu_decode.serves(qkv, slot.state):
+            # decode on a CPU: the norms, gates and state update below in one C++ call
+            f = self.f_b(self.f_a(x))
+            o, slot.state = cpu_decode.gated_delta_step(qkv[:, 0], self.b_proj(x)[:, 0], f[:, 0].view(B, H, D),
+                                                        self.A_log, self.dt_bias, slot.state, key_heads=H, head_k=D,
+                                                        scale=D ** -0.5)
+            return self._output(o.unsqueeze(1), x)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q, k = l2_norm(q), l2_norm(k)                                  # float32 (at least), as FLA
 
@@ -79,17 +87,29 @@ class KimiDeltaAttention(nn.Module):
 
         scale = D ** -0.5
         if step:
-            o, slot.state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], log_a[:, 0], slot.state,
-                                            scale=scale)
+            args = (q[:, 0], k[:, 0], v[:, 0], beta[:, 0], log_a[:, 0], slot.state)
+            o, slot.state = (cpu_decode.delta_rule_step if cpu_decode.serves(*args) else delta_rule_step)(
+                *args, scale=scale)
             o = o.unsqueeze(1)
         else:
             o, final = delta_rule(q, k, v, beta, log_a, scale=scale,
                                   initial_state=slot.state if slot is not None else None, resets=ctx.resets)
             if slot is not None:
                 slot.state = final
+        return self._output(o, x)
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """o [B, T, H, D] -> o_proj(RMSNorm(o) · sigmoid(gate)) [B, T, d_model], the norm per head."""
+        B, T = x.shape[:2]
+        H, D = self.n_heads, self.head_dim
+        f32 = torch.promote_types(x.dtype, torch.float32)
+        gate = self.g_b(self.g_a(x)).view(B, T, H, D)
+        if T == 1 and cpu_decode.serves(o, gate):
+            y = cpu_decode.rms_norm(o.to(f32), self.norm_weight, self.norm_eps, gate=gate, norm_before_gate=True,
+                                    sigmoid_gate=True)
+            return self.o_proj(y.to(x.dtype).reshape(B, T, H * D))
         # gated RMSNorm per head: norm in float32, weight, then sigmoid output gate
         of = o.to(f32)
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(f32)
-        gate = self.g_b(self.g_a(x)).view(B, T, H, D)
         y = (of * torch.sigmoid(gate.to(f32))).to(x.dtype)
         return self.o_proj(y.reshape(B, T, H * D))

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
+from ..ops import cpu_decode
 from ..ops.norm import gated_rms_norm
 from ..ops.ssd import ssd_chunked, ssd_step
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -68,6 +69,13 @@ class Mamba2(nn.Module):
         if mask is not None:  # padded positions must not reach the state
             xBC = xBC * mask
         xs, Bm, Cm = xBC.split((self.d_inner, g * n, g * n), dim=-1)
+        if slot is not None and T == 1 and slot.state is not None and mask is None \
+                and cpu_decode.serves(xs, dt, slot.state) and not torch.is_grad_enabled():
+            # decode on a CPU: dt, A, the state update and the D skip below in one C++ call
+            y, slot.state = cpu_decode.ssd_gated_step(xs.view(B, h, p), dt.view(B, h), self.dt_bias, self.A_log,
+                                                      self.D, Bm.view(B, g, n), Cm.view(B, g, n), slot.state,
+                                                      dt_limit=self.dt_limit)
+            return self._output(y.view(B, T, self.d_inner), z)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.dt_limit is not None:
             dt = dt.clamp(*self.dt_limit)
@@ -76,8 +84,11 @@ class Mamba2(nn.Module):
         A = -torch.exp(self.A_log.float())
         xs = xs.view(B, T, h, p)
         if slot is not None and T == 1 and slot.state is not None:
-            y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state,
-                                     inplace=not torch.is_grad_enabled())
+            args = (xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state)
+            if cpu_decode.serves(*args) and not torch.is_grad_enabled():      # one C++ call, in place
+                y, slot.state = cpu_decode.ssd_step(*args)
+            else:
+                y, slot.state = ssd_step(*args, inplace=not torch.is_grad_enabled())
             y = y.unsqueeze(1)
         else:
             y, final = ssd_chunked(xs, dt, A, Bm.view(B, T, g, n), Cm.view(B, T, g, n), chunk_size=self.chunk_size,
@@ -85,10 +96,15 @@ class Mamba2(nn.Module):
             if slot is not None:
                 slot.state = final
         y = torch.addcmul(y, xs, self.D.to(y.dtype).unsqueeze(-1))          # D skip connection
-        y = y.reshape(B, T, self.d_inner)
+        return self._output(y.reshape(B, T, self.d_inner), z)
+
+    def _output(self, y: Tensor, z: Tensor) -> Tensor:
+        """y [B, T, d_inner] (after the D skip) -> out_proj(the gated norm of y by z)."""
+        T, g = y.shape[1], self.ngroups
         if self.norm_weight is None:
             y = (y.float() * F.silu(z.float())).to(y.dtype)
         else:
-            y = gated_rms_norm(y, z, self.norm_weight, group_size=self.d_inner // g, eps=self.norm_eps,
-                               norm_before_gate=self.norm == "norm_gate")
+            norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(y, z) else gated_rms_norm
+            y = norm(y, gate=z, weight=self.norm_weight, group_size=self.d_inner // g, eps=self.norm_eps,
+                     norm_before_gate=self.norm == "norm_gate")
         return self.out_proj(y)

@@ -79,8 +79,11 @@ class QuantizedLinear(nn.Module):
                 return quant.int8_linear(xs, self.weight_q, self.scale, self.bias).to(x.dtype)
             return quant.int4_linear(xs, *self._int4_packed(xs.dtype), self.group_size, self.out_features,
                                      self.bias).to(x.dtype)
-        # prefill (many rows): the weight dequantized once into x's dtype, then one matmul
-        w = self.dequantized().to(x.dtype)
+        # prefill (many rows): the weight dequantized once into x's dtype (one C++ pass where built), one matmul
+        if cpu_kernels.available() and not torch.compiler.is_compiling():
+            w = cpu_kernels.dequantize(self.scheme, self.stored(), x.dtype)[:, :self.in_features]
+        else:
+            w = self.dequantized().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
+from ..ops import cpu_decode
 from ..ops.gla import gla_chunked, gla_step
 from ..ops.gla_product import gla_product_chunked, gla_product_step
 from ..ops.norm import gated_rms_norm
@@ -125,7 +126,8 @@ class Rodimus(nn.Module):
         scale = n ** -0.5
         if step:
             if log_b is None:
-                o, slot.state = gla_step(q[:, 0], k[:, 0], u[:, 0], log_a[:, 0], slot.state, scale=scale)
+                args = (q[:, 0], k[:, 0], u[:, 0], log_a[:, 0], slot.state)
+                o, slot.state = (cpu_decode.gla_step if cpu_decode.serves(*args) else gla_step)(*args, scale=scale)
             else:
                 o, slot.state = gla_product_step(q[:, 0], k[:, 0], u[:, 0], log_a[:, 0], log_b[:, 0], slot.state,
                                                  scale=scale)
@@ -141,5 +143,6 @@ class Rodimus(nn.Module):
             if slot is not None:
                 slot.state = final
         o = o.squeeze(2) + xc * self.residual_weight.to(xc.dtype)
-        y = gated_rms_norm(o, z, self.norm_weight, eps=self.norm_eps)
+        norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(o, z) else gated_rms_norm
+        y = norm(o, gate=z, weight=self.norm_weight, eps=self.norm_eps)
         return self.out_proj(y)

@@ -5,6 +5,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..ops import cpu_decode
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 
 
@@ -32,7 +33,8 @@ class ShortConv(nn.Module):
         if ctx.pad_mask is not None:
             x = x * ctx.pad_mask.unsqueeze(-1).to(x.dtype)
         if slot is not None and x.shape[1] == 1 and slot.conv is not None:
-            y, slot.conv = causal_conv1d_step(x[:, 0], slot.conv, self.weight, self.bias)
+            args = (x[:, 0], slot.conv, self.weight, self.bias)
+            y, slot.conv = (cpu_decode.conv_step if cpu_decode.serves(*args) else causal_conv1d_step)(*args)
             return y.unsqueeze(1)
         y, tail = causal_conv1d(x, self.weight, self.bias, initial_state=slot.conv if slot is not None else None,
                                 resets=ctx.resets)

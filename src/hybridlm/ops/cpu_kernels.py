@@ -3,7 +3,8 @@ in its stored dtype (float32, bfloat16, int8 per channel, int4 per group), threa
 
 Why: batch-1 decode is bound by how fast the weights stream from memory, and PyTorch's paths stream them slowly on
 some CPUs (its int8 / int4 kernels are vectorised for AVX-512 only; bf16 `F.linear` converts as it goes). The kernel
-is one C++ file, compiled on first use with the system's C++ compiler (`cxx_compiler()`: `$CXX`, else g++ / c++ / clang++) for this CPU
+is one C++ file (compiled into one library with csrc/decode_ops.cpp, the one-token decode ops of ops/cpu_decode.py),
+compiled on first use with the system's C++ compiler (`cxx_compiler()`: `$CXX`, else g++ / c++ / clang++) for this CPU
 (`-O3 -march=native -fopenmp`), cached under `$HYBRIDLM_CACHE` (default ~/.cache/hybridlm) by a hash of the source,
 the compiler and the CPU's flags, and called through ctypes with the tensors' pointers (no copy). OpenMP links to
 the runtime torch already loaded, so the kernel's threads are torch's (`torch.set_num_threads` sets both).
@@ -25,6 +26,8 @@ import torch
 from torch import Tensor
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "matvec.cpp")
+# compiled into the same library: the one-token decode ops (ops/cpu_decode.py)
+SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "decode_ops.cpp"))
 MAX_ROWS = 8       # rows of x the kernels take (decode, speculative steps); more go to PyTorch's matmul
 _lib = None        # the loaded library, False once it could not be built
 
@@ -47,8 +50,10 @@ def _build() -> str:
     if cxx is None:
         raise RuntimeError("no C++ compiler found")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + version.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"matvec-{key}.so")
     if os.path.exists(path):
@@ -57,7 +62,7 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
     os.close(fd)
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    done = subprocess.run([cxx, *flags, SOURCE, "-o", tmp], capture_output=True, text=True)
+    done = subprocess.run([cxx, *flags, *SOURCES, "-o", tmp], capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
@@ -89,17 +94,40 @@ def _load():
 def bind(lib):
     """Declare the kernels' C signatures on a loaded library (ctypes.CDLL of matvec.cpp); returns it."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.mv_f32.argtypes = lib.mv_bf16.argtypes = [p, i64, i64, p, i64, p]
+    lib.mv_f32.argtypes = lib.mv_bf16.argtypes = lib.mv_bf16_f32.argtypes = [p, i64, i64, p, i64, p]
     lib.mv_int8.argtypes = [p, i64, i64, p, p, i64, p]
     lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
-    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_int8, lib.mv_int4):
+    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.mv_int4):
         fn.restype = None
+    lib.dq_int4.argtypes, lib.dq_int4.restype = [p, p, p, i64, i64, i64, p, ctypes.c_int], None
+    lib.dq_int8.argtypes, lib.dq_int8.restype = [p, p, i64, i64, p, ctypes.c_int], None
+    lib.mv_bf16_io.argtypes, lib.mv_bf16_io.restype = [p, i64, i64, p, i64, p, p], None
+    lib.mv_bf16_dot.argtypes, lib.mv_bf16_dot.restype = [], ctypes.c_int
+    lib.read_sum.argtypes, lib.read_sum.restype = [p, i64], ctypes.c_float
+    f32, i32 = ctypes.c_float, ctypes.c_int
+    decode = {"dec_ssd_step": [p, p, p, p, p, p, p, i64, i64, i64, i64, i64],
+              "dec_ssd_gated": [p, p, p, p, p, f32, f32, p, p, p, p, i64, i64, i64, i64, i64],
+              "dec_gla_step": [p, p, p, p, p, p, i64, i64, i64, i64, f32],
+              "dec_delta_step": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, f32],
+              "dec_delta_gated": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, i64, f32, f32],
+              "dec_conv_step": [p, p, p, p, p, i64, i64, i64, i32, i32],
+              "dec_attention": [p, p, p, p, *[i64] * 11, f32, i32],
+              "dec_rms_norm": [p, p, p, p, p, i64, i64, i64, i32, f32, i32]}
+    for name, args in decode.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
     return lib
 
 
 def available() -> bool:
     """True when the kernels are compiled and loaded (builds them on first call)."""
     return bool(_load())
+
+
+def bf16_dot() -> bool:
+    """True when the bf16 kernel runs on the CPU's bf16 dot products (AVX512-BF16, chosen when the kernel is
+    compiled for this CPU): x is then rounded to bf16 once per call. Else it converts W to float32 as it reads."""
+    return available() and bool(_lib.mv_bf16_dot())
 
 
 def decode_sized(x: Tensor) -> bool:
@@ -124,6 +152,13 @@ def _out(x: Tensor, y: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    bf16 = torch.bfloat16
+    if x.dtype == w.dtype == bf16 and (bias is None or bias.dtype == bf16) and x.is_contiguous():
+        # a bf16 model: x read and y written as bf16 by the kernel (no conversions around the call)
+        y = torch.empty(*x.shape[:-1], w.shape[0], dtype=bf16)
+        _lib.mv_bf16_io(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), w.shape[0],
+                        bias.data_ptr() if bias is not None else None, y.data_ptr())
+        return y
     x2 = _rows(x)
     y = torch.empty(x2.shape[0], w.shape[0])
     fn = _lib.mv_bf16 if w.dtype == torch.bfloat16 else _lib.mv_f32
@@ -151,6 +186,22 @@ def _int4_linear(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor
     return _out(x, y, bias)
 
 
+def dequantize(scheme: str, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """ops/quant.dequantize(scheme, tensors).to(dtype) in one pass (prefill's weight for one matmul): [N, K'] in
+    float32 or bfloat16, computed in float32 (an FMA may round the last bit differently). Needs `available()`."""
+    q, scale = tensors[0], tensors[1].float().contiguous()
+    N = q.shape[0]
+    bf = dtype == torch.bfloat16
+    out = torch.empty(N, q.shape[1] * (2 if scheme == "int4" else 1), dtype=torch.bfloat16 if bf else torch.float32)
+    if scheme == "int4":
+        zero = tensors[2].float().contiguous()
+        _lib.dq_int4(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), N, out.shape[1], scale.shape[1],
+                     out.data_ptr(), int(bf))
+    else:
+        _lib.dq_int8(q.data_ptr(), scale.data_ptr(), N, out.shape[1], out.data_ptr(), int(bf))
+    return out if dtype in (torch.float32, torch.bfloat16) else out.to(dtype)
+
+
 # the same functions as torch custom ops, which torch.compile keeps as calls inside its graph (a ctypes call would
 # break the graph); eager code calls the plain functions (a custom op's dispatch costs microseconds per call)
 def _custom_op(name: str, fn, out_features):
@@ -168,7 +219,9 @@ _ops = {"linear": _custom_op("cpu_linear", _linear, lambda w, bias=None: w.shape
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ w [N, K]ᵀ (+ bias) -> [..., N] in x's dtype, w float32 or bfloat16 (contiguous)."""
+    """x [..., K] @ w [N, K]ᵀ (+ bias) -> [..., N] in x's dtype, w float32 or bfloat16 (contiguous). With bf16 w on a
+    CPU with bf16 dot products (`bf16_dot()`) x is rounded to bf16 once per call, as llama.cpp does (a relative
+    error of 2⁻⁹ per element of x, the size of the weight's own rounding); products are summed in float32."""
     return (_ops["linear"] if torch.compiler.is_compiling() else _linear)(x, w, bias)
 
 

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -74,7 +74,93 @@ extern "C" void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int
     matvec(x, M, K, w, N, y);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 weights on CPUs with bf16 dot products (AVX512-BF16: Cooper Lake, Zen 4 and later): vdpbf16ps multiplies
+// 32 bf16 pairs a step and adds them into 16 float32 lanes, so W streams with no conversion. x is rounded to bf16
+// once per call (round to nearest even; llama.cpp does the same), zero-padded to the vector width; W's last partial
+// step is a masked load. Four rows of W a step as the float loop does (one load of x serves four rows).
+static inline uint16_t to_bf16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);       // NaN stays NaN
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <int R>
+static inline void rows_dot_bf16(const uint16_t* xb, int64_t M, int64_t K, int64_t Kp, const uint16_t* w,
+                                 int64_t n0, int64_t N, float* y) {
+    const int64_t K32 = K & ~int64_t(31);
+    const __mmask32 tail = K > K32 ? __mmask32((1ull << (K - K32)) - 1) : 0;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* xm = xb + m * Kp;
+        __m512 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K32; k += 32) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xm + k);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k));
+        }
+        if (tail) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xm + K32);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], xv,
+                                          (__m512bh)_mm512_maskz_loadu_epi16(tail, w + (n0 + r) * K + K32));
+        }
+        for (int r = 0; r < R; r++) y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+static void matvec_bf16_dot(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+    const int64_t Kp = (K + 31) & ~int64_t(31);
+    std::vector<uint16_t> xb(M * Kp, 0);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = to_bf16(x[m * K + k]);
+    const int64_t blocks = (N + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * 4;
+        if (n0 + 4 <= N) rows_dot_bf16<4>(xb.data(), M, K, Kp, w, n0, N, y);
+        else for (int64_t n = n0; n < N; n++) rows_dot_bf16<1>(xb.data(), M, K, Kp, w, n, N, y);
+    }
+}
+#endif
+
+// 1 when mv_bf16 runs on the CPU's bf16 dot products (x rounded to bf16), 0 when it converts W to float32
+extern "C" int mv_bf16_dot() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+#if defined(__AVX512BF16__)
+    matvec_bf16_dot(x, M, K, w, N, y);
+#else
+    matvec(x, M, K, w, N, y);
+#endif
+}
+
+// bf16 in, bf16 out (a bf16 model's decode): x [M, K] and y [M, N] bfloat16, bias [N] bfloat16 or null; the sums
+// and the bias add in float32, y rounded to nearest even once (what y.float() + bias.float() -> .to(bf16) gives),
+// so the caller converts nothing
+static inline float bf_f(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint16_t f_bf(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+extern "C" void mv_bf16_io(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                           const uint16_t* bias, uint16_t* y) {
+    std::vector<float> xf(M * K), yf(M * N);
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf_f(x[i]);
+    mv_bf16(xf.data(), M, K, w, N, yf.data());
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * N + n] = f_bf(yf[m * N + n] + (bias ? bf_f(bias[n]) : 0.f));
+}
+
+// the float32-convert loop whatever the build (the reference the bf16 dot-product loop is measured against)
+extern "C" void mv_bf16_f32(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
     matvec(x, M, K, w, N, y);
 }
 
@@ -213,4 +299,56 @@ extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, 
             y[m * N + n] = out * xs[m] + bias;
         }
     }
+}
+
+// the read limit the kernels are measured against: a float32 sum over n values streamed once, threads as the
+// kernels' (benchmarks only)
+extern "C" float read_sum(const float* p, int64_t n) {
+    const int64_t blocks = n / 4096;                     // 16 KB a block, eight independent sums
+    float total = 0.f;
+#pragma omp parallel reduction(+ : total)
+    {
+        f8 acc[8] = {};
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t k = b * 4096; k < (b + 1) * 4096; k += 64)
+                for (int i = 0; i < 8; i++) acc[i] += load(p + k + i * 8);
+        total += hsum(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+    }
+    for (int64_t i = blocks * 4096; i < n; i++) total += p[i];
+    return total;
+}
+
+// prefill: the quantized weight dequantized in one pass, rows in parallel, into float32 or bfloat16 (`bf`) for one
+// matmul (PyTorch's form unpacks, widens, scales and shifts in separate passes over the whole matrix).
+// int4: q [N, K/2], scale and zero float32 [N, G] -> w [N, K] = (v - 8) scale + zero; int8: w = q scale[n].
+extern "C" void dq_int4(const uint8_t* q, const float* scale, const float* zero, int64_t N, int64_t K, int64_t G,
+                        void* out, int bf) {
+    const int64_t group = K / G;                         // 32, 64 or 128 (ops/quant.INT4_GROUPS)
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* row = q + n * (K / 2);
+        float w[256];                                    // a group (<= 128 columns here), then stored
+        for (int64_t g = 0; g < G; g++) {
+            const float s = scale[n * G + g], z = zero[n * G + g];
+            const uint8_t* b = row + g * group / 2;
+            for (int64_t j = 0; j < group / 2; j++) {
+                w[2 * j] = (float(b[j] & 15) - 8.f) * s + z;
+                w[2 * j + 1] = (float(b[j] >> 4) - 8.f) * s + z;
+            }
+            const int64_t k0 = n * K + g * group;
+            if (bf) for (int64_t k = 0; k < group; k++) ((uint16_t*)out)[k0 + k] = f_bf(w[k]);
+            else std::memcpy((float*)out + k0, w, group * 4);
+        }
+    }
+}
+
+extern "C" void dq_int8(const int8_t* q, const float* scale, int64_t N, int64_t K, void* out, int bf) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) {
+            const float w = float(q[n * K + k]) * scale[n];
+            if (bf) ((uint16_t*)out)[n * K + k] = f_bf(w);
+            else ((float*)out)[n * K + k] = w;
+        }
 }

@@ -1,0 +1,188 @@
+"""The one-token decode ops in C++ (ops/cpu_decode.py) against their PyTorch references, float32 (to summation
+order) and bf16 (to bf16 rounding), batch 2, odd sizes; the layers' decode with them equals the full forward; and
+`serves` keeps gradients, other devices and torch.compile on the reference."""
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, decode_logits
+from test_models import tiny
+
+from hybridlm.models.quantize import use_cpu_kernels_
+from hybridlm.ops import cpu_decode
+from hybridlm.ops.attention import decode_attention
+from hybridlm.ops.conv import causal_conv1d_step
+from hybridlm.ops.delta_rule import delta_rule_step
+from hybridlm.ops.gla import gla_step
+from hybridlm.ops.norm import gated_rms_norm, l2_norm, rms_norm
+from hybridlm.ops.ssd import ssd_step
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_decode.serves()            # builds the library (a compiler is there: a failed build fails here)
+
+
+def r(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,p,g,n", [(4, 8, 1, 16), (6, 5, 3, 7)])
+def test_ssd_step(dtype, h, p, g, n):
+    torch.manual_seed(0)
+    x, dt, A, B, C = r(2, h, p, dtype=dtype), torch.rand(2, h), -torch.rand(h), r(2, g, n, dtype=dtype), \
+        r(2, g, n, dtype=dtype)
+    s0 = r(2, h, p, n)
+    y_ref, s_ref = ssd_step(x, dt, A, B, C, s0.clone())
+    s = s0.clone()
+    y, s_new = cpu_decode.ssd_step(x, dt, A, B, C, s)
+    assert s_new.data_ptr() == s.data_ptr() and y.dtype == dtype
+    assert_close(s_new, s_ref, **TOL[torch.float32])
+    assert_close(y.float(), y_ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("limit", [None, (0.01, 0.5)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ssd_gated_step(dtype, limit):
+    """dt, A and the D skip inside, against Mamba-2's lines around ssd_step."""
+    torch.manual_seed(0)
+    h, p, g, n = 6, 5, 3, 7
+    x, dt, B, C = r(2, h, p, dtype=dtype), r(2, h, dtype=dtype), r(2, g, n, dtype=dtype), r(2, g, n, dtype=dtype)
+    dt_bias, A_log, D, s0 = r(h), torch.rand(h), r(h), r(2, h, p, n)
+    d = F.softplus(dt.float() + dt_bias)
+    d = d.clamp(*limit) if limit else d
+    y_ref, s_ref = ssd_step(x, d, -torch.exp(A_log), B, C, s0.clone())
+    y_ref = torch.addcmul(y_ref, x, D.to(dtype).unsqueeze(-1))
+    y, s = cpu_decode.ssd_gated_step(x, dt, dt_bias, A_log, D, B, C, s0.clone(), dt_limit=limit)
+    assert_close(s, s_ref, **TOL[torch.float32])
+    assert_close(y.float(), y_ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gla_step(dtype):
+    torch.manual_seed(0)
+    q, k, ld, v, s0 = r(2, 3, 12, dtype=dtype), r(2, 3, 12, dtype=dtype), -torch.rand(2, 3, 12), \
+        r(2, 3, 10, dtype=dtype), r(2, 3, 12, 10)
+    o_ref, s_ref = gla_step(q, k, v, ld, s0.clone(), scale=0.3)
+    o, s = cpu_decode.gla_step(q, k, v, ld, s0.clone(), scale=0.3)
+    assert_close(s, s_ref, **TOL[torch.float32])
+    assert_close(o.float(), o_ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_delta_rule_step(dtype, per_key):
+    torch.manual_seed(0)
+    q, k = F.normalize(r(2, 3, 12), dim=-1), F.normalize(r(2, 3, 12), dim=-1)
+    v, beta, s0 = r(2, 3, 10, dtype=dtype), torch.rand(2, 3), r(2, 3, 12, 10)
+    ld = -torch.rand(2, 3, 12) if per_key else -torch.rand(2, 3)
+    o_ref, s_ref = delta_rule_step(q, k, v, beta, ld, s0.clone())
+    o, s = cpu_decode.delta_rule_step(q, k, v, beta, ld, s0.clone())
+    assert_close(s, s_ref, **TOL[torch.float32])
+    assert_close(o.float(), o_ref.float(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("per_key,Hk", [(False, 2), (False, 4), (True, 4)])
+def test_gated_delta_step(per_key, Hk):
+    """The gates and norms inside (Gated DeltaNet: per-head decay, key heads shared by H / Hk value heads; KDA:
+    per-key decay) against the layers' PyTorch lines then delta_rule_step."""
+    torch.manual_seed(0)
+    B, H, K, V = 2, 4, 8, 6
+    qkv, b, A_log = r(B, 2 * Hk * K + H * V), r(B, H), torch.rand(H)
+    a, dt_bias = (r(B, H, K), r(H * K)) if per_key else (r(B, H), r(H))
+    s0 = r(B, H, K, V)
+    q, k, v = qkv.split((Hk * K, Hk * K, H * V), -1)
+    q, k = (l2_norm(t.view(B, Hk, K)).repeat_interleave(H // Hk, 1) for t in (q, k))
+    A = -torch.exp(A_log)
+    ld = A[:, None] * F.softplus(a + dt_bias.view(H, K)) if per_key else A * F.softplus(a + dt_bias)
+    o_ref, s_ref = delta_rule_step(q, k, v.view(B, H, V), torch.sigmoid(b), ld, s0.clone(), scale=0.4)
+    o, s = cpu_decode.gated_delta_step(qkv, b, a, A_log, dt_bias, s0.clone(), key_heads=Hk, head_k=K, scale=0.4)
+    assert_close(s, s_ref, **TOL[torch.float32])
+    assert_close(o, o_ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("W,bias", [(4, True), (3, False), (2, True)])
+def test_conv_step(dtype, W, bias):
+    torch.manual_seed(0)
+    x, s0, w = r(2, 9, dtype=dtype), r(2, W - 1, 9, dtype=dtype), r(9, W, dtype=dtype)
+    b = r(9, dtype=dtype) if bias else None
+    y_ref, s_ref = causal_conv1d_step(x, s0, w, b)
+    y, s = cpu_decode.conv_step(x, s0.clone(), w, b)
+    assert_close(s, s_ref, rtol=0, atol=0)
+    assert_close(y.float(), y_ref.float(), **TOL[dtype])
+    y, _ = cpu_decode.conv_step(x, s0[:, :].transpose(0, 1).contiguous().transpose(0, 1), w, b, silu=True)
+    assert_close(y.float(), F.silu(y_ref.float()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hk,Hv", [(8, 2, 2), (4, 1, 4), (3, 3, 3)])
+def test_decode_attention(dtype, Hq, Hk, Hv):
+    torch.manual_seed(0)
+    buf_k, buf_v = r(2, 40, Hk, 16, dtype=dtype), r(2, 40, Hv, 8, dtype=dtype)
+    k, v = buf_k[:, :29], buf_v[:, :29]                       # the cache's views: a longer buffer's prefix
+    q = r(2, 1, Hq, 16, dtype=dtype)
+    assert_close(cpu_decode.decode_attention(q, k, v).float(), decode_attention(q, k, v).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norms(dtype):
+    torch.manual_seed(0)
+    x, z, w = r(2, 1, 24, dtype=dtype), r(2, 1, 24, dtype=dtype), r(24, dtype=dtype)
+    assert_close(cpu_decode.rms_norm(x, w, 1e-5).float(), rms_norm(x, w, 1e-5).float(), **TOL[dtype])
+    for before in (False, True):
+        for group in (None, 8):
+            assert_close(cpu_decode.rms_norm(x, w, 1e-5, gate=z, group_size=group, norm_before_gate=before).float(),
+                         gated_rms_norm(x, z, w, group_size=group, eps=1e-5, norm_before_gate=before).float(),
+                         **TOL[dtype])
+    of = x.float()
+    want = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float() * torch.sigmoid(z.float())
+    got = cpu_decode.rms_norm(x, w, 1e-5, gate=z, norm_before_gate=True, sigmoid_gate=True)
+    assert_close(got.float(), want.to(dtype).float(), **TOL[dtype])
+    res, x2 = r(2, 1, 24, dtype=dtype), x.clone()
+    y = cpu_decode.rms_norm(x2, w, 1e-5, residual=res)
+    assert_close(x2.float(), (x + res).float(), rtol=0, atol=0)
+    assert_close(y.float(), rms_norm(x + res, w, 1e-5).float(), **TOL[dtype])
+
+
+def test_serves():
+    x = torch.randn(3, requires_grad=True)
+    assert cpu_decode.serves(torch.randn(3), None)
+    assert not cpu_decode.serves(x) and not cpu_decode.serves(torch.randn(3).double())
+    assert not cpu_decode.serves(torch.randn(3, device="meta"))
+    with torch.no_grad():
+        assert cpu_decode.serves(x)                       # a parameter read without a gradient
+
+
+@pytest.mark.parametrize("name", ["llama", "mamba2", "rodimus", "qwen3-next", "kimi-linear", "lfm2", "rodimus++",
+                                  "falcon-h1", "nemotron-h"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
+    """Decode (no gradient: the fast ops, each seen called) equals the full forward, float32 and bf16 (to bf16
+    rounding)."""
+    torch.manual_seed(0)
+    m = use_cpu_kernels_(tiny(name).to(dtype))
+    ids = torch.randint(0, 97, (2, 19))
+    used = set()
+    for fn in ("ssd_step", "ssd_gated_step", "gla_step", "delta_rule_step", "gated_delta_step", "conv_step",
+               "decode_attention", "rms_norm"):
+        real = getattr(cpu_decode, fn)
+        monkeypatch.setattr(cpu_decode, fn, lambda *a, _f=real, _n=fn, **k: used.add(_n) or _f(*a, **k))
+    with torch.no_grad():
+        full = m(ids).logits.float()
+        assert not used                                   # the full forward keeps PyTorch's ops
+        dec = decode_logits(m, ids, 7, cache=m.make_cache(2)).float()
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
+    assert_close(dec, full, **tol, msg=name)
+    want = {"llama": {"decode_attention"}, "mamba2": {"ssd_gated_step", "conv_step"},
+            "nemotron-h": {"ssd_gated_step", "decode_attention"}, "falcon-h1": {"ssd_gated_step"}, "rodimus": {"gla_step", "conv_step"},
+            "qwen3-next": {"gated_delta_step", "decode_attention"}, "kimi-linear": {"gated_delta_step", "conv_step"},
+            "lfm2": {"conv_step", "decode_attention"}}.get(name, set()) | {"rms_norm"}
+    assert want <= used, (name, used)
