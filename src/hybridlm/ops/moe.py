@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_kernels
 from .triton import CDMOE_ACTS
 from .triton import enabled as triton_enabled
 
@@ -408,8 +409,6 @@ def float_experts(w: Tensor) -> ExpertProduct:
     """The expert product of float weights w [E, d_in, d_out]: f(e, rows [n, d_in]) = rows @ w[e], through the
     project's CPU matrix-vector kernel (ops/cpu_kernels.py) for decode-sized rows when w[e] is stored transposed
     ([d_out, d_in] contiguous, the kernel's layout: see layers.routed_moe.RoutedMoE.kernel_layout_)."""
-    from . import cpu_kernels
-
     def product(e: int, rows: Tensor) -> Tensor:
         we = w[e]
         if (we.dtype in (torch.float32, torch.bfloat16) and we.mT.is_contiguous()
