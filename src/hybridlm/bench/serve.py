@@ -255,8 +255,8 @@ def _plot(result: dict, path: str):
 
 def serve_suite(s: dict, log=print) -> dict:
     """`hybridlm bench --suite serve`. Settings (registry.py): presets, concurrency, params, d_model, n_layers,
-    prompt_len, max_tokens, requests, time_limit, prefix_len, context, memory_budget_mb, dtype, quantize, no_plot,
-    url (load a running server instead), llama_server (also compare with llama.cpp's server)."""
+    prompt_len, max_tokens, requests, time_limit, prefix_len, context, memory_budget_mb, dtype, quantize, url (load
+    a running server instead), llama_server (also compare with llama.cpp's server)."""
     from ..errors import ConfigError
     if min(s["concurrency"]) < 1 or s["max_tokens"] < 1 or s["prompt_len"] < 1:
         raise ConfigError("--concurrency, --max-tokens and --prompt-len must be >= 1")
@@ -270,7 +270,7 @@ def serve_suite(s: dict, log=print) -> dict:
     return run_serve_bench(s["presets"].split(","), s["concurrency"], params=s["params"] or None,
                            d_model=s["d_model"], n_layers=s["n_layers"], prefix_len=s["prefix_len"],
                            context=s["context"], memory_budget_mb=s["memory_budget_mb"], dtype=s["dtype"],
-                           quantize=s["quantize"] or None, out=s["out"], plot=not s["no_plot"], **load)
+                           quantize=s["quantize"] or None, out=s["out"], **load)
 
 
 def compare_llama_server(s: dict, log=print) -> dict:
