@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 
-def _time_buffer(x: Tensor, cap: int) -> Tensor:
+def time_buffer(x: Tensor, cap: int) -> Tensor:
     """An empty buffer shaped like x [B, T, ...] with `cap` time steps. Per-head tensors [B, T, H, D] are stored
     head-major ([B, H, cap, D] seen through a transposed view), so attention reads each head's keys contiguously.
     Zeros, not garbage: the static decode step reads the unwritten tail too (masked, but NaN · 0 would be NaN)."""
@@ -44,7 +44,7 @@ class KVCache:
         need = self.length + T
         if self.k is None or need > self.k.shape[1]:
             cap = max(need, 2 * (self.k.shape[1] if self.k is not None else 0), self.capacity, 16)
-            k_new, v_new = _time_buffer(k, cap), _time_buffer(v, cap)
+            k_new, v_new = time_buffer(k, cap), time_buffer(v, cap)
             if self.length:
                 k_new[:, : self.length] = self.k[:, : self.length]
                 v_new[:, : self.length] = self.v[:, : self.length]
@@ -57,7 +57,7 @@ class KVCache:
     def reserve(self, n: int):
         """Make the buffers hold at least n tokens (one reallocation at most)."""
         if self.k is not None and self.k.shape[1] < n:
-            k_new, v_new = _time_buffer(self.k, n), _time_buffer(self.v, n)
+            k_new, v_new = time_buffer(self.k, n), time_buffer(self.v, n)
             k_new[:, : self.length] = self.k[:, : self.length]
             v_new[:, : self.length] = self.v[:, : self.length]
             self.k, self.v = k_new, v_new

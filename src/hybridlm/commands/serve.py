@@ -28,11 +28,11 @@ def build(args):
         raise InputError("--prefix-cache-mb must be >= 0 and --memory-mb > 0")
     device = resolve_device(args.device)
     model, tok = load_for_inference(args, str(device))
-    torch.set_grad_enabled(False)
     mb = 1 << 20
-    engine = Engine(model, eos_id=tok.eos_id, block=args.prefix_block,
-                    prefix_cache_bytes=int(args.prefix_cache_mb * mb), max_slots=args.max_slots,
-                    memory_bytes=int(args.memory_mb * mb) if args.memory_mb else None)
+    with torch.no_grad():        # the engine's own calls run under inference_mode in its thread
+        engine = Engine(model, eos_id=tok.eos_id, block=args.prefix_block,
+                        prefix_cache_bytes=int(args.prefix_cache_mb * mb), max_slots=args.max_slots,
+                        memory_bytes=int(args.memory_mb * mb) if args.memory_mb else None)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
     cfg = model.config
     out(f"model      {name}: {cfg.layout}, {model.num_parameters() / 1e6:.1f}M parameters, "

@@ -15,14 +15,14 @@ prefilled request into a free row of the batch in place (the rest of the batch i
 import torch
 from torch import Tensor
 
-from ..cache import IndexerCache, InferenceCache, KVCache, RecurrentCache, WindowKVCache, _time_buffer
+from ..cache import IndexerCache, InferenceCache, KVCache, RecurrentCache, WindowKVCache, time_buffer
 
 
 def _shift_time(parts: list[tuple[Tensor, Tensor, int]], S: int, cap: int) -> Tensor:
     """parts: (buffer [b, S_i(+), ...], rows [r], shift d_i) -> [sum r, cap, ...] holding each source's last S - d_i
     tokens at [d_i, S) (d_i < 0 drops the first -d_i tokens)."""
     first = torch.cat([buf[rows, :1] for buf, rows, _ in parts])
-    out = _time_buffer(first, cap)
+    out = time_buffer(first, cap)
     b = 0
     for buf, rows, (d, s) in parts:
         n = len(rows)
