@@ -134,7 +134,9 @@ async def _load(url: str, concurrency: int, n_requests: int, prompt_len: int, ma
     prompts = [[rng.randrange(VOCAB) for _ in range(prompt_len)] for _ in range(n_requests)]
     results, queue = [], list(prompts)
     t_start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    # a fresh connection per request: llama-server drops kept-alive ones between streamed responses
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def worker():
             while queue and time.perf_counter() - t_start < time_limit:
                 results.append(await _one(client, url, queue.pop(), max_tokens))
@@ -293,15 +295,15 @@ def compare_llama_server(s: dict, log=print) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc)
-        load_external(f"http://127.0.0.1:{port}", (1,), **{**load, "requests_per_level": 2, "log": lambda *a: None})
+        _warm_up(f"http://127.0.0.1:{port}", load)
         out["servers"]["llama-server"] = {"command": " ".join(cmd[1:]),
                                           "levels": load_external(f"http://127.0.0.1:{port}", s["concurrency"], **load)}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    server = ServerProcess(made["hf"], ["--max-slots", str(n), "--dtype", "bfloat16"])
+    server = ServerProcess(made["checkpoint"], ["--max-slots", str(n), "--dtype", "bfloat16"])   # convert --from-hf of it
     try:
-        load_external(server.url, (1,), **{**load, "requests_per_level": 2, "log": lambda *a: None})
+        _warm_up(server.url, load)
         out["servers"]["hybridlm"] = {"levels": load_external(server.url, s["concurrency"], **load)}
     finally:
         server.stop()
@@ -310,6 +312,19 @@ def compare_llama_server(s: dict, log=print) -> dict:
     log(f"at concurrency {n}: hybridlm serve {ours['tokens_per_s']:.1f} tok/s, llama-server "
         f"{theirs['tokens_per_s']:.1f} tok/s ({out['ratio_at_max_concurrency']:.2f}x)")
     return out
+
+
+def _warm_up(url: str, load: dict, tries: int = 30):
+    """Two requests, retried while the server still drops connections (llama-server answers /health before its
+    slots take requests)."""
+    import httpx
+    for i in range(tries):
+        try:
+            return load_external(url, (1,), **{**load, "requests_per_level": 2, "log": lambda *a: None})
+        except httpx.TransportError:
+            if i == tries - 1:
+                raise
+            time.sleep(1)
 
 
 def _free_port() -> int:
