@@ -6,27 +6,17 @@ reads them), old and new kernel alternated in one process, best of N each; the r
     python scripts/cpu_kernel_speed.py [--repeats 15] [--threads 2] [--layers 4]
 """
 import argparse
-import platform
 import time
 
 import torch
 
 from hybridlm.dtypes import cpu_flags
 from hybridlm.ops import cpu_kernels, quant
+from hybridlm.runtime import cpu_model
 
 SHAPES = [(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048), (2048, 5632)]   # [N, K]
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # one thread: the thread's CPU time (the kernels run on it; time descheduled on a shared machine is not counted);

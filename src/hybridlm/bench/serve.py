@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from ..runtime import cpu_model
+
 PRESETS = ["transformer++", "mamba2", "rodimus++", "mamba2-attention"]
 VOCAB = 128
 
@@ -183,7 +185,7 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     dtype: str = "auto", quantize: str | None = None, out: str = "serve-bench.json",
                     plot: bool = True, log=print) -> dict:
     """Start a server per preset, load it at each concurrency, measure; write `out` (JSON) and a PNG beside it."""
-    result = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+    result = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
               "command": " ".join([os.path.basename(sys.executable), "-m", "hybridlm.bench.serve", *sys.argv[1:]]),
               "settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
                            "max_tokens": max_tokens, "prefix_len": prefix_len, "context": context, "dtype": dtype,
@@ -223,14 +225,6 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
     return result
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def _plot(result: dict, path: str):
     from ..plots import pyplot
     plt = pyplot()
@@ -265,7 +259,7 @@ def serve_suite(s: dict, log=print) -> dict:
     load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
                 time_limit=s["time_limit"], log=log)
     if s["url"]:
-        return {"url": s["url"], "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()},
+        return {"url": s["url"], "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
                 "levels": load_external(s["url"], s["concurrency"], **load)}
     if s["llama_server"]:
         return compare_llama_server(s, log)
@@ -290,7 +284,7 @@ def compare_llama_server(s: dict, log=print) -> dict:
            "-t", threads, "-tb", threads, "-c", str(ctx), "--no-webui"]
     load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
                 time_limit=s["time_limit"], log=log)
-    out = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": int(threads)},
+    out = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": int(threads)},
            "weights": {"family": "llama", "parameters": made["parameters"], "dtype": "bfloat16"}, "servers": {}}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
