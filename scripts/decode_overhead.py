@@ -27,6 +27,8 @@ from hybridlm.models.causal_lm import CausalLM
 from hybridlm.models.quantize import use_cpu_kernels_
 from hybridlm.ops import cpu_decode, cpu_kernels
 
+from cpu_kernel_speed import best as best_of          # scripts/ is on the path of a script run from it
+
 # letter -> (preset it takes its fields from, layout for n layers)
 KINDS = {"A": ("llama", "A*{n}"), "S": ("mamba2", "S*{n}"), "R": ("rodimus", "R*{n}"),
          "G": ("qwen3-next", "G*{n}"), "K": ("kimi-linear", "K*{n}"), "C": ("lfm2", "C*{n}"),
@@ -46,13 +48,7 @@ def build(letter: str, n: int) -> CausalLM:
 
 
 def best(fn, repeats: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(repeats):
-        t = clock()
-        fn()
-        out = min(out, clock() - t)
-    return out
+    return best_of(fn, repeats, clock)
 
 
 class Recorder:
