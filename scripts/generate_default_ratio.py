@@ -6,7 +6,7 @@ command's path, and whether the tokens agree.
 
     python scripts/generate_default_ratio.py [--preset llama] [--d-model 2048] [--layers 22] [--heads 32]
         [--kv-heads 4] [--mlp 5632] [--vocab 32000] [--dtype bfloat16] [--prompt 128] [--new 64] [--rounds 2]
-        [--threads 2] [--dir /tmp/hybridlm-generate-ratio]
+        [--threads 2] [--dir runs/generate-ratio]
 Defaults: TinyLlama's shape (1.1B) in bfloat16 (`hybridlm generate`'s dtype on a CPU with bf16 units).
 """
 import argparse
@@ -44,7 +44,7 @@ print(json.dumps({"s": dt, "tokens": out[0, prompt:].tolist()}))
 
 def main():
     p = argparse.ArgumentParser()
-    for name, default in (("preset", "llama"), ("dtype", "bfloat16"), ("dir", "/tmp/hybridlm-generate-ratio")):
+    for name, default in (("preset", "llama"), ("dtype", "bfloat16"), ("dir", os.path.join("runs", "generate-ratio"))):
         p.add_argument(f"--{name}", default=default)
     for name, default in (("d-model", 2048), ("layers", 22), ("heads", 32), ("kv-heads", 4), ("mlp", 5632),
                           ("vocab", 32000), ("prompt", 128), ("new", 64), ("rounds", 2), ("threads", 2)):

@@ -186,7 +186,6 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     plot: bool = True, log=print) -> dict:
     """Start a server per preset, load it at each concurrency, measure; write `out` (JSON) and a PNG beside it."""
     result = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
-              "command": " ".join([os.path.basename(sys.executable), "-m", "hybridlm.bench.serve", *sys.argv[1:]]),
               "settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
                            "max_tokens": max_tokens, "prefix_len": prefix_len, "context": context, "dtype": dtype,
                            "quantize": quantize, "memory_budget_mb": memory_budget_mb},
