@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import assert_close, decode_logits
 from test_models import tiny
 
-from hybridlm.models.quantize import use_cpu_kernels_
-from hybridlm.ops import cpu_decode
+from hybridlm.models.quantize import quantize_, use_cpu_kernels_
+from hybridlm.ops import cpu_decode, cpu_mixers
 from hybridlm.ops.attention import decode_attention
 from hybridlm.ops.conv import causal_conv1d_step
 from hybridlm.ops.delta_rule import delta_rule_step
@@ -175,6 +175,9 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
                "decode_attention", "rms_norm"):
         real = getattr(cpu_decode, fn)
         monkeypatch.setattr(cpu_decode, fn, lambda *a, _f=real, _n=fn, **k: used.add(_n) or _f(*a, **k))
+    for fn in ("gated_deltanet", "kda", "routed_moe"):
+        real = getattr(cpu_mixers, fn)
+        monkeypatch.setattr(cpu_mixers, fn, lambda *a, _f=real, _n=fn: used.add(_n) or _f(*a))
     with torch.no_grad():
         full = m(ids).logits.float()
         assert not used                                   # the full forward keeps PyTorch's ops
@@ -183,6 +186,49 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
     assert_close(dec, full, **tol, msg=name)
     want = {"llama": {"decode_attention"}, "mamba2": {"ssd_gated_step", "conv_step"},
             "nemotron-h": {"ssd_gated_step", "decode_attention"}, "falcon-h1": {"ssd_gated_step"}, "rodimus": {"gla_step", "conv_step"},
-            "qwen3-next": {"gated_delta_step", "decode_attention"}, "kimi-linear": {"gated_delta_step", "conv_step"},
+            "qwen3-next": {"gated_deltanet", "routed_moe", "decode_attention"}, "kimi-linear": {"kda", "routed_moe"},
             "lfm2": {"conv_step", "decode_attention"}}.get(name, set()) | {"rms_norm"}
     assert want <= used, (name, used)
+
+
+# whole-mixer steps (ops/cpu_mixers.py): each letter's step against the layer's own PyTorch decode, step by step
+MIXER_STEPS = {"qwen3-next": {"gated_deltanet", "routed_moe"}, "kimi-linear": {"kda", "routed_moe"}}
+
+
+def _counted(used: list, name: str, y):
+    used.append((name, y is not None))
+    return y
+
+
+def _steps(m, ids, prefill):
+    """Logits [B, T - prefill, V] of decoding ids [B, T] one token at a time after a prefill of `prefill` tokens."""
+    cache = m.make_cache(ids.shape[0])
+    m(ids[:, :prefill], cache=cache)
+    return torch.cat([m(ids[:, t:t + 1], cache=cache).logits for t in range(prefill, ids.shape[1])], 1).float()
+
+
+@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(MIXER_STEPS))
+def test_mixer_steps_equal_the_layers_decode(name, dtype, scheme, monkeypatch):
+    """Each whole-mixer step (seen called, never declining) equals the layer's PyTorch decode (cpu_mixers off): to
+    float32 rounding in a float32 model, to bf16 rounding noise in a bf16 one; weights float, int8 and int4; 3 rows."""
+    torch.manual_seed(0)
+    m = tiny(name).to(dtype)
+    if scheme:
+        quantize_(m, scheme, 32 if scheme == "int4" else None)
+    use_cpu_kernels_(m)
+    used = []
+    for fn in MIXER_STEPS[name]:
+        real = getattr(cpu_mixers, fn)
+        monkeypatch.setattr(cpu_mixers, fn, lambda *a, _f=real, _n=fn: _counted(used, _n, _f(*a)))
+    ids = torch.randint(0, 97, (3, 14))
+    with torch.no_grad():
+        fast = _steps(m, ids, 9)
+        assert {n for n, _ in used} == MIXER_STEPS[name] and all(ok for _, ok in used), used
+        monkeypatch.setattr(cpu_mixers, "enabled", False)
+        ref = _steps(m, ids, 9)
+    # int4 rounds x to int8 per block of 32: a last-bit difference upstream can move it one step of that grid
+    tol = dict(atol=0.1, rtol=0.05) if dtype == torch.bfloat16 else \
+        dict(atol=1e-3, rtol=1e-3) if scheme == "int4" else dict(atol=2e-5, rtol=1e-4)
+    assert_close(fast, ref, **tol, msg=name)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode
+from ..ops import cpu_decode, cpu_mixers
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.norm import gated_rms_norm, l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -59,12 +59,16 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.r
+        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
+        step = slot is not None and T == 1 and slot.state is not None
+        if step and ctx.pad_mask is None and cpu_mixers.serves(x):
+            y = cpu_mixers.gated_deltanet(self, x, slot)      # decode on a CPU: the whole step in one C++ call
+            if y is not None:
+                return y
         q, k, v, z = self.in_proj_qkvz(x).view(B, T, hk, -1).split((dk, dk, r * dv, r * dv), -1)
         b, a = self.in_proj_ba(x).view(B, T, hk, 2 * r).split((r, r), -1)
         qkv = torch.cat((q.reshape(B, T, hk * dk), k.reshape(B, T, hk * dk), v.reshape(B, T, hv * dv)), -1)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
-        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
-        step = slot is not None and T == 1 and slot.state is not None
         qkv = F.silu(self.conv(qkv, ctx, slot))
         if step and mask is None and cpu_decode.serves(qkv, slot.state):
             # decode on a CPU: the norms, gates and state update below in one C++ call

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode
+from ..ops import cpu_decode, cpu_mixers
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.norm import l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -62,10 +62,14 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        qkv = self.qkv(x)
-        mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
+        if step and ctx.pad_mask is None and cpu_mixers.serves(x):
+            y = cpu_mixers.kda(self, x, slot)                 # decode on a CPU: the whole step in one C++ call
+            if y is not None:
+                return y
+        qkv = self.qkv(x)
+        mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
         qkv = F.silu(self.conv(qkv, ctx, slot))
         if step and mask is None and cpu_decode.serves(qkv, slot.state):
             # decode on a CPU: the norms, gates and state update below in one C++ call

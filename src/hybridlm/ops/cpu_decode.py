@@ -44,7 +44,7 @@ def _f32(t: Tensor) -> Tensor:
     return t.float().contiguous()
 
 
-def _owned(state: Tensor, dtype: torch.dtype) -> Tensor:
+def owned(state: Tensor, dtype: torch.dtype) -> Tensor:
     """`state` itself when it can be updated in place (contiguous, own storage, `dtype`), else a copy that can."""
     if state.dtype == dtype and state.is_contiguous() and state._base is None:
         return state
@@ -56,7 +56,7 @@ def ssd_step(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tens
     float32 -> (y [b, h, p] in x's dtype, the state updated in place)."""
     b, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
-    state = _owned(state, torch.float32)
+    state = owned(state, torch.float32)
     xf, dtf, Af, Bf, Cf = (_f32(t) for t in (x, dt, A, B, C))
     y = torch.empty(b, h, p)
     cpu_kernels._lib.dec_ssd_step(xf.data_ptr(), dtf.data_ptr(), Af.data_ptr(), Bf.data_ptr(), Cf.data_ptr(),
@@ -72,7 +72,7 @@ def ssd_gated_step(x: Tensor, dt: Tensor, dt_bias: Tensor, A_log: Tensor, D: Ten
     dtype, the state)."""
     b, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
-    state = _owned(state, torch.float32)
+    state = owned(state, torch.float32)
     lo, hi = dt_limit if dt_limit is not None else (0.0, float("inf"))
     xf, dtf, bf, af, df, Bf, Cf = (_f32(t) for t in (x, dt, dt_bias, A_log, D, B, C))
     y = torch.empty(b, h, p)
@@ -88,7 +88,7 @@ def gla_step(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, state: Tensor, 
     B, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    state = _owned(state, torch.float32)
+    state = owned(state, torch.float32)
     qf, kf, vf, lf = (_f32(t) for t in (q, k, v, log_decay))
     o = torch.empty(B, H, V)
     cpu_kernels._lib.dec_gla_step(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), lf.data_ptr(), state.data_ptr(),
@@ -103,7 +103,7 @@ def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Te
     B, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    state = _owned(state, torch.float32)
+    state = owned(state, torch.float32)
     qf, kf, vf, bf, lf = (_f32(t) for t in (q, k, v, beta, log_decay))
     o = torch.empty(B, H, V)
     cpu_kernels._lib.dec_delta_step(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), bf.data_ptr(), lf.data_ptr(),
@@ -121,7 +121,7 @@ def gated_delta_step(qkv: Tensor, b: Tensor, a: Tensor, A_log: Tensor, dt_bias: 
     float32, updated in place -> (o [B, H, V] in qkv's dtype, the state)."""
     B, H = b.shape
     K, V = head_k, state.shape[-1]
-    state = _owned(state, torch.float32)
+    state = owned(state, torch.float32)
     qf, bf, af, Af, df = (_f32(t) for t in (qkv, b, a, A_log, dt_bias))
     o = torch.empty(B, H, V)
     cpu_kernels._lib.dec_delta_gated(qf.data_ptr(), bf.data_ptr(), af.data_ptr(), Af.data_ptr(), df.data_ptr(),
@@ -137,7 +137,7 @@ def conv_step(x: Tensor, state: Tensor, weight: Tensor, bias: Tensor | None = No
     Bn, C = x.shape
     W = weight.shape[1]
     dt = x.dtype
-    state = _owned(state, dt)
+    state = owned(state, dt)
     xc, w = x.contiguous(), weight.to(dt).contiguous()
     b = bias.to(dt).contiguous() if bias is not None else None
     y = torch.empty(Bn, C, dtype=dt)

@@ -27,7 +27,9 @@ from torch import Tensor
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "matvec.cpp")
 # compiled into the same library: the one-token decode ops (ops/cpu_decode.py)
-SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "decode_ops.cpp"))
+# and the whole-mixer decode steps (ops/cpu_mixers.py); HEADERS are hashed with them (a change rebuilds)
+SOURCES = (SOURCE, *(os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("decode_ops.cpp", "mixers.cpp")))
+HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "decode_common.h"),)
 MAX_ROWS = 8       # rows of x the kernels take (decode, speculative steps); more go to PyTorch's matmul
 _lib = None        # the loaded library, False once it could not be built
 
@@ -51,7 +53,7 @@ def _build() -> str:
         raise RuntimeError("no C++ compiler found")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     src = b""
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         with open(source, "rb") as f:
             src += f.read()
     key = hashlib.sha256(src + version.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]

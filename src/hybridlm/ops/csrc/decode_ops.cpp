@@ -12,15 +12,8 @@
 #include <cstring>
 #include <vector>
 
-static inline float bf2f(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline uint16_t f2bf(float f) {            // round to nearest even, as torch's .to(bfloat16)
-    uint32_t u; std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-template <typename T> static inline float ld(const T* p, int64_t i);
-template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
-template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf2f(p[i]); }
+#include "decode_common.h"
+
 // a row of n values -> float32 (bf16: the bits widened in an integer loop the compiler vectorises)
 static inline void row_f32(const float* p, int64_t n, float* out, uint32_t*) { std::memcpy(out, p, n * 4); }
 static inline void row_f32(const uint16_t* p, int64_t n, float* out, uint32_t* bits) {
@@ -46,10 +39,6 @@ static inline float exp_neg(float x) {
     std::memcpy(&scale, &e, 4);
     return p * scale;
 }
-template <typename T> static inline void st(T* p, int64_t i, float v);
-template <> inline void st<float>(float* p, int64_t i, float v) { p[i] = v; }
-template <> inline void st<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f2bf(v); }
-
 // SSD (Mamba-2) step: x [B, H, P], dt [B, H], A [H], Bm, Cm [B, G, N], state [B, H, P, N] ->
 // state = exp(dt A) state + dt x Bᵀ, y [B, H, P] = state C (heads h of group h / (H / G))
 extern "C" void dec_ssd_step(const float* x, const float* dt, const float* A, const float* Bm, const float* Cm,
@@ -74,8 +63,6 @@ extern "C" void dec_ssd_step(const float* x, const float* dt, const float* A, co
         }
     }
 }
-
-static inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }   // torch's threshold 20
 
 // Mamba-2's step from the layer's raw inputs: dt = clamp(softplus(dt_raw + dt_bias), lo, hi), A = -exp(A_log),
 // the SSD step above, then y += D x. x [B, H, P], dt_raw [B, H], dt_bias, A_log, D [H], Bm, Cm [B, G, N]

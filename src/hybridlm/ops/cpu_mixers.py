@@ -1,0 +1,252 @@
+"""Whole-mixer decode steps on a CPU: one C++ call (csrc/mixers.cpp, built into the kernels' library by
+ops/cpu_kernels.py) for a mixer's whole decode step, from its input x [B, 1, d] to its output, in place of the
+10-40 PyTorch calls of the layer's own decode (each a few microseconds of dispatch at batch 1: 0.1-0.25 ms a layer
+at d_model 256, more than the layer's arithmetic). The projections run through the linear kernels (csrc/matvec.cpp)
+on the weights as stored: float32, bf16, int8 or int4 (`describe`).
+
+    gated_deltanet(layer, x, slot)   layers/gated_deltanet.GatedDeltaNet (G): projections, conv, gates, delta rule,
+                                     gated norm, out_proj
+    kda(layer, x, slot)              layers/kda.KDA (K): the same with KDA's low-rank gates and sigmoid output gate
+    routed_moe(layer, x)             layers/routed_moe.RoutedMoE (the experts of O): router, the k chosen experts,
+                                     the shared expert and its gate
+
+Each returns the layer's output [B, 1, d] (the cache slot updated in place), or None where it cannot take the layer
+(a weight the kernels do not read, an option it does not cover): the layer then runs its PyTorch decode, which each
+step equals to float32 rounding (in a bf16 model, to bf16 rounding: the step rounds where the PyTorch decode rounds;
+tests/test_cpu_decode.py holds them together). Layers call a step when `serves(x)`; `enabled = False` turns every
+step off (the layers' PyTorch decode, for tests and A/B timings).
+"""
+import ctypes
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import cpu_decode, cpu_kernels
+
+enabled = True
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3}
+_ACTS = {F.silu: 0, F.gelu: 1, F.relu: 3}     # by function; gelu_tanh and relu2 (lambdas) by name below
+
+
+class Lin(ctypes.Structure):
+    """One linear layer's stored weight as csrc/mixers.cpp reads it (its `struct Lin`)."""
+    _fields_ = [("fmt", _i64), ("N", _i64), ("K", _i64), ("G", _i64), ("w", _ptr), ("scale", _ptr), ("zero", _ptr),
+                ("bias", _ptr), ("w_step", _i64), ("s_step", _i64)]
+
+
+def serves(x: Tensor) -> bool:
+    """True when a step can take x [B, 1, d]: a decode-sized CPU input without gradient, float32 or bf16, the kernels
+    built, not inside torch.compile, and `enabled`."""
+    return enabled and x.dim() == 3 and x.shape[1] == 1 and cpu_decode.serves(x) and cpu_decode.one_token(x)
+
+
+def _f32(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def describe(m) -> tuple[Lin, list[Tensor]] | None:
+    """The `Lin` of a linear module (nn.Linear and its kernel class, layers.quantized.QuantizedLinear) or of a stack
+    of experts (a float [E, d_in, d_out] weight in the kernels' layout, layers.quantized.QuantizedExperts), and the
+    tensors it points into (kept alive with it); None when the kernels cannot read the weight as stored."""
+    scheme = getattr(m, "scheme", None)
+    if scheme is not None:                           # quantized: weight_q with float32 copies of its scales
+        q, *scales = m.stored()
+        scales = [_f32(s) for s in scales]
+        N, G = scales[0].shape[-2:] if scheme == "int4" else (scales[0].shape[-1], 1)
+        K = q.shape[-1] * (2 if scheme == "int4" else 1)
+        stack = q.dim() == 3
+        bias = _f32(getattr(m, "bias", None))
+        lin = Lin(_FORMATS[scheme], N, K, G, q.data_ptr(), scales[0].data_ptr(),
+                  scales[1].data_ptr() if scheme == "int4" else None, bias.data_ptr() if bias is not None else None,
+                  q.stride(0) * q.element_size() if stack else 0, N * G if stack else 0)
+        return lin, [q, *scales, bias]
+    if isinstance(m, Tensor):                        # float experts [E, d_in, d_out], each [d_out, d_in] in memory
+        E, K, N = m.shape
+        if m.dtype not in _FORMATS or m.stride(1) != 1 or m.stride(2) != K:
+            return None
+        return Lin(_FORMATS[m.dtype], N, K, 1, m.data_ptr(), None, None, None, m.stride(0) * m.element_size(),
+                   0), [m]
+    w = m.weight
+    if w.dtype not in _FORMATS or not w.is_contiguous():
+        return None
+    bias = _f32(m.bias)
+    return Lin(_FORMATS[w.dtype], w.shape[0], w.shape[1], 1, w.data_ptr(), None, None,
+               bias.data_ptr() if bias is not None else None, 0, 0), [w, bias]
+
+
+def _tensors(part) -> list[Tensor]:
+    if part is None or isinstance(part, Tensor):
+        return [part]
+    if hasattr(part, "stored"):
+        return [*part.stored(), getattr(part, "bias", None)]
+    return [part.weight, part.bias]
+
+
+def _version(t: Tensor | None) -> int:
+    try:
+        return -1 if t is None else t._version
+    except RuntimeError:                             # an inference tensor keeps no version counter (nor changes)
+        return -1
+
+
+_plans: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _plan(layer: nn.Module, dtype: torch.dtype, parts: tuple, build):
+    """build(dtype) for `layer`, kept until one of the tensors of `parts` (modules, Parameters, buffers) is replaced or
+    changed in place (a new tensor, a new version), or the activations' dtype changes."""
+    tensors = [t for p in parts for t in _tensors(p)]
+    key = (dtype, *(id(t) for t in tensors), *(_version(t) for t in tensors))
+    kept = _plans.get(layer)
+    if kept is None or kept[0] != key:
+        kept = _plans[layer] = (key, build(dtype), tensors)
+    return kept[1]
+
+
+def _lins(*modules) -> tuple[list, list] | None:
+    """The `Lin`s of `modules` (None passes as a null pointer) and what they keep alive; None if one is unreadable."""
+    lins, keep = [], []
+    for m in modules:
+        if m is None:
+            lins.append(None)
+            continue
+        d = describe(m)
+        if d is None:
+            return None
+        lins.append(d[0])
+        keep += d[1]
+    return lins, keep
+
+
+def _ref(lin: Lin | None):
+    return None if lin is None else ctypes.byref(lin)
+
+
+def _bind():
+    lib = cpu_kernels._lib
+    if not hasattr(lib, "_mixers_bound"):
+        p, i, f, b = _ptr, _i64, ctypes.c_float, ctypes.c_int
+        lib.mix_gated_deltanet.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, p, f, p, p, i, i, i, i]
+        lib.mix_kda.argtypes = [p, p, i, i, b, p, p, p, i, p, p, p, p, p, p, p, p, f, p, p, i, i]
+        lib.mix_moe.argtypes = [p, p, i, i, b, b, p, p, b, b, f, i, p, p, p, p, p, b, p, p, b, p]
+        for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe):
+            fn.restype = None
+        lib._mixers_bound = True
+    return lib
+
+
+def _recurrent_slot(slot, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The slot's conv tail (in the activations' dtype) and float32 state, each one the step may update in place."""
+    slot.conv = cpu_decode.owned(slot.conv, dtype)
+    slot.state = cpu_decode.owned(slot.state, torch.float32)
+    return slot.conv, slot.state
+
+
+def _conv_weight(conv, dtype: torch.dtype) -> Tensor:
+    """A ShortConv's weight [C, W] as its decode reads it (in the activations' dtype), in float32."""
+    return conv.weight.detach().to(dtype).float().contiguous()
+
+
+def gated_deltanet(layer, x: Tensor, slot) -> Tensor | None:
+    """layers/gated_deltanet.GatedDeltaNet's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (RecurrentCache: conv
+    [B, W-1, C], state [B, hv, dk, dv]) updated in place."""
+    parts = (layer.in_proj_qkvz, layer.in_proj_ba, layer.conv.weight, layer.A_log, layer.dt_bias,
+             layer.norm_weight, layer.out_proj)
+
+    def build(dtype):
+        lins = _lins(layer.in_proj_qkvz, layer.in_proj_ba, layer.out_proj)
+        if lins is None or layer.conv.bias is not None:
+            return None
+        small = [_conv_weight(layer.conv, dtype), *(_f32(t) for t in (layer.A_log, layer.dt_bias, layer.norm_weight))]
+        return lins[0], small, lins[1]
+    plan = _plan(layer, x.dtype, parts, build)
+    if plan is None:
+        return None
+    (qkvz, ba, out), (cw, A_log, dt_bias, norm_w), _ = plan
+    B, _, d = x.shape
+    conv, state = _recurrent_slot(slot, x.dtype)
+    xc, y = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
+    _bind().mix_gated_deltanet(xc.data_ptr(), y.data_ptr(), B, d, int(x.dtype == torch.bfloat16), _ref(qkvz),
+                               _ref(ba), cw.data_ptr(), conv.data_ptr(), layer.conv.kernel, A_log.data_ptr(),
+                               dt_bias.data_ptr(), norm_w.data_ptr(), layer.norm_eps, state.data_ptr(), _ref(out),
+                               layer.hk, layer.hv, layer.dk, layer.dv)
+    return y
+
+
+def kda(layer, x: Tensor, slot) -> Tensor | None:
+    """layers/kda.KDA's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (conv [B, W-1, 3 H D], state [B, H, D, D])
+    updated in place."""
+    mods = (layer.qkv, layer.f_a, layer.f_b, layer.b_proj, layer.g_a, layer.g_b, layer.o_proj)
+    parts = (*mods, layer.conv.weight, layer.A_log, layer.dt_bias, layer.norm_weight)
+
+    def build(dtype):
+        lins = _lins(*mods)
+        if lins is None or layer.conv.bias is not None:
+            return None
+        small = [_conv_weight(layer.conv, dtype), *(_f32(t) for t in (layer.A_log, layer.dt_bias, layer.norm_weight))]
+        return lins[0], small, lins[1]
+    plan = _plan(layer, x.dtype, parts, build)
+    if plan is None:
+        return None
+    (qkv, f_a, f_b, b_proj, g_a, g_b, o_proj), (cw, A_log, dt_bias, norm_w), _ = plan
+    B, _, d = x.shape
+    conv, state = _recurrent_slot(slot, x.dtype)
+    xc, y = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
+    _bind().mix_kda(xc.data_ptr(), y.data_ptr(), B, d, int(x.dtype == torch.bfloat16), _ref(qkv), cw.data_ptr(),
+                    conv.data_ptr(), layer.conv.kernel, _ref(f_a), _ref(f_b), _ref(b_proj), A_log.data_ptr(),
+                    dt_bias.data_ptr(), _ref(g_a), _ref(g_b), norm_w.data_ptr(), layer.norm_eps, state.data_ptr(),
+                    _ref(o_proj), layer.n_heads, layer.head_dim)
+    return y
+
+
+def _act_code(layer) -> int | None:
+    code = _ACTS.get(layer.act)
+    if code is None:
+        from ..layers.mlp import ACTIVATIONS            # the two lambdas, by their names there
+        names = {f: n for n, f in ACTIVATIONS.items()}
+        code = {"gelu_tanh": 2, "relu2": 4}.get(names.get(layer.act))
+    return code
+
+
+def routed_moe(layer, x: Tensor) -> Tensor | None:
+    """layers/routed_moe.RoutedMoE's decode step: x [B, 1, d] -> [B, 1, d] (its `aux_loss`, training's, is not
+    computed: the caller sets it to None)."""
+    shared = layer.shared
+    if shared is not None and shared.training and isinstance(shared.drop, nn.Dropout):
+        return None
+    parts = (layer.router, layer.router_bias, layer.w_gate, layer.w_up, layer.w_down,
+             *((shared.w_in, shared.w_out) if shared is not None else ()), layer.shared_gate)
+
+    def build(dtype):
+        code = _act_code(layer)
+        if code is None or (shared is not None and (shared.act is not layer.act)):
+            return None
+        lins = _lins(layer.router, layer.w_gate, layer.w_up, layer.w_down, *((shared.w_in, shared.w_out) if shared
+                                                                           is not None else (None, None)),
+                     layer.shared_gate)
+        if lins is None:
+            return None
+        return lins[0], _f32(layer.router_bias), code, lins[1]
+    plan = _plan(layer, x.dtype, parts, build)
+    if plan is None:
+        return None
+    (router, gate, up, down, sh_in, sh_out, sh_gate), rbias, code, _ = plan
+    route, k = layer.route, layer.top_k
+    B, _, d = x.shape
+    xc, y = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
+    ids, weights = torch.empty(B, k, dtype=torch.int64), torch.empty(B, k)
+    in_c = route["n_group"] == 1                         # group-limited choice: routed here, by ops.moe.route_topk
+    if not in_c:
+        from .moe import route_topk
+        w, i, _ = route_topk(layer.router(xc.view(B, d)), k, bias=layer.router_bias, **route)
+        ids.copy_(i)
+        weights.copy_(w)
+    _bind().mix_moe(xc.data_ptr(), y.data_ptr(), B, d, int(x.dtype == torch.bfloat16), int(in_c), _ref(router),
+                    rbias.data_ptr() if rbias is not None else None, int(route["score"] == "sigmoid"),
+                    int(route["norm_topk"]), route["scale"], k, ids.data_ptr(), weights.data_ptr(), _ref(gate),
+                    _ref(up), _ref(down), code, _ref(sh_in), _ref(sh_out), int(shared is not None and shared.gated),
+                    _ref(sh_gate))
+    return y

@@ -1,0 +1,243 @@
+// Whole-mixer decode steps on a CPU: one call per mixer for a decode step of B rows, from the block's normed input to
+// the mixer's output (projections through the linear kernels of matvec.cpp, the conv tail, gates, norms and the
+// recurrent update or the attention over the cache), in place of the 10-40 PyTorch calls of the layer's own decode.
+// ops/cpu_mixers.py describes each layer's weights (a `Lin` per linear: its stored format and pointers, no copy)
+// and holds each step to the layer's PyTorch decode (tests/test_cpu_decode.py).
+//
+// Activations x, y [B, d] are in the model's dtype (`bf` = 1: bf16 as uint16_t); sums are float32, and every value
+// the PyTorch decode rounds to bf16 (a projection's output, the conv's, an activation's) is rounded here at the same
+// place, so the two agree to float32 rounding in a float32 model and to bf16 rounding noise in a bf16 one.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "decode_common.h"
+
+// the linear kernels' entry points (matvec.cpp)
+extern "C" void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y);
+extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
+extern "C" void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
+                        float* y);
+extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
+                        const float* zero, int64_t G, int64_t N, float* y);
+
+// one linear layer's stored weight (ops/cpu_mixers.py's `Lin`): W [N, K] float32 (fmt 0) or bf16 (1), int8 with
+// scale [N] (2), int4 uint8 [N, K/2] with scale, zero [N, G] (3; K padded to the groups); bias float32 [N] or null.
+// A stack of experts: expert e's W starts w_step bytes, its scales s_step floats after expert e - 1's.
+struct Lin {
+    int64_t fmt, N, K, G;
+    const void* w;
+    const float* scale;
+    const float* zero;
+    const float* bias;
+    int64_t w_step, s_step;
+};
+
+static inline float rb(float v, int bf) { return bf ? bf2f(f2bf(v)) : v; }   // a bf16 model's rounding
+static inline float sigm(float v) { return 1.f / (1.f + std::exp(-v)); }
+static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// y [M, N] = x [M, K] Wᵀ (+ bias) of expert e (0 for a plain layer), rounded as the layer's output in a bf16 model
+static void linear(const Lin& L, int64_t e, const float* x, int64_t M, int64_t K, float* y, int bf) {
+    const char* w = (const char*)L.w + e * L.w_step;
+    const float* s = L.scale ? L.scale + e * L.s_step : nullptr;
+    switch (L.fmt) {
+    case 0: mv_f32(x, M, K, (const float*)w, L.N, y); break;
+    case 1: mv_bf16(x, M, K, (const uint16_t*)w, L.N, y); break;
+    case 2: mv_int8(x, M, K, (const int8_t*)w, s, L.N, y); break;
+    default: {
+        std::vector<float> xp;
+        if (K != L.K) {                                   // the padding columns of int4 meet zeros
+            xp.assign(M * L.K, 0.f);
+            for (int64_t m = 0; m < M; m++) std::copy(x + m * K, x + (m + 1) * K, xp.begin() + m * L.K);
+            x = xp.data();
+        }
+        mv_int4(x, M, L.K, (const uint8_t*)w, s, L.zero + e * L.s_step, L.G, L.N, y);
+    }
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < L.N; n++) y[m * L.N + n] = rb(y[m * L.N + n] + (L.bias ? L.bias[n] : 0.f), bf);
+}
+
+template <typename T> static void load_rows(const void* x, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; i++) out[i] = ld((const T*)x, i);
+}
+static void load(const void* x, int64_t n, float* out, int bf) {
+    bf ? load_rows<uint16_t>(x, n, out) : load_rows<float>(x, n, out);
+}
+static void store(const float* v, int64_t n, void* out, int bf) {
+    for (int64_t i = 0; i < n; i++) bf ? st((uint16_t*)out, i, v[i]) : st((float*)out, i, v[i]);
+}
+
+// ShortConv's step and the SiLU after it, in place on x [B, C]: the tail [B, W-1, C] (in the model's dtype) shifted,
+// weight float32 [C, W] (the layer's, in the model's dtype first), no bias (Gated DeltaNet and KDA have none)
+template <typename T>
+static void conv_silu(float* x, T* tail, const float* w, int64_t Bn, int64_t C, int64_t W, int bf) {
+    for (int64_t b = 0; b < Bn; b++) {
+        T* s = tail + b * (W - 1) * C;
+        for (int64_t c = 0; c < C; c++) {
+            const float xc = x[b * C + c];
+            float acc = 0.f;
+            for (int64_t j = 0; j < W - 1; j++) acc += w[c * W + j] * ld(s, j * C + c);
+            acc += w[c * W + W - 1] * xc;
+            for (int64_t j = 0; j + 1 < W - 1; j++) s[j * C + c] = s[(j + 1) * C + c];
+            if (W > 1) st(s, (W - 2) * C + c, xc);
+            x[b * C + c] = rb(silu(rb(acc, bf)), bf);
+        }
+    }
+}
+
+static void conv_silu(float* x, void* tail, const float* w, int64_t Bn, int64_t C, int64_t W, int bf) {
+    bf ? conv_silu(x, (uint16_t*)tail, w, Bn, C, W, bf) : conv_silu(x, (float*)tail, w, Bn, C, W, bf);
+}
+
+// Gated DeltaNet (layers/gated_deltanet.py, letter G): x [B, d] -> y [B, d]. qkvz [B, hk (2 dk + 2 r dv)] and
+// ba [B, 2 hv] in Qwen3-Next's per-key-head layout; conv + SiLU over [q | k | v]; the gated delta rule
+// (dec_delta_gated) on `state` [B, hv, dk, dv]; RMSNorm(o) · weight · silu(z) per value head; out.
+extern "C" void mix_gated_deltanet(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* qkvz,
+                                   const Lin* ba, const float* conv_w, void* tail, int64_t W, const float* A_log,
+                                   const float* dt_bias, const float* norm_w, float norm_eps, float* state,
+                                   const Lin* out, int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
+    const int64_t r = hv / hk, per = 2 * dk + 2 * r * dv, C = 2 * hk * dk + hv * dv;
+    std::vector<float> xf(Bn * d), t(Bn * hk * per), u(Bn * 2 * hv), qkv(Bn * C), z(Bn * hv * dv), bb(Bn * hv),
+        aa(Bn * hv), o(Bn * hv * dv), yf(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    linear(*qkvz, 0, xf.data(), Bn, d, t.data(), bf);
+    linear(*ba, 0, xf.data(), Bn, d, u.data(), bf);
+    for (int64_t b = 0; b < Bn; b++)
+        for (int64_t h = 0; h < hk; h++) {
+            const float* src = t.data() + (b * hk + h) * per;
+            float* row = qkv.data() + b * C;
+            std::copy(src, src + dk, row + h * dk);
+            std::copy(src + dk, src + 2 * dk, row + hk * dk + h * dk);
+            std::copy(src + 2 * dk, src + 2 * dk + r * dv, row + 2 * hk * dk + h * r * dv);
+            std::copy(src + 2 * dk + r * dv, src + per, z.data() + (b * hv + h * r) * dv);
+            const float* g = u.data() + (b * hk + h) * 2 * r;
+            std::copy(g, g + r, bb.data() + b * hv + h * r);
+            std::copy(g + r, g + 2 * r, aa.data() + b * hv + h * r);
+        }
+    conv_silu(qkv.data(), tail, conv_w, Bn, C, W, bf);
+    dec_delta_gated(qkv.data(), bb.data(), aa.data(), A_log, dt_bias, 0, state, o.data(), Bn, hv, hk, dk, dv,
+                    1.f / std::sqrt(float(dk)), 1e-6f);
+    for (auto& v : o) v = rb(v, bf);
+    dec_rms_norm(o.data(), nullptr, z.data(), norm_w, o.data(), Bn * hv, dv, dv, 2, norm_eps, 0);
+    for (auto& v : o) v = rb(v, bf);
+    linear(*out, 0, o.data(), Bn, hv * dv, yf.data(), bf);
+    store(yf.data(), Bn * d, y, bf);
+}
+
+// KDA (layers/kda.py, letter K): x [B, d] -> y [B, d]. qkv [B, 3 H D] -> conv + SiLU; per-channel decay from
+// f_b(f_a(x)), beta from b_proj(x); the delta rule on `state` [B, H, D, D]; RMSNorm(o) · weight · sigmoid(g_b(g_a(x)))
+// per head; o_proj
+extern "C" void mix_kda(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* qkv_p, const float* conv_w,
+                        void* tail, int64_t W, const Lin* f_a, const Lin* f_b, const Lin* b_proj, const float* A_log,
+                        const float* dt_bias, const Lin* g_a, const Lin* g_b, const float* norm_w, float norm_eps,
+                        float* state, const Lin* o_proj, int64_t H, int64_t D) {
+    const int64_t rank = f_a->N;
+    std::vector<float> xf(Bn * d), qkv(Bn * 3 * H * D), lo(Bn * rank), f(Bn * H * D), beta(Bn * H), g(Bn * H * D),
+        o(Bn * H * D), yf(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    linear(*qkv_p, 0, xf.data(), Bn, d, qkv.data(), bf);
+    conv_silu(qkv.data(), tail, conv_w, Bn, 3 * H * D, W, bf);
+    linear(*f_a, 0, xf.data(), Bn, d, lo.data(), bf);
+    linear(*f_b, 0, lo.data(), Bn, rank, f.data(), bf);
+    linear(*b_proj, 0, xf.data(), Bn, d, beta.data(), bf);
+    dec_delta_gated(qkv.data(), beta.data(), f.data(), A_log, dt_bias, 1, state, o.data(), Bn, H, H, D, D,
+                    1.f / std::sqrt(float(D)), 1e-6f);
+    for (auto& v : o) v = rb(v, bf);
+    linear(*g_a, 0, xf.data(), Bn, d, lo.data(), bf);
+    linear(*g_b, 0, lo.data(), Bn, g_a->N, g.data(), bf);
+    dec_rms_norm(o.data(), nullptr, g.data(), norm_w, o.data(), Bn * H, D, D, 3, norm_eps, 0);
+    for (auto& v : o) v = rb(v, bf);
+    linear(*o_proj, 0, o.data(), Bn, H * D, yf.data(), bf);
+    store(yf.data(), Bn * d, y, bf);
+}
+
+// layers/mlp.ACTIVATIONS by number: silu, gelu, gelu_tanh, relu, relu2 (each rounded as its PyTorch op)
+static float act(float v, int kind, int bf) {
+    switch (kind) {
+    case 0: return rb(silu(v), bf);
+    case 1: return rb(0.5f * v * (1.f + std::erf(v * 0.70710678f)), bf);
+    case 2: return rb(0.5f * v * (1.f + std::tanh(0.79788456f * (v + 0.044715f * v * v * v))), bf);
+    case 3: return v > 0.f ? v : 0.f;
+    default: { const float p = v > 0.f ? v : 0.f; return rb(p * p, bf); }
+    }
+}
+
+// a gated (`gate` non-null: down(act(gate x) · up x)) or plain (down(act(up x))) MLP of expert e on one row x [d]
+// -> out [d]; h [f] and hg [f] are scratch
+static void mlp(const Lin* gate, const Lin* up, const Lin* down, int64_t e, const float* x, int64_t d, int kind,
+                float* h, float* hg, float* out, int bf) {
+    const int64_t f = up->N;
+    linear(*up, e, x, 1, d, h, bf);
+    if (gate) {
+        linear(*gate, e, x, 1, d, hg, bf);
+        for (int64_t i = 0; i < f; i++) h[i] = rb(act(hg[i], kind, bf) * h[i], bf);
+    } else {
+        for (int64_t i = 0; i < f; i++) h[i] = act(h[i], kind, bf);
+    }
+    linear(*down, e, h, 1, f, out, bf);
+}
+
+// Routed experts (layers/routed_moe.py, letter O's experts): x [B, d] -> y [B, d]. The router (`route` 1: softmax or
+// sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, the top k, renormalised (`norm_topk`), times `scale`);
+// or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
+// experts' gated (gate non-null) or plain MLPs, Σ weight · expert(x) in float32; plus the shared expert (sh_in
+// non-null: an MLP whose w_in holds [gate | up] when `sh_gated`) scaled by sigmoid(sh_gate x) when sh_gate is given.
+extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, int route, const Lin* router,
+                        const float* rbias, int sigmoid, int norm_topk, float scale, int64_t k, int64_t* ids,
+                        float* weights, const Lin* gate, const Lin* up, const Lin* down, int kind, const Lin* sh_in,
+                        const Lin* sh_out, int sh_gated, const Lin* sh_gate) {
+    const int64_t E = route ? router->N : 0, f = up->N, sf = sh_in ? sh_in->N / (sh_gated ? 2 : 1) : 0;
+    std::vector<float> xf(Bn * d), logits(Bn * E), h(std::max(f, 2 * sf)), hg(f), out(d), acc(d), s(d), gl(1);
+    load(x, Bn * d, xf.data(), bf);
+    if (route) linear(*router, 0, xf.data(), Bn, d, logits.data(), bf);
+    for (int64_t b = 0; b < Bn; b++) {
+        int64_t* id = ids + b * k;
+        float* w = weights + b * k;
+        if (route) {
+            const float* lg = logits.data() + b * E;
+            std::vector<float> sc(E), choice(E);
+            if (sigmoid) {
+                for (int64_t e = 0; e < E; e++) sc[e] = sigm(lg[e]);
+            } else {
+                float mx = -INFINITY, sum = 0.f;
+                for (int64_t e = 0; e < E; e++) mx = std::max(mx, lg[e]);
+                for (int64_t e = 0; e < E; e++) sum += sc[e] = std::exp(lg[e] - mx);
+                for (int64_t e = 0; e < E; e++) sc[e] /= sum;
+            }
+            for (int64_t e = 0; e < E; e++) choice[e] = sc[e] + (rbias ? rbias[e] : 0.f);
+            std::vector<int64_t> order(E);
+            for (int64_t e = 0; e < E; e++) order[e] = e;
+            std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t i, int64_t j) {
+                return choice[i] > choice[j] || (choice[i] == choice[j] && i < j);
+            });
+            float total = 0.f;
+            for (int64_t i = 0; i < k; i++) { id[i] = order[i]; w[i] = sc[order[i]]; total += w[i]; }
+            for (int64_t i = 0; i < k; i++) {
+                if (norm_topk) w[i] = w[i] / (total + (sigmoid ? 1e-20f : 0.f));
+                w[i] = rb(w[i] * scale, bf);
+            }
+        }
+        const float* xb = xf.data() + b * d;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t i = 0; i < k; i++) {
+            mlp(gate, up, down, id[i], xb, d, kind, h.data(), hg.data(), out.data(), bf);
+            for (int64_t c = 0; c < d; c++) acc[c] += out[c] * w[i];
+        }
+        for (int64_t c = 0; c < d; c++) acc[c] = rb(acc[c], bf);
+        if (sh_in) {
+            linear(*sh_in, 0, xb, 1, d, h.data(), bf);
+            if (sh_gated)
+                for (int64_t i = 0; i < sf; i++) h[i] = rb(act(h[i], kind, bf) * h[sf + i], bf);
+            else
+                for (int64_t i = 0; i < sf; i++) h[i] = act(h[i], kind, bf);
+            linear(*sh_out, 0, h.data(), 1, sf, s.data(), bf);
+            float g = 1.f;
+            if (sh_gate) { linear(*sh_gate, 0, xb, 1, d, gl.data(), bf); g = rb(sigm(gl[0]), bf); }
+            for (int64_t c = 0; c < d; c++) acc[c] = rb(acc[c] + (sh_gate ? rb(g * s[c], bf) : s[c]), bf);
+        }
+        store(acc.data(), d, (char*)y + b * d * (bf ? 2 : 4), bf);
+    }
+}
