@@ -1,7 +1,8 @@
 """Framework overhead of one decode step per mixer kind (issue 43, item 3): the time a layer spends outside the
 matrix-vector kernels, at batch 1 on a ~1B-shaped layer (d_model 2048), bf16 weights, the project's CPU kernels on.
 
-For each letter X (A attention, S SSD, R Rodimus, G Gated DeltaNet, K KDA, C short conv, M gated MLP) a model of
+For each letter X (A attention, S SSD, R Rodimus, G Gated DeltaNet, K KDA, C short conv, M gated MLP, O routed
+experts) a model of
 `layers` X layers (layout "X*layers", the other fields from the family's preset) is prefilled with 64 tokens, then:
   step    time of one `_decode_step` (best of N; the thread's CPU time, or wall time with --wall);
   kernel  time of the same matrix-vector kernel calls replayed alone (recorded during one step: the same
@@ -12,10 +13,11 @@ For each letter X (A attention, S SSD, R Rodimus, G Gated DeltaNet, K KDA, C sho
   before  the same step with the fused one-token ops off, their PyTorch references instead, alternated with the
           fused step call by call: (step - kernel) / layers (its state updates are PyTorch ops, counted in).
 With --small, the per-layer time where the kernels have next to nothing to do (d_model 256): the slope of step
-time over 1 and 9 layers, fused ops on and off alternated (the cleaner figure of the framework's cost).
+time over 1 and 9 layers, in three modes alternated: PyTorch's small ops, the fused one-token ops, the whole-mixer
+steps (ops/cpu_mixers.py) (the cleaner figure of the framework's cost).
 With --profile, torch.profiler's top ops by self CPU time for each letter (the kernels show as `cpu_kernels`).
 
-    python scripts/decode_overhead.py [--letters ASRGKCM] [--layers 4] [--repeats 20] [--threads 1] [--profile] [--small]
+    python scripts/decode_overhead.py [--letters ASRGKCMO] [--layers 4] [--repeats 20] [--threads 1] [--profile] [--small]
 """
 import argparse
 import time
@@ -25,14 +27,14 @@ import torch
 from hybridlm.models import presets
 from hybridlm.models.causal_lm import CausalLM
 from hybridlm.models.quantize import use_cpu_kernels_
-from hybridlm.ops import cpu_decode, cpu_kernels
+from hybridlm.ops import cpu_decode, cpu_kernels, cpu_mixers
 
 from cpu_kernel_speed import best as best_of          # scripts/ is on the path of a script run from it
 
 # letter -> (preset it takes its fields from, layout for n layers)
 KINDS = {"A": ("llama", "A*{n}"), "S": ("mamba2", "S*{n}"), "R": ("rodimus", "R*{n}"),
          "G": ("qwen3-next", "G*{n}"), "K": ("kimi-linear", "K*{n}"), "C": ("lfm2", "C*{n}"),
-         "M": ("llama", "M*{n}")}
+         "M": ("llama", "M*{n}"), "O": ("qwen3-next", "O*{n}")}
 # the calling thread's CPU time: with one thread (the default) the kernels run on it, and time spent descheduled by
 # other processes on a shared machine is not counted (wall time is, with --wall)
 clock = time.thread_time
@@ -137,9 +139,13 @@ def measure(letter: str, n: int, repeats: int, profile: bool) -> dict:
     return out
 
 
+MODES = ("pytorch", "fused", "mixer")     # the layer's PyTorch ops; its fused one-token ops; its whole-mixer step
+
+
 def slope(letter: str, repeats: int, layers: int = 9) -> dict:
     """Framework time per layer where the kernels have almost nothing to do (d_model 256, vocab 64): (step of
-    `layers` layers - step of 1) / (layers - 1), with the fused ops and with their PyTorch references, alternated."""
+    `layers` layers - step of 1) / (layers - 1), in each of MODES (the fused ops' PyTorch references; the fused
+    one-token ops of ops/cpu_decode.py; the whole-mixer steps of ops/cpu_mixers.py), alternated."""
     preset = KINDS[letter][0]
     steps = {}
     for n in (1, layers):
@@ -156,21 +162,22 @@ def slope(letter: str, repeats: int, layers: int = 9) -> dict:
     with torch.no_grad():
         for _ in range(repeats):
             for n, (m, tok, cache) in steps.items():
-                for fused in (True, False):
-                    cpu_decode.serves = serves if fused else (lambda *a: False)
+                for mode in MODES:
+                    cpu_decode.serves = serves if mode != "pytorch" else (lambda *a: False)
+                    cpu_mixers.enabled = mode == "mixer"
                     try:
                         s = clock()
                         m._decode_step(tok, cache)
                         dt = clock() - s
                     finally:
-                        cpu_decode.serves = serves
-                    t[n, fused] = min(t.get((n, fused), float("inf")), dt)
-    return {f: 1e3 * (t[layers, f] - t[1, f]) / (layers - 1) for f in (True, False)}
+                        cpu_decode.serves, cpu_mixers.enabled = serves, True
+                    t[n, mode] = min(t.get((n, mode), float("inf")), dt)
+    return {f: 1e3 * (t[layers, f] - t[1, f]) / (layers - 1) for f in MODES}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--letters", default="ASRGKCM")
+    ap.add_argument("--letters", default="ASRGKCMO")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
@@ -191,10 +198,10 @@ def main():
           f"{'wall' if clock is time.perf_counter else 'thread CPU'} time, best of {a.repeats}")
     if a.small:
         print("per layer at d_model 256 (the kernels' work negligible): (step of 9 layers - step of 1) / 8\n"
-              "| kind | ms / layer, PyTorch small ops | fused ops |\n|---|---|---|")
+              "| kind | ms / layer, PyTorch small ops | fused ops | whole-mixer step |\n|---|---|---|---|")
         for letter in a.letters:
             r = slope(letter, a.repeats)
-            print(f"| {letter} | {r[False]:.3f} | {r[True]:.3f} |", flush=True)
+            print(f"| {letter} | {r['pytorch']:.3f} | {r['fused']:.3f} | {r['mixer']:.3f} |", flush=True)
         return
     print("| kind | matvec kernels ms | step ms, PyTorch small ops | step ms, fused ops | of it in fused ops ms | "
           "other ms / layer, before | after |\n|---|---|---|---|---|---|---|")

@@ -15,7 +15,7 @@ class MLP(nn.Module):
     def __init__(self, d_model: int, hidden: int, *, act: str = "silu", gated: bool = True, bias: bool = False,
                  dropout: float = 0.0):
         super().__init__()
-        self.gated, self.act = gated, ACTIVATIONS[act]
+        self.gated, self.act, self.act_name = gated, ACTIVATIONS[act], act
         self.w_in = nn.Linear(d_model, (2 if gated else 1) * hidden, bias=bias)
         self.w_out = nn.Linear(hidden, d_model, bias=bias)
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()

@@ -31,6 +31,7 @@ class RoutedMoE(nn.Module):
                  scale: float = 1.0, shared_hidden: int | None = None, shared_gate: bool = False):
         super().__init__()
         self.num_experts, self.top_k, self.act, self.init_std = num_experts, top_k, ACTIVATIONS[act], init_std
+        self.act_name = act
         self.route = dict(norm_topk=norm_topk, score=router, n_group=n_group, topk_group=topk_group, scale=scale)
         self.router = nn.Linear(d_model, num_experts, bias=False)
         # DeepSeek's e_score_correction_bias: steered by load statistics, not by gradients

@@ -20,7 +20,6 @@ import ctypes
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu_decode, cpu_kernels
@@ -28,7 +27,6 @@ from . import cpu_decode, cpu_kernels
 enabled = True
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3}
-_ACTS = {F.silu: 0, F.gelu: 1, F.relu: 3}     # by function; gelu_tanh and relu2 (lambdas) by name below
 
 
 class Lin(ctypes.Structure):
@@ -77,29 +75,28 @@ def describe(m) -> tuple[Lin, list[Tensor]] | None:
                bias.data_ptr() if bias is not None else None, 0, 0), [w, bias]
 
 
-def _tensors(part) -> list[Tensor]:
-    if part is None or isinstance(part, Tensor):
-        return [part]
-    if hasattr(part, "stored"):
-        return [*part.stored(), getattr(part, "bias", None)]
-    return [part.weight, part.bias]
-
-
-def _version(t: Tensor | None) -> int:
-    try:
-        return -1 if t is None else t._version
-    except RuntimeError:                             # an inference tensor keeps no version counter (nor changes)
-        return -1
+def _tensors(module: nn.Module, out: list) -> list[Tensor]:
+    """Every Parameter and buffer of `module` and its submodules (a mixer's few), appended to `out`."""
+    out += [t for t in module._parameters.values() if t is not None]
+    out += [t for t in module._buffers.values() if t is not None]
+    for child in module._modules.values():
+        if child is not None:
+            _tensors(child, out)
+    return out
 
 
 _plans: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _plan(layer: nn.Module, dtype: torch.dtype, parts: tuple, build):
-    """build(dtype) for `layer`, kept until one of the tensors of `parts` (modules, Parameters, buffers) is replaced or
-    changed in place (a new tensor, a new version), or the activations' dtype changes."""
-    tensors = [t for p in parts for t in _tensors(p)]
-    key = (dtype, *(id(t) for t in tensors), *(_version(t) for t in tensors))
+def _plan(layer: nn.Module, dtype: torch.dtype, build):
+    """build(dtype) for `layer` (the addresses its step reads: `Lin`s, float32 copies), kept until a tensor of the
+    layer is replaced (a module swapped, a Parameter or its data reassigned) or changed in place (its version), or
+    the activations' dtype changes: ~4 us a call, a third of reading the weights through the modules' attributes."""
+    tensors = _tensors(layer, [])
+    try:
+        key = (dtype, *[(id(t), t.data_ptr(), t._version) for t in tensors])
+    except RuntimeError:                             # an inference tensor keeps no version counter (nor changes)
+        key = (dtype, *[(id(t), t.data_ptr()) for t in tensors])
     kept = _plans.get(layer)
     if kept is None or kept[0] != key:
         kept = _plans[layer] = (key, build(dtype), tensors)
@@ -107,22 +104,22 @@ def _plan(layer: nn.Module, dtype: torch.dtype, parts: tuple, build):
 
 
 def _lins(*modules) -> tuple[list, list] | None:
-    """The `Lin`s of `modules` (None passes as a null pointer) and what they keep alive; None if one is unreadable."""
-    lins, keep = [], []
+    """The addresses of the `Lin`s of `modules` (None passes as a null pointer) and what they need kept alive (the
+    `Lin`s, the tensors they point into); None if one is unreadable."""
+    refs, keep = [], []
     for m in modules:
-        if m is None:
-            lins.append(None)
-            continue
-        d = describe(m)
-        if d is None:
+        d = None if m is None else describe(m)
+        if m is not None and d is None:
             return None
-        lins.append(d[0])
-        keep += d[1]
-    return lins, keep
+        refs.append(None if d is None else ctypes.addressof(d[0]))
+        keep += [] if d is None else [d[0], *d[1]]
+    return refs, keep
 
 
-def _ref(lin: Lin | None):
-    return None if lin is None else ctypes.byref(lin)
+def _floats(*ts: Tensor | None) -> tuple[list, list]:
+    """The addresses of float32 copies of `ts` (None: a null pointer), and the copies (to keep alive)."""
+    copies = [_f32(t) for t in ts]
+    return [None if c is None else c.data_ptr() for c in copies], copies
 
 
 def _bind():
@@ -150,103 +147,87 @@ def _conv_weight(conv, dtype: torch.dtype) -> Tensor:
     return conv.weight.detach().to(dtype).float().contiguous()
 
 
+def _io(x: Tensor) -> tuple[Tensor, Tensor, int, int, int]:
+    """x [B, 1, d] contiguous, an empty output like it, B, d, and whether they are bf16."""
+    B, _, d = x.shape
+    return x.contiguous(), torch.empty(B, 1, d, dtype=x.dtype), B, d, int(x.dtype == torch.bfloat16)
+
+
 def gated_deltanet(layer, x: Tensor, slot) -> Tensor | None:
     """layers/gated_deltanet.GatedDeltaNet's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (RecurrentCache: conv
     [B, W-1, C], state [B, hv, dk, dv]) updated in place."""
-    parts = (layer.in_proj_qkvz, layer.in_proj_ba, layer.conv.weight, layer.A_log, layer.dt_bias,
-             layer.norm_weight, layer.out_proj)
-
     def build(dtype):
         lins = _lins(layer.in_proj_qkvz, layer.in_proj_ba, layer.out_proj)
         if lins is None or layer.conv.bias is not None:
             return None
-        small = [_conv_weight(layer.conv, dtype), *(_f32(t) for t in (layer.A_log, layer.dt_bias, layer.norm_weight))]
-        return lins[0], small, lins[1]
-    plan = _plan(layer, x.dtype, parts, build)
+        small = _floats(_conv_weight(layer.conv, dtype), layer.A_log, layer.dt_bias, layer.norm_weight)
+        return (*lins[0], *small[0]), (lins[1], small[1])
+    plan = _plan(layer, x.dtype, build)
     if plan is None:
         return None
-    (qkvz, ba, out), (cw, A_log, dt_bias, norm_w), _ = plan
-    B, _, d = x.shape
+    qkvz, ba, out, cw, A_log, dt_bias, norm_w = plan[0]
     conv, state = _recurrent_slot(slot, x.dtype)
-    xc, y = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
-    _bind().mix_gated_deltanet(xc.data_ptr(), y.data_ptr(), B, d, int(x.dtype == torch.bfloat16), _ref(qkvz),
-                               _ref(ba), cw.data_ptr(), conv.data_ptr(), layer.conv.kernel, A_log.data_ptr(),
-                               dt_bias.data_ptr(), norm_w.data_ptr(), layer.norm_eps, state.data_ptr(), _ref(out),
+    xc, y, B, d, bf = _io(x)
+    _bind().mix_gated_deltanet(xc.data_ptr(), y.data_ptr(), B, d, bf, qkvz, ba, cw, conv.data_ptr(),
+                               layer.conv.kernel, A_log, dt_bias, norm_w, layer.norm_eps, state.data_ptr(), out,
                                layer.hk, layer.hv, layer.dk, layer.dv)
     return y
 
 
 def kda(layer, x: Tensor, slot) -> Tensor | None:
-    """layers/kda.KDA's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (conv [B, W-1, 3 H D], state [B, H, D, D])
-    updated in place."""
-    mods = (layer.qkv, layer.f_a, layer.f_b, layer.b_proj, layer.g_a, layer.g_b, layer.o_proj)
-    parts = (*mods, layer.conv.weight, layer.A_log, layer.dt_bias, layer.norm_weight)
-
+    """layers/kda.KimiDeltaAttention's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (conv [B, W-1, 3 H D], state
+    [B, H, D, D]) updated in place."""
     def build(dtype):
-        lins = _lins(*mods)
+        lins = _lins(layer.qkv, layer.f_a, layer.f_b, layer.b_proj, layer.g_a, layer.g_b, layer.o_proj)
         if lins is None or layer.conv.bias is not None:
             return None
-        small = [_conv_weight(layer.conv, dtype), *(_f32(t) for t in (layer.A_log, layer.dt_bias, layer.norm_weight))]
-        return lins[0], small, lins[1]
-    plan = _plan(layer, x.dtype, parts, build)
+        small = _floats(_conv_weight(layer.conv, dtype), layer.A_log, layer.dt_bias, layer.norm_weight)
+        return (*lins[0], *small[0]), (lins[1], small[1])
+    plan = _plan(layer, x.dtype, build)
     if plan is None:
         return None
-    (qkv, f_a, f_b, b_proj, g_a, g_b, o_proj), (cw, A_log, dt_bias, norm_w), _ = plan
-    B, _, d = x.shape
+    qkv, f_a, f_b, b_proj, g_a, g_b, o_proj, cw, A_log, dt_bias, norm_w = plan[0]
     conv, state = _recurrent_slot(slot, x.dtype)
-    xc, y = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
-    _bind().mix_kda(xc.data_ptr(), y.data_ptr(), B, d, int(x.dtype == torch.bfloat16), _ref(qkv), cw.data_ptr(),
-                    conv.data_ptr(), layer.conv.kernel, _ref(f_a), _ref(f_b), _ref(b_proj), A_log.data_ptr(),
-                    dt_bias.data_ptr(), _ref(g_a), _ref(g_b), norm_w.data_ptr(), layer.norm_eps, state.data_ptr(),
-                    _ref(o_proj), layer.n_heads, layer.head_dim)
+    xc, y, B, d, bf = _io(x)
+    _bind().mix_kda(xc.data_ptr(), y.data_ptr(), B, d, bf, qkv, cw, conv.data_ptr(), layer.conv.kernel, f_a, f_b,
+                    b_proj, A_log, dt_bias, g_a, g_b, norm_w, layer.norm_eps, state.data_ptr(), o_proj,
+                    layer.n_heads, layer.head_dim)
     return y
 
 
-def _act_code(layer) -> int | None:
-    code = _ACTS.get(layer.act)
-    if code is None:
-        from ..layers.mlp import ACTIVATIONS            # the two lambdas, by their names there
-        names = {f: n for n, f in ACTIVATIONS.items()}
-        code = {"gelu_tanh": 2, "relu2": 4}.get(names.get(layer.act))
-    return code
+_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}   # layers/mlp.ACTIVATIONS, as mixers.cpp numbers them
 
 
 def routed_moe(layer, x: Tensor) -> Tensor | None:
     """layers/routed_moe.RoutedMoE's decode step: x [B, 1, d] -> [B, 1, d] (its `aux_loss`, training's, is not
     computed: the caller sets it to None)."""
     shared = layer.shared
-    if shared is not None and shared.training and isinstance(shared.drop, nn.Dropout):
-        return None
-    parts = (layer.router, layer.router_bias, layer.w_gate, layer.w_up, layer.w_down,
-             *((shared.w_in, shared.w_out) if shared is not None else ()), layer.shared_gate)
 
     def build(dtype):
-        code = _act_code(layer)
-        if code is None or (shared is not None and (shared.act is not layer.act)):
+        code = _ACTS.get(layer.act_name)
+        if code is None or (shared is not None and shared.act_name != layer.act_name):
             return None
         lins = _lins(layer.router, layer.w_gate, layer.w_up, layer.w_down, *((shared.w_in, shared.w_out) if shared
                                                                            is not None else (None, None)),
                      layer.shared_gate)
         if lins is None:
             return None
-        return lins[0], _f32(layer.router_bias), code, lins[1]
-    plan = _plan(layer, x.dtype, parts, build)
-    if plan is None:
+        bias = _floats(layer.router_bias)
+        return (*lins[0], *bias[0], code), (lins[1], bias[1])
+    plan = _plan(layer, x.dtype, build)
+    if plan is None or (shared is not None and shared.training and isinstance(shared.drop, nn.Dropout)):
         return None
-    (router, gate, up, down, sh_in, sh_out, sh_gate), rbias, code, _ = plan
+    router, gate, up, down, sh_in, sh_out, sh_gate, rbias, code = plan[0]
     route, k = layer.route, layer.top_k
-    B, _, d = x.shape
-    xc, y = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
+    xc, y, B, d, bf = _io(x)
     ids, weights = torch.empty(B, k, dtype=torch.int64), torch.empty(B, k)
-    in_c = route["n_group"] == 1                         # group-limited choice: routed here, by ops.moe.route_topk
-    if not in_c:
+    here = route["n_group"] == 1                         # group-limited choice: routed by ops.moe.route_topk first
+    if not here:
         from .moe import route_topk
         w, i, _ = route_topk(layer.router(xc.view(B, d)), k, bias=layer.router_bias, **route)
         ids.copy_(i)
         weights.copy_(w)
-    _bind().mix_moe(xc.data_ptr(), y.data_ptr(), B, d, int(x.dtype == torch.bfloat16), int(in_c), _ref(router),
-                    rbias.data_ptr() if rbias is not None else None, int(route["score"] == "sigmoid"),
-                    int(route["norm_topk"]), route["scale"], k, ids.data_ptr(), weights.data_ptr(), _ref(gate),
-                    _ref(up), _ref(down), code, _ref(sh_in), _ref(sh_out), int(shared is not None and shared.gated),
-                    _ref(sh_gate))
+    _bind().mix_moe(xc.data_ptr(), y.data_ptr(), B, d, bf, int(here), router, rbias, int(route["score"] == "sigmoid"),
+                    int(route["norm_topk"]), route["scale"], k, ids.data_ptr(), weights.data_ptr(), gate, up, down,
+                    code, sh_in, sh_out, int(shared is not None and shared.gated), sh_gate)
     return y
