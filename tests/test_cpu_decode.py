@@ -122,11 +122,14 @@ def test_conv_step(dtype, W, bias):
     assert_close(y.float(), F.silu(y_ref.float()), **TOL[dtype])
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq,Hk,Hv", [(8, 2, 2), (4, 1, 4), (3, 3, 3)])
-def test_decode_attention(dtype, Hq, Hk, Hv):
+def test_decode_attention(dtype, Hq, Hk, Hv, head_major):
     torch.manual_seed(0)
     buf_k, buf_v = r(2, 40, Hk, 16, dtype=dtype), r(2, 40, Hv, 8, dtype=dtype)
+    if head_major:                                            # the KV cache's layout (cache.time_buffer)
+        buf_k, buf_v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (buf_k, buf_v))
     k, v = buf_k[:, :29], buf_v[:, :29]                       # the cache's views: a longer buffer's prefix
     q = r(2, 1, Hq, 16, dtype=dtype)
     assert_close(cpu_decode.decode_attention(q, k, v).float(), decode_attention(q, k, v).float(), **TOL[dtype])
@@ -175,7 +178,7 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
                "decode_attention", "rms_norm"):
         real = getattr(cpu_decode, fn)
         monkeypatch.setattr(cpu_decode, fn, lambda *a, _f=real, _n=fn, **k: used.add(_n) or _f(*a, **k))
-    for fn in ("gated_deltanet", "kda", "routed_moe"):
+    for fn in ("gated_deltanet", "kda", "routed_moe", "attention"):
         real = getattr(cpu_mixers, fn)
         monkeypatch.setattr(cpu_mixers, fn, lambda *a, _f=real, _n=fn: used.add(_n) or _f(*a))
     with torch.no_grad():
@@ -184,15 +187,16 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
         dec = decode_logits(m, ids, 7, cache=m.make_cache(2)).float()
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
     assert_close(dec, full, **tol, msg=name)
-    want = {"llama": {"decode_attention"}, "mamba2": {"ssd_gated_step", "conv_step"},
-            "nemotron-h": {"ssd_gated_step", "decode_attention"}, "falcon-h1": {"ssd_gated_step"}, "rodimus": {"gla_step", "conv_step"},
-            "qwen3-next": {"gated_deltanet", "routed_moe", "decode_attention"}, "kimi-linear": {"kda", "routed_moe"},
-            "lfm2": {"conv_step", "decode_attention"}}.get(name, set()) | {"rms_norm"}
+    want = {"llama": {"attention"}, "mamba2": {"ssd_gated_step", "conv_step"},
+            "nemotron-h": {"ssd_gated_step", "attention"}, "falcon-h1": {"ssd_gated_step"}, "rodimus": {"gla_step", "conv_step"},
+            "qwen3-next": {"gated_deltanet", "routed_moe", "attention"}, "kimi-linear": {"kda", "routed_moe"},
+            "lfm2": {"conv_step", "attention"}}.get(name, set()) | {"rms_norm"}
     assert want <= used, (name, used)
 
 
 # whole-mixer steps (ops/cpu_mixers.py): each letter's step against the layer's own PyTorch decode, step by step
-MIXER_STEPS = {"qwen3-next": {"gated_deltanet", "routed_moe"}, "kimi-linear": {"kda", "routed_moe"}}
+MIXER_STEPS = {"qwen3-next": {"gated_deltanet", "routed_moe", "attention"}, "kimi-linear": {"kda", "routed_moe"},
+               "llama": {"attention"}}
 
 
 def _counted(used: list, name: str, y):

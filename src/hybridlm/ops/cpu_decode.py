@@ -159,16 +159,16 @@ def short_cache(q: Tensor, k: Tensor) -> bool:
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
     """ops/attention.decode_attention: q [B, 1, Hq, D]; k [B, S, Hk, D], v [B, S, Hv, Dv] (views of the cache: any
-    batch and time strides, heads contiguous), Hk and Hv dividing Hq -> [B, 1, Hq, Dv]."""
+    batch, time and head strides, each head's row contiguous), Hk and Hv dividing Hq -> [B, 1, Hq, Dv]."""
     B, _, Hq, D = q.shape
     S, Hk, Hv, Dv = k.shape[1], k.shape[2], v.shape[2], v.shape[3]
     dt = k.dtype
-    if v.dtype != dt or k.stride(3) != 1 or v.stride(3) != 1 or k.stride(2) != D or v.stride(2) != Dv:
+    if v.dtype != dt or k.stride(3) != 1 or v.stride(3) != 1:
         k, v = k.to(dt).contiguous(), v.to(dt).contiguous()
     qc = q.to(dt).contiguous()
     o = torch.empty(B, 1, Hq, Dv, dtype=dt)
     cpu_kernels._lib.dec_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), B, S, Hq, Hk, Hv, D, Dv,
-                                   k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                                    D ** -0.5 if scale is None else scale, int(dt == torch.bfloat16))
     return o.to(q.dtype)
 

@@ -113,7 +113,7 @@ def bind(lib):
               "dec_delta_step": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, f32],
               "dec_delta_gated": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, i64, f32, f32],
               "dec_conv_step": [p, p, p, p, p, i64, i64, i64, i32, i32],
-              "dec_attention": [p, p, p, p, *[i64] * 11, f32, i32],
+              "dec_attention": [p, p, p, p, *[i64] * 13, f32, i32],
               "dec_rms_norm": [p, p, p, p, p, i64, i64, i64, i32, f32, i32]}
     for name, args in decode.items():
         fn = getattr(lib, name)

@@ -9,6 +9,8 @@ on the weights as stored: float32, bf16, int8 or int4 (`describe`).
     kda(layer, x, slot)              layers/kda.KDA (K): the same with KDA's low-rank gates and sigmoid output gate
     routed_moe(layer, x)             layers/routed_moe.RoutedMoE (the experts of O): router, the k chosen experts,
                                      the shared expert and its gate
+    attention(layer, x, ctx, slot)   layers/attention.Attention (A): qkv, q/k norms, RoPE, the KV append, GQA /
+                                     shared-key attention over the cache, the output gate, out
 
 Each returns the layer's output [B, 1, d] (the cache slot updated in place), or None where it cannot take the layer
 (a weight the kernels do not read, an option it does not cover): the layer then runs its PyTorch decode, which each
@@ -129,7 +131,8 @@ def _bind():
         lib.mix_gated_deltanet.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, p, f, p, p, i, i, i, i]
         lib.mix_kda.argtypes = [p, p, i, i, b, p, p, p, i, p, p, p, p, p, p, p, p, f, p, p, i, i]
         lib.mix_moe.argtypes = [p, p, i, i, b, b, p, p, b, b, f, i, p, p, p, p, p, b, p, p, b, p]
-        for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe):
+        lib.mix_attention.argtypes = [p, p, i, i, b, p, p, i, i, i, i, b, p, p, f, i, b, p, p, p, p, *[i] * 7, f]
+        for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe, lib.mix_attention):
             fn.restype = None
         lib._mixers_bound = True
     return lib
@@ -230,4 +233,39 @@ def routed_moe(layer, x: Tensor) -> Tensor | None:
     _bind().mix_moe(xc.data_ptr(), y.data_ptr(), B, d, bf, int(here), router, rbias, int(route["score"] == "sigmoid"),
                     int(route["norm_topk"]), route["scale"], k, ids.data_ptr(), weights.data_ptr(), gate, up, down,
                     code, sh_in, sh_out, int(shared is not None and shared.gated), sh_gate)
+    return y
+
+
+def attention(layer, x: Tensor, ctx, slot) -> Tensor | None:
+    """layers/attention.Attention's decode step without masks (no window, key mask or bias: the layer checks):
+    x [B, 1, d] -> [B, 1, d]; the token's k and v appended to `slot` (a KVCache holding the prefill's keys, in x's
+    dtype). None while the cache is long enough for torch's batched matmuls to read it faster
+    (cpu_decode.ATTENTION_PAIRS), as the layer's own decode chooses."""
+    H, Hk, Hv, D = layer.n_heads, layer.n_k_heads, layer.n_kv_heads, layer.head_dim
+    k, S = slot.k, slot.length + 1
+    if k is None or k.dtype != x.dtype or k.stride(3) != 1 or slot.v.stride(3) != 1 \
+            or H * S > cpu_decode.ATTENTION_PAIRS:
+        return None
+
+    def build(dtype):
+        lins = _lins(layer.qkv, layer.out)
+        if lins is None:
+            return None
+        norms = _floats(*((layer.q_norm.weight, layer.k_norm.weight) if layer.q_norm is not None else (None, None)))
+        return (*lins[0], *norms[0]), (lins[1], norms[1])
+    plan = _plan(layer, x.dtype, build)
+    if plan is None:
+        return None
+    qkv, out, qn, kn = plan[0]
+    if S > k.shape[1]:
+        slot.reserve(max(S, 2 * k.shape[1]))
+    r = layer.rope_dim
+    cos, sin = (t.float().contiguous() for t in ctx.rope(r, layer.rope_base)) if r else (None, None)
+    xc, y, B, d, bf = _io(x)
+    k, v = slot.k, slot.v
+    _bind().mix_attention(xc.data_ptr(), y.data_ptr(), B, d, bf, qkv, out, H, Hk, Hv, D, int(layer.output_gate), qn,
+                          kn, layer.q_norm.eps if layer.q_norm is not None else 0.0, r, int(layer.rope_interleaved),
+                          cos.data_ptr() if r else None, sin.data_ptr() if r else None, k.data_ptr(), v.data_ptr(),
+                          *k.stride()[:3], *v.stride()[:3], slot.length, D ** -0.5)
+    slot.length = S
     return y

@@ -27,4 +27,4 @@ extern "C" void dec_rms_norm(void* x, const void* res, const void* z, const void
                              int64_t group, int mode, float eps, int bf);
 extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t S,
                               int64_t Hq, int64_t Hk, int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss,
-                              int64_t vsb, int64_t vss, float scale, int bf);
+                              int64_t ksh, int64_t vsb, int64_t vss, int64_t vsh, float scale, int bf);

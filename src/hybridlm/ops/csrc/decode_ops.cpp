@@ -193,13 +193,13 @@ extern "C" void dec_conv_step(const void* x, void* state, const void* w, const v
     else conv_step((const float*)x, (float*)state, (const float*)w, (const float*)bias, (float*)y, Bn, C, W, silu);
 }
 
-// one query over every cached key: q [B, Hq, D]; k, v as stored in the cache, element strides (batch, time) and
-// heads contiguous [.., Hk, D] / [.., Hv, Dv]; Hk and Hv divide Hq -> o [B, Hq, Dv] = softmax(scale q kᵀ) v.
+// one query over every cached key: q [B, Hq, D]; k, v as stored in the cache, element strides (batch, time, head:
+// the cache is head-major) and each head's row contiguous; Hk and Hv divide Hq -> o [B, Hq, Dv] = softmax(scale q kᵀ) v.
 // By key head, then by value head: each cached row is read and converted once for all the query heads it serves.
 template <typename T>
 static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t S, int64_t Hq, int64_t Hk,
-                   int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t vsb, int64_t vss,
-                   float scale) {
+                   int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb,
+                   int64_t vss, int64_t vsh, float scale) {
     const int64_t gk = Hq / Hk, gv = Hq / Hv;
     std::vector<float> P(Bn * Hq * S);
 #pragma omp parallel for schedule(static)
@@ -210,7 +210,7 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
         for (int64_t j = 0; j < gk; j++)
             for (int64_t d = 0; d < D; d++) qf[j * D + d] = ld(q, (b * Hq + hk * gk + j) * D + d) * scale;
         for (int64_t s = 0; s < S; s++) {
-            const T* kr = k + b * ksb + s * kss + hk * D;
+            const T* kr = k + b * ksb + s * kss + hk * ksh;
             row_f32(kr, D, kf.data(), bits.data());
             for (int64_t j = 0; j < gk; j++) {
                 const float* qj = qf.data() + j * D;
@@ -237,7 +237,7 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
         std::vector<float> acc(gv * Dv, 0.f), vf(Dv);
         std::vector<uint32_t> bits(Dv);
         for (int64_t s = 0; s < S; s++) {
-            const T* vr = v + b * vsb + s * vss + hv * Dv;
+            const T* vr = v + b * vsb + s * vss + hv * vsh;
             row_f32(vr, Dv, vf.data(), bits.data());
             for (int64_t j = 0; j < gv; j++) {
                 const float w = P[(b * Hq + hv * gv + j) * S + s];
@@ -252,11 +252,11 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
 
 extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t S,
                               int64_t Hq, int64_t Hk, int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss,
-                              int64_t vsb, int64_t vss, float scale, int bf) {
+                              int64_t ksh, int64_t vsb, int64_t vss, int64_t vsh, float scale, int bf) {
     if (bf) attend((const uint16_t*)q, (const uint16_t*)k, (const uint16_t*)v, (uint16_t*)o, Bn, S, Hq, Hk, Hv, D, Dv,
-                   ksb, kss, vsb, vss, scale);
-    else attend((const float*)q, (const float*)k, (const float*)v, (float*)o, Bn, S, Hq, Hk, Hv, D, Dv, ksb, kss,
-                vsb, vss, scale);
+                   ksb, kss, ksh, vsb, vss, vsh, scale);
+    else attend((const float*)q, (const float*)k, (const float*)v, (float*)o, Bn, S, Hq, Hk, Hv, D, Dv, ksb, kss, ksh,
+                vsb, vss, vsh, scale);
 }
 
 // (gated) RMSNorm of rows: x [R, d] -> y [R, d] = norm(x') · weight (float32 [d] or null), the mean of squares per group of `group`

@@ -241,3 +241,77 @@ extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, i
         store(acc.data(), d, (char*)y + b * d * (bf ? 2 : 4), bf);
     }
 }
+
+// RMSNorm of each of the n vectors of D channels of v (in place) with weight w [D], rounded as the norm's output
+static void head_norm(float* v, int64_t n, int64_t D, const float* w, float eps, int bf) {
+    for (int64_t i = 0; i < n; i++) {
+        float* h = v + i * D;
+        float ss = 0.f;
+        for (int64_t c = 0; c < D; c++) ss += h[c] * h[c];
+        const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+        for (int64_t c = 0; c < D; c++) h[c] = rb(h[c] * inv * w[c], bf);
+    }
+}
+
+// RoPE on the first r channels of each of the n heads of D channels of v (in place): cos, sin [r/2] for this row;
+// halves rotated (x1 c - x2 s, x1 s + x2 c), or neighbouring pairs when `interleaved` (ops/rope.apply_rope)
+static void rope(float* v, int64_t n, int64_t D, int64_t r, const float* cs, const float* sn, int inter, int bf) {
+    const int64_t h2 = r / 2;
+    for (int64_t i = 0; i < n; i++) {
+        float* h = v + i * D;
+        for (int64_t j = 0; j < h2; j++) {
+            float* a = inter ? h + 2 * j : h + j;
+            float* b = inter ? h + 2 * j + 1 : h + j + h2;
+            const float x1 = *a, x2 = *b;
+            *a = rb(x1 * cs[j] - x2 * sn[j], bf);
+            *b = rb(x1 * sn[j] + x2 * cs[j], bf);
+        }
+    }
+}
+
+// Attention (layers/attention.py, letter A) at decode: x [B, d] -> y [B, d]. qkv (rows: q [H D], or per head
+// [query D | gate D] with `gated` (Qwen3-Next's output gate); then k [Hk D], v [Hv D]); the per-head q/k RMSNorm
+// (qn, kn: weights [D], or null); RoPE on the first r channels (cos, sin [B, r/2]); k and v appended to the cache
+// (kc, vc: [B, S, H, D] buffers in the model's dtype, element strides of batch, time, head: ks*, vs*) at `pos`;
+// softmax(scale q kᵀ) v over the pos + 1 keys (dec_attention); · sigmoid(gate); out
+extern "C" void mix_attention(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* qkv_p, const Lin* out,
+                              int64_t H, int64_t Hk, int64_t Hv, int64_t D, int gated, const float* qn,
+                              const float* kn, float eps, int64_t r, int inter, const float* cs, const float* sn,
+                              void* kc, void* vc, int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb, int64_t vss,
+                              int64_t vsh, int64_t pos, float scale) {
+    const int64_t nq = (1 + gated) * H * D, row = nq + (Hk + Hv) * D;
+    std::vector<float> xf(Bn * d), t(Bn * row), q(Bn * H * D), g(gated ? Bn * H * D : 0), o(Bn * H * D), yf(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    linear(*qkv_p, 0, xf.data(), Bn, d, t.data(), bf);
+    for (int64_t b = 0; b < Bn; b++) {
+        float* tb = t.data() + b * row;
+        float* qb = q.data() + b * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float* src = tb + h * (1 + gated) * D;
+            std::copy(src, src + D, qb + h * D);
+            if (gated) std::copy(src + D, src + 2 * D, g.data() + (b * H + h) * D);
+        }
+        float* kb = tb + nq;
+        if (qn) { head_norm(qb, H, D, qn, eps, bf); head_norm(kb, Hk, D, kn, eps, bf); }
+        if (r) {
+            rope(qb, H, D, r, cs + b * r / 2, sn + b * r / 2, inter, bf);
+            rope(kb, Hk, D, r, cs + b * r / 2, sn + b * r / 2, inter, bf);
+        }
+        const int64_t es = bf ? 2 : 4;             // the cache's element size
+        for (int64_t h = 0; h < Hk; h++) store(kb + h * D, D, (char*)kc + (b * ksb + pos * kss + h * ksh) * es, bf);
+        for (int64_t h = 0; h < Hv; h++)
+            store(kb + (Hk + h) * D, D, (char*)vc + (b * vsb + pos * vss + h * vsh) * es, bf);
+    }
+    std::vector<uint16_t> qh(bf ? Bn * H * D : 0), oh(bf ? Bn * H * D : 0);
+    if (bf) {
+        store(q.data(), Bn * H * D, qh.data(), 1);
+        dec_attention(qh.data(), kc, vc, oh.data(), Bn, pos + 1, H, Hk, Hv, D, D, ksb, kss, ksh, vsb, vss, vsh, scale, 1);
+        load(oh.data(), Bn * H * D, o.data(), 1);
+    } else {
+        dec_attention(q.data(), kc, vc, o.data(), Bn, pos + 1, H, Hk, Hv, D, D, ksb, kss, ksh, vsb, vss, vsh, scale, 0);
+    }
+    if (gated)
+        for (int64_t i = 0; i < Bn * H * D; i++) o[i] = rb(o[i] * rb(sigm(g[i]), bf), bf);
+    linear(*out, 0, o.data(), Bn, H * D, yf.data(), bf);
+    store(yf.data(), Bn * d, y, bf);
+}
