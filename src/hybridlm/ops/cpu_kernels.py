@@ -14,6 +14,7 @@ path; `HYBRIDLM_CPU_KERNELS=0` turns the kernels off. Shapes and semantics are o
 to the float32 reference.
 """
 import ctypes
+import glob
 import hashlib
 import os
 import shutil
@@ -26,10 +27,11 @@ import torch
 from torch import Tensor
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "matvec.cpp")
-# compiled into the same library: the one-token decode ops (ops/cpu_decode.py)
-# and the whole-mixer decode steps (ops/cpu_mixers.py); HEADERS are hashed with them (a change rebuilds)
-SOURCES = (SOURCE, *(os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("decode_ops.cpp", "mixers.cpp")))
-HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "decode_common.h"),)
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+# one library: matvec.cpp, the one-token decode ops (decode_ops.cpp: ops/cpu_decode.py), the whole-mixer decode
+# steps (mixers.cpp: ops/cpu_mixers.py); the headers are hashed with them (a change rebuilds)
+SOURCES = tuple(sorted(glob.glob(os.path.join(CSRC, "*.cpp"))))
+HEADERS = tuple(sorted(glob.glob(os.path.join(CSRC, "*.h"))))
 MAX_ROWS = 8       # rows of x the kernels take (decode, speculative steps); more go to PyTorch's matmul
 _lib = None        # the loaded library, False once it could not be built
 

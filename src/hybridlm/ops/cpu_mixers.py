@@ -198,7 +198,7 @@ def kda(layer, x: Tensor, slot) -> Tensor | None:
     return y
 
 
-_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}   # layers/mlp.ACTIVATIONS, as mixers.cpp numbers them
+_ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}   # layers/mlp.ACTIVATIONS in mixers.cpp
 
 
 def routed_moe(layer, x: Tensor) -> Tensor | None:

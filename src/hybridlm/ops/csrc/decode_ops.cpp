@@ -194,7 +194,8 @@ extern "C" void dec_conv_step(const void* x, void* state, const void* w, const v
 }
 
 // one query over every cached key: q [B, Hq, D]; k, v as stored in the cache, element strides (batch, time, head:
-// the cache is head-major) and each head's row contiguous; Hk and Hv divide Hq -> o [B, Hq, Dv] = softmax(scale q kᵀ) v.
+// the cache is head-major) and each head's row contiguous; Hk and Hv divide Hq -> o [B, Hq, Dv] =
+// softmax(scale q kᵀ) v.
 // By key head, then by value head: each cached row is read and converted once for all the query heads it serves.
 template <typename T>
 static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t S, int64_t Hq, int64_t Hk,

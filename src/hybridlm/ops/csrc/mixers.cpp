@@ -13,14 +13,7 @@
 #include <vector>
 
 #include "decode_common.h"
-
-// the linear kernels' entry points (matvec.cpp)
-extern "C" void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y);
-extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
-extern "C" void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
-                        float* y);
-extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
-                        const float* zero, int64_t G, int64_t N, float* y);
+#include "linear.h"
 
 // one linear layer's stored weight (ops/cpu_mixers.py's `Lin`): W [N, K] float32 (fmt 0) or bf16 (1), int8 with
 // scale [N] (2), int4 uint8 [N, K/2] with scale, zero [N, G] (3; K padded to the groups); bias float32 [N] or null.
@@ -128,8 +121,8 @@ extern "C" void mix_gated_deltanet(const void* x, void* y, int64_t Bn, int64_t d
 }
 
 // KDA (layers/kda.py, letter K): x [B, d] -> y [B, d]. qkv [B, 3 H D] -> conv + SiLU; per-channel decay from
-// f_b(f_a(x)), beta from b_proj(x); the delta rule on `state` [B, H, D, D]; RMSNorm(o) · weight · sigmoid(g_b(g_a(x)))
-// per head; o_proj
+// f_b(f_a(x)), beta from b_proj(x); the delta rule on `state` [B, H, D, D]; per head
+// RMSNorm(o) · weight · sigmoid(g_b(g_a(x))); o_proj
 extern "C" void mix_kda(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* qkv_p, const float* conv_w,
                         void* tail, int64_t W, const Lin* f_a, const Lin* f_b, const Lin* b_proj, const float* A_log,
                         const float* dt_bias, const Lin* g_a, const Lin* g_b, const float* norm_w, float norm_eps,
@@ -302,14 +295,11 @@ extern "C" void mix_attention(const void* x, void* y, int64_t Bn, int64_t d, int
         for (int64_t h = 0; h < Hv; h++)
             store(kb + (Hk + h) * D, D, (char*)vc + (b * vsb + pos * vss + h * vsh) * es, bf);
     }
-    std::vector<uint16_t> qh(bf ? Bn * H * D : 0), oh(bf ? Bn * H * D : 0);
-    if (bf) {
-        store(q.data(), Bn * H * D, qh.data(), 1);
-        dec_attention(qh.data(), kc, vc, oh.data(), Bn, pos + 1, H, Hk, Hv, D, D, ksb, kss, ksh, vsb, vss, vsh, scale, 1);
-        load(oh.data(), Bn * H * D, o.data(), 1);
-    } else {
-        dec_attention(q.data(), kc, vc, o.data(), Bn, pos + 1, H, Hk, Hv, D, D, ksb, kss, ksh, vsb, vss, vsh, scale, 0);
-    }
+    std::vector<uint16_t> qh(bf ? Bn * H * D : 0), oh(bf ? Bn * H * D : 0);   // q and o in the cache's dtype
+    if (bf) store(q.data(), Bn * H * D, qh.data(), 1);
+    dec_attention(bf ? (void*)qh.data() : (void*)q.data(), kc, vc, bf ? (void*)oh.data() : (void*)o.data(), Bn,
+                  pos + 1, H, Hk, Hv, D, D, ksb, kss, ksh, vsb, vss, vsh, scale, bf);
+    if (bf) load(oh.data(), Bn * H * D, o.data(), 1);
     if (gated)
         for (int64_t i = 0; i < Bn * H * D; i++) o[i] = rb(o[i] * rb(sigm(g[i]), bf), bf);
     linear(*out, 0, o.data(), Bn, H * D, yf.data(), bf);
