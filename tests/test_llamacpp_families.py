@@ -53,3 +53,45 @@ def test_families_through_llama_cpp_quick(tmp_path):
         assert agree["max_abs_logit_diff"] < 0.1 * max(1.0, agree["logit_scale"]), name
     assert len(res["rows"]) == 2 * len(lf.FAMILIES)
     assert "| qwen3-next |" in (tmp_path / "families.md").read_text()
+
+
+def test_the_two_llamacpp_suites_share_one_module_and_record_the_host():
+    """bench/llamacpp.py and bench/llamacpp_families.py import what they share from bench/llamacpp_jobs.py, not each
+    other the other way round; a result's meta and markdown say the CPU, its vector flags and the kernel path."""
+    import ast
+    import hybridlm.bench.llamacpp as lc
+    from hybridlm.bench import registry
+    tree = ast.parse(open(lf.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "llamacpp" not in imported and "llamacpp_jobs" in imported
+    assert lc.hybridlm_job is lf.hybridlm_job
+    meta = registry.meta(False)
+    assert meta["cpu"] and isinstance(meta["cpu_flags"], list) and meta["cpu_kernels"]
+    line = registry.host_line(meta)
+    assert meta["cpu"] in line and meta["cpu_kernels"] in line
+    res = {**meta, "rows": [{"family": "llama", "parameters": 1e9, "llamacpp": "bf16", "hybridlm": "bfloat16",
+                             "decode_tokens_per_s": {"llamacpp": [10.0], "hybridlm": [12.0]}, "decode_ratio": 1.2,
+                             "prefill_tokens_per_s": {"llamacpp": [100.0], "hybridlm": [90.0]},
+                             "prefill_ratio": 0.9}]}
+    md = lf.families_table(res)
+    assert md.startswith(line) and "| llama | 1.00B | bf16 / bfloat16 |" in md
+
+
+def test_models_and_servers_tables_lead_with_the_host():
+    from hybridlm.bench.llamacpp import models_table
+    from hybridlm.bench.registry import cpu_host, host_line
+    from hybridlm.bench.serve import servers_table
+    host = cpu_host()
+    rows = [{"model": "llama", "runtime": "llama.cpp", "weights": "q4_0", "parameters": 2e9,
+             "decode_tokens_per_s": [10.0], "prefill_tokens_per_s": [100.0]},
+            {"model": "llama", "runtime": "hybridlm", "weights": "int4", "parameters": 2e9,
+             "decode_tokens_per_s": [5.0], "prefill_tokens_per_s": [50.0], "decode_vs_llamacpp": 0.5,
+             "prefill_vs_llamacpp": 0.5}]
+    md = models_table({**host, "rows": rows})
+    assert md.startswith(host_line(host)) and "| llama | 2.00B | q4_0 / int4 | 10.0 | 5.0 | 0.50x |" in md
+    level = lambda c, t: {"concurrency": c, "tokens_per_s": t}           # noqa: E731
+    res = {"machine": {**host, "cores": 2, "threads": 2},
+           "servers": {"hybridlm": {"levels": [level(1, 8.0), level(16, 30.0)]},
+                       "llama-server": {"levels": [level(1, 10.0), level(16, 40.0)]}}}
+    md = servers_table(res)
+    assert md.startswith(host_line(host)) and "| 16 | 40.0 | 30.0 | 0.75x |" in md

@@ -16,7 +16,7 @@ import time
 import torch
 
 from . import measure as ms
-from .llamacpp import LLAMA_FTYPES, convert_to_gguf, hybridlm_job, llamacpp_job, quantize_gguf
+from .llamacpp_jobs import LLAMA_FTYPES, PAIRS, convert_to_gguf, hybridlm_job, llamacpp_job, quantize_gguf
 
 # name -> (transformers config class, its arguments at ~1B, at --quick size). Vocabulary 32,000 for all but Mamba-2
 # (llama.cpp pads Mamba vocabularies to 16): the weights a decode step reads are the layers', as released.
@@ -104,7 +104,6 @@ FAMILIES = {
 }
 VOCAB = 32000
 RUNTIMES = ("bf16", "q8_0", "q4_0")
-PAIRS = {"f32": "float32", "bf16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
 
 
 def family_config(name: str, quick: bool = False):
@@ -219,7 +218,7 @@ def families_suite(s: dict, log=print) -> dict:
     list), prompt, new, rounds, runtimes, dir, llamacpp_src, quick. -> {"rows": [...], "families": {...}}."""
     from ..dtypes import cpu_flags
     from ..errors import ConfigError
-    from ..runtime import cpu_model
+    from .registry import cpu_host
     families = list(FAMILIES) if s["families"] == "all" else s["families"].split(",")
     runtimes = tuple(s["runtimes"].split(","))
     bad = [rt for rt in runtimes if rt not in PAIRS]
@@ -229,7 +228,7 @@ def families_suite(s: dict, log=print) -> dict:
         family_config(name)                          # one clear error for a misspelt family, before any work
     prompt, new, quick = s["prompt"], s["new"], s["quick"]
     threads = torch.get_num_threads()
-    out = {"settings": dict(s), "threads": threads, "cpu": cpu_model(),
+    out = {"settings": dict(s), "threads": threads, **cpu_host(),
            "cpu_bf16": sorted({"amx_bf16", "avx512_bf16"} & cpu_flags()), "families": {}, "rows": []}
     for name in families:
         t = time.perf_counter()
@@ -259,6 +258,7 @@ def families_suite(s: dict, log=print) -> dict:
                 row[key] = {"llamacpp": [r[key] for r in theirs], "hybridlm": [r[key] for r in ours]}
                 row[key.split("_")[0] + "_ratio"] = ms.median(row[key]["hybridlm"]) / ms.median(row[key]["llamacpp"])
             out["rows"].append(row)
+            out["cpu_kernels"] = ours[0].get("kernels", out["cpu_kernels"])     # the path the hybridlm run took
             log(f"  {rt:>5} / {PAIRS[rt]:<8} decode {ms.median(row['decode_tokens_per_s']['llamacpp']):6.2f} vs "
                 f"{ms.median(row['decode_tokens_per_s']['hybridlm']):6.2f} tok/s ({row['decode_ratio']:.2f}x); "
                 f"prefill {ms.median(row['prefill_tokens_per_s']['llamacpp']):6.1f} vs "
@@ -268,12 +268,15 @@ def families_suite(s: dict, log=print) -> dict:
 
 
 def families_table(res: dict) -> str:
-    """The suite's result as markdown: one row per family and runtime pair, medians over the rounds."""
+    """The suite's result as markdown: the host (CPU, flags, kernel path), then one row per family and runtime pair,
+    medians over the rounds."""
     from ..markdown import markdown_table
+    from .registry import host_line
     med = ms.median
     rows = [[r["family"], f"{r['parameters'] / 1e9:.2f}B", f"{r['llamacpp']} / {r['hybridlm']}",
              f"{med(r['decode_tokens_per_s']['llamacpp']):.1f}", f"{med(r['decode_tokens_per_s']['hybridlm']):.1f}",
              f"{r['decode_ratio']:.2f}x", f"{med(r['prefill_tokens_per_s']['llamacpp']):.0f} / "
              f"{med(r['prefill_tokens_per_s']['hybridlm']):.0f}", f"{r['prefill_ratio']:.2f}x"] for r in res["rows"]]
-    return "\n".join(markdown_table(["family", "params", "llama.cpp / hybridlm", "decode llama.cpp", "decode hybridlm",
-                                      "decode ratio", "prefill tok/s", "prefill ratio"], rows)) + "\n"
+    return host_line(res) + "\n" + "\n".join(markdown_table(
+        ["family", "params", "llama.cpp / hybridlm", "decode llama.cpp", "decode hybridlm", "decode ratio",
+         "prefill tok/s", "prefill ratio"], rows)) + "\n"

@@ -220,14 +220,51 @@ def settings(name: str, *, quick: bool = False, out: str | None = None, **flags)
             "out": out or suite.out or os.path.join("runs", "bench", f"{name}.json")}
 
 
+# the CPU flags a result records: the vector instruction sets the kernels (ours, llama.cpp's, PyTorch's) choose by
+SIMD_FLAGS = ("sse4", "avx", "fma", "f16c", "amx", "asimd", "neon", "sve")
+
+
+def cpu_kernel_path() -> str:
+    """Which path hybridlm's CPU linears and decode steps take on this machine: the project's C++ kernels at the
+    instruction-set level they were built or chosen for (`ops.cpu_kernels.level()`, the run-time dispatch; before
+    it, the -march=native build, bf16 dot products or not), or PyTorch's where the kernels are off or unbuilt."""
+    import warnings
+
+    from ..ops import cpu_kernels
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")             # (the reason is printed by the run that uses them)
+        if not cpu_kernels.available():
+            return "PyTorch (the project's CPU kernels are off or could not be built)"
+    level = getattr(cpu_kernels, "level", None)
+    if level is not None:
+        return f"hybridlm C++ kernels, level {level()}"
+    return "hybridlm C++ kernels, -march=native build" + (", bf16 dot products" if cpu_kernels.bf16_dot() else "")
+
+
+def cpu_host() -> dict:
+    """The CPU a result ran on: model, vector-instruction flags, and the kernel path hybridlm took there."""
+    from ..dtypes import cpu_flags
+    from ..runtime import cpu_model
+    return {"cpu": cpu_model(), "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(SIMD_FLAGS)),
+            "cpu_kernels": cpu_kernel_path()}
+
+
+def host_line(host: dict) -> str:
+    """cpu_host() as one markdown line, the first of a CPU suite's table."""
+    return (f"CPU: {host['cpu']}; flags: {' '.join(host['cpu_flags']) or 'none listed'}; hybridlm kernel path: "
+            f"{host['cpu_kernels']}\n")
+
+
 def meta(quick: bool) -> dict:
-    """machine_meta() + quick + the transformers version (None when not installed)."""
+    """machine_meta() + cpu_host() (model, vector flags, kernel path) + quick + the transformers version (None when
+    not installed)."""
     from ..runtime import machine_meta
     try:
         import transformers
     except ImportError:
         transformers = None
-    return dict(machine_meta(), quick=bool(quick), transformers=transformers and transformers.__version__)
+    return dict(machine_meta(), **cpu_host(), quick=bool(quick),
+                transformers=transformers and transformers.__version__)
 
 
 def run_suite(name: str, s: dict, log=print) -> int:

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from ..runtime import cpu_model
+from .registry import cpu_host
 
 PRESETS = ["transformer++", "mamba2", "rodimus++", "mamba2-attention"]
 VOCAB = 128
@@ -283,7 +284,7 @@ def compare_llama_server(s: dict, log=print) -> dict:
            "-t", threads, "-tb", threads, "-c", str(ctx), "--no-webui"]
     load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
                 time_limit=s["time_limit"], log=log)
-    out = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": int(threads)},
+    out = {"machine": {**cpu_host(), "cores": os.cpu_count(), "threads": int(threads)},
            "weights": {"family": "llama", "parameters": made["parameters"], "dtype": "bfloat16"}, "servers": {}}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -304,7 +305,20 @@ def compare_llama_server(s: dict, log=print) -> dict:
     out["ratio_at_max_concurrency"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
     log(f"at concurrency {n}: hybridlm serve {ours['tokens_per_s']:.1f} tok/s, llama-server "
         f"{theirs['tokens_per_s']:.1f} tok/s ({out['ratio_at_max_concurrency']:.2f}x)")
+    out["markdown"] = servers_table(out)
     return out
+
+
+def servers_table(res: dict) -> str:
+    """compare_llama_server's result as markdown: the host (CPU, flags, the kernel path `hybridlm serve` took), then
+    tokens/s of each server at each concurrency."""
+    from ..markdown import markdown_table
+    from .registry import host_line
+    ours, theirs = (res["servers"][k]["levels"] for k in ("hybridlm", "llama-server"))
+    rows = [[str(a["concurrency"]), f"{b['tokens_per_s']:.1f}", f"{a['tokens_per_s']:.1f}",
+             f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x"] for a, b in zip(ours, theirs)]
+    return host_line(res["machine"]) + "\n" + "\n".join(markdown_table(
+        ["concurrency", "llama-server tok/s", "hybridlm serve tok/s", "ratio"], rows)) + "\n"
 
 
 def _warm_up(url: str, load: dict, tries: int = 30):
