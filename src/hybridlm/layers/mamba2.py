@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode
+from ..ops import cpu_decode, cpu_mixers
 from ..ops.norm import gated_rms_norm
 from ..ops.ssd import ssd_chunked, ssd_step
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -62,9 +62,14 @@ class Mamba2(nn.Module):
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
+        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
+        if (slot is not None and T == 1 and slot.state is not None and slot.conv is not None
+                and ctx.pad_mask is None and cpu_mixers.serves(x)):
+            y = cpu_mixers.mamba2(self, x, slot)            # decode on a CPU: the whole step in one C++ call
+            if y is not None:
+                return y
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.d_inner + 2 * g * n, h), dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1).to(x.dtype) if ctx.pad_mask is not None else None
-        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         xBC = F.silu(self.conv(xBC, ctx, slot))
         if mask is not None:  # padded positions must not reach the state
             xBC = xBC * mask

@@ -11,6 +11,9 @@ on the weights as stored: float32, bf16, int8 or int4 (`describe`).
                                      the shared expert and its gate
     attention(layer, x, ctx, slot)   layers/attention.Attention (A): qkv, q/k norms, RoPE, the KV append, GQA /
                                      shared-key attention over the cache, the output gate, out
+    mamba2(layer, x, slot)           layers/mamba2.Mamba2 (S): in_proj, conv, dt / A / D, the SSD update, the
+                                     gate or gated norm, out_proj
+    gated_conv(layer, x, slot)       layers/gated_conv.GatedShortConv (C, LFM2): in_proj, the gated conv, out_proj
 
 Each returns the layer's output [B, 1, d] (the cache slot updated in place), or None where it cannot take the layer
 (a weight the kernels do not read, an option it does not cover): the layer then runs its PyTorch decode, which each
@@ -132,7 +135,10 @@ def _bind():
         lib.mix_kda.argtypes = [p, p, i, i, b, p, p, p, i, p, p, p, p, p, p, p, p, f, p, p, i, i]
         lib.mix_moe.argtypes = [p, p, i, i, b, b, p, p, b, b, f, i, p, p, p, p, p, b, p, p, b, p]
         lib.mix_attention.argtypes = [p, p, i, i, b, p, p, i, i, i, i, b, p, p, f, i, b, p, p, p, p, *[i] * 7, f]
-        for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe, lib.mix_attention):
+        lib.mix_mamba2.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, p, f, f, b, p, f, p, p, i, i, i, i]
+        lib.mix_gated_conv.argtypes = [p, p, i, i, b, p, p, p, p, i, p]
+        for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe, lib.mix_attention, lib.mix_mamba2,
+                   lib.mix_gated_conv):
             fn.restype = None
         lib._mixers_bound = True
     return lib
@@ -148,6 +154,11 @@ def _recurrent_slot(slot, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 def _conv_weight(conv, dtype: torch.dtype) -> Tensor:
     """A ShortConv's weight [C, W] as its decode reads it (in the activations' dtype), in float32."""
     return conv.weight.detach().to(dtype).float().contiguous()
+
+
+def _conv_bias(conv, dtype: torch.dtype) -> Tensor | None:
+    """A ShortConv's bias [C] (or None) as its decode reads it (in the activations' dtype), in float32."""
+    return None if conv.bias is None else conv.bias.detach().to(dtype).float().contiguous()
 
 
 def _io(x: Tensor) -> tuple[Tensor, Tensor, int, int, int]:
@@ -268,4 +279,48 @@ def attention(layer, x: Tensor, ctx, slot) -> Tensor | None:
                           cos.data_ptr() if r else None, sin.data_ptr() if r else None, k.data_ptr(), v.data_ptr(),
                           *k.stride()[:3], *v.stride()[:3], slot.length, D ** -0.5)
     slot.length = S
+    return y
+
+
+def mamba2(layer, x: Tensor, slot) -> Tensor | None:
+    """layers/mamba2.Mamba2's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (conv [B, W-1, di + 2 g n], state
+    [B, h, p, n]) updated in place."""
+    def build(dtype):
+        lins = _lins(layer.in_proj, layer.out_proj)
+        if lins is None:
+            return None
+        small = _floats(_conv_weight(layer.conv, dtype), _conv_bias(layer.conv, dtype), layer.dt_bias, layer.A_log,
+                        layer.D, layer.norm_weight)
+        return (*lins[0], *small[0]), (lins[1], small[1])
+    plan = _plan(layer, x.dtype, build)
+    if plan is None:
+        return None
+    in_proj, out, cw, cb, dt_bias, A_log, D, norm_w = plan[0]
+    conv, state = _recurrent_slot(slot, x.dtype)
+    lo, hi = layer.dt_limit if layer.dt_limit is not None else (0.0, float("inf"))
+    norm = 0 if layer.norm_weight is None else 2 if layer.norm == "norm_gate" else 1
+    xc, y, B, d, bf = _io(x)
+    _bind().mix_mamba2(xc.data_ptr(), y.data_ptr(), B, d, bf, in_proj, cw, cb, conv.data_ptr(), layer.conv.kernel,
+                       dt_bias, A_log, D, lo, hi, norm, norm_w, layer.norm_eps, state.data_ptr(), out, layer.nheads,
+                       layer.headdim, layer.ngroups, layer.d_state)
+    return y
+
+
+def gated_conv(layer, x: Tensor, slot) -> Tensor | None:
+    """layers/gated_conv.GatedShortConv's decode step: x [B, 1, d] -> [B, 1, d]; `slot.conv` [B, W-1, d] shifted in
+    place."""
+    def build(dtype):
+        lins = _lins(layer.in_proj, layer.out_proj)
+        if lins is None:
+            return None
+        small = _floats(_conv_weight(layer.conv, dtype), _conv_bias(layer.conv, dtype))
+        return (*lins[0], *small[0]), (lins[1], small[1])
+    plan = _plan(layer, x.dtype, build)
+    if plan is None:
+        return None
+    in_proj, out, cw, cb = plan[0]
+    slot.conv = cpu_decode.owned(slot.conv, x.dtype)
+    xc, y, B, d, bf = _io(x)
+    _bind().mix_gated_conv(xc.data_ptr(), y.data_ptr(), B, d, bf, in_proj, cw, cb, slot.conv.data_ptr(),
+                           layer.conv.kernel, out)
     return y

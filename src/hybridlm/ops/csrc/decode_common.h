@@ -23,6 +23,9 @@ static inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::ex
 extern "C" void dec_delta_gated(const float* qkv, const float* b, const float* a, const float* A_log,
                                 const float* dt_bias, int per_key, float* state, float* o, int64_t Bn, int64_t H,
                                 int64_t Hk, int64_t K, int64_t V, float scale, float eps);
+extern "C" void dec_ssd_gated(const float* x, const float* dt_raw, const float* dt_bias, const float* A_log,
+                              const float* D, float lo, float hi, const float* Bm, const float* Cm, float* state,
+                              float* y, int64_t Bn, int64_t H, int64_t P, int64_t G, int64_t N);
 extern "C" void dec_rms_norm(void* x, const void* res, const void* z, const void* w, void* y, int64_t R, int64_t d,
                              int64_t group, int mode, float eps, int bf);
 extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t S,

@@ -63,26 +63,28 @@ static void store(const float* v, int64_t n, void* out, int bf) {
     for (int64_t i = 0; i < n; i++) bf ? st((uint16_t*)out, i, v[i]) : st((float*)out, i, v[i]);
 }
 
-// ShortConv's step and the SiLU after it, in place on x [B, C]: the tail [B, W-1, C] (in the model's dtype) shifted,
-// weight float32 [C, W] (the layer's, in the model's dtype first), no bias (Gated DeltaNet and KDA have none)
+// ShortConv's step (then the SiLU after it with `act`), in place on x [B, C]: the tail [B, W-1, C] (in the model's
+// dtype) shifted; weight float32 [C, W] and bias [C] or null (the layer's, in the model's dtype first)
 template <typename T>
-static void conv_silu(float* x, T* tail, const float* w, int64_t Bn, int64_t C, int64_t W, int bf) {
+static void conv(float* x, T* tail, const float* w, const float* bias, int64_t Bn, int64_t C, int64_t W, int act,
+                 int bf) {
     for (int64_t b = 0; b < Bn; b++) {
         T* s = tail + b * (W - 1) * C;
         for (int64_t c = 0; c < C; c++) {
             const float xc = x[b * C + c];
-            float acc = 0.f;
+            float acc = bias ? bias[c] : 0.f;
             for (int64_t j = 0; j < W - 1; j++) acc += w[c * W + j] * ld(s, j * C + c);
             acc += w[c * W + W - 1] * xc;
             for (int64_t j = 0; j + 1 < W - 1; j++) s[j * C + c] = s[(j + 1) * C + c];
             if (W > 1) st(s, (W - 2) * C + c, xc);
-            x[b * C + c] = rb(silu(rb(acc, bf)), bf);
+            x[b * C + c] = act ? rb(silu(rb(acc, bf)), bf) : rb(acc, bf);
         }
     }
 }
 
-static void conv_silu(float* x, void* tail, const float* w, int64_t Bn, int64_t C, int64_t W, int bf) {
-    bf ? conv_silu(x, (uint16_t*)tail, w, Bn, C, W, bf) : conv_silu(x, (float*)tail, w, Bn, C, W, bf);
+static void conv(float* x, void* tail, const float* w, const float* bias, int64_t Bn, int64_t C, int64_t W, int act,
+                 int bf) {
+    bf ? conv(x, (uint16_t*)tail, w, bias, Bn, C, W, act, bf) : conv(x, (float*)tail, w, bias, Bn, C, W, act, bf);
 }
 
 // Gated DeltaNet (layers/gated_deltanet.py, letter G): x [B, d] -> y [B, d]. qkvz [B, hk (2 dk + 2 r dv)] and
@@ -110,7 +112,7 @@ extern "C" void mix_gated_deltanet(const void* x, void* y, int64_t Bn, int64_t d
             std::copy(g, g + r, bb.data() + b * hv + h * r);
             std::copy(g + r, g + 2 * r, aa.data() + b * hv + h * r);
         }
-    conv_silu(qkv.data(), tail, conv_w, Bn, C, W, bf);
+    conv(qkv.data(), tail, conv_w, nullptr, Bn, C, W, 1, bf);
     dec_delta_gated(qkv.data(), bb.data(), aa.data(), A_log, dt_bias, 0, state, o.data(), Bn, hv, hk, dk, dv,
                     1.f / std::sqrt(float(dk)), 1e-6f);
     for (auto& v : o) v = rb(v, bf);
@@ -132,7 +134,7 @@ extern "C" void mix_kda(const void* x, void* y, int64_t Bn, int64_t d, int bf, c
         o(Bn * H * D), yf(Bn * d);
     load(x, Bn * d, xf.data(), bf);
     linear(*qkv_p, 0, xf.data(), Bn, d, qkv.data(), bf);
-    conv_silu(qkv.data(), tail, conv_w, Bn, 3 * H * D, W, bf);
+    conv(qkv.data(), tail, conv_w, nullptr, Bn, 3 * H * D, W, 1, bf);
     linear(*f_a, 0, xf.data(), Bn, d, lo.data(), bf);
     linear(*f_b, 0, lo.data(), Bn, rank, f.data(), bf);
     linear(*b_proj, 0, xf.data(), Bn, d, beta.data(), bf);
@@ -303,5 +305,60 @@ extern "C" void mix_attention(const void* x, void* y, int64_t Bn, int64_t d, int
     if (gated)
         for (int64_t i = 0; i < Bn * H * D; i++) o[i] = rb(o[i] * rb(sigm(g[i]), bf), bf);
     linear(*out, 0, o.data(), Bn, H * D, yf.data(), bf);
+    store(yf.data(), Bn * d, y, bf);
+}
+
+// Mamba-2 (layers/mamba2.py, letter S): x [B, d] -> y [B, d]. in_proj -> [z (di) | xBC (di + 2 g n) | dt (h)];
+// conv (+ bias) + SiLU over xBC; dt, A, the SSD update of `state` [B, h, p, n] and the D skip (dec_ssd_gated);
+// then the gate: y · silu(z) (`norm` 0), RMSNorm(y · silu(z)) · weight (1) or RMSNorm(y) · weight · silu(z) (2),
+// the norm per group of di / g channels; out_proj
+extern "C" void mix_mamba2(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* in_proj,
+                           const float* conv_w, const float* conv_b, void* tail, int64_t W, const float* dt_bias,
+                           const float* A_log, const float* D, float lo, float hi, int norm, const float* norm_w,
+                           float eps, float* state, const Lin* out, int64_t h, int64_t p, int64_t g, int64_t n) {
+    const int64_t di = h * p, C = di + 2 * g * n, row = di + C + h;
+    std::vector<float> xf(Bn * d), t(Bn * row), xbc(Bn * C), z(Bn * di), dt(Bn * h), xs(Bn * di), Bm(Bn * g * n),
+        Cm(Bn * g * n), o(Bn * di), yf(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    linear(*in_proj, 0, xf.data(), Bn, d, t.data(), bf);
+    for (int64_t b = 0; b < Bn; b++) {
+        const float* tb = t.data() + b * row;
+        std::copy(tb, tb + di, z.data() + b * di);
+        std::copy(tb + di, tb + di + C, xbc.data() + b * C);
+        std::copy(tb + di + C, tb + row, dt.data() + b * h);
+    }
+    conv(xbc.data(), tail, conv_w, conv_b, Bn, C, W, 1, bf);
+    for (int64_t b = 0; b < Bn; b++) {
+        const float* r = xbc.data() + b * C;
+        std::copy(r, r + di, xs.data() + b * di);
+        std::copy(r + di, r + di + g * n, Bm.data() + b * g * n);
+        std::copy(r + di + g * n, r + C, Cm.data() + b * g * n);
+    }
+    dec_ssd_gated(xs.data(), dt.data(), dt_bias, A_log, D, lo, hi, Bm.data(), Cm.data(), state, o.data(), Bn, h, p,
+                  g, n);
+    for (auto& v : o) v = rb(v, bf);
+    if (norm == 0)
+        for (int64_t i = 0; i < Bn * di; i++) o[i] = rb(o[i] * silu(z[i]), bf);
+    else {
+        dec_rms_norm(o.data(), nullptr, z.data(), norm_w, o.data(), Bn, di, di / g, norm, eps, 0);
+        for (auto& v : o) v = rb(v, bf);
+    }
+    linear(*out, 0, o.data(), Bn, di, yf.data(), bf);
+    store(yf.data(), Bn * d, y, bf);
+}
+
+// LFM2's gated short conv (layers/gated_conv.py, letter C): x [B, d] -> y [B, d] = out_proj(c · conv(b · h)),
+// [b | c | h] = in_proj(x); the conv's tail [B, W-1, d] shifted in place
+extern "C" void mix_gated_conv(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* in_proj,
+                               const float* conv_w, const float* conv_b, void* tail, int64_t W, const Lin* out) {
+    std::vector<float> xf(Bn * d), t(Bn * 3 * d), u(Bn * d), yf(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    linear(*in_proj, 0, xf.data(), Bn, d, t.data(), bf);
+    for (int64_t b = 0; b < Bn; b++)
+        for (int64_t c = 0; c < d; c++) u[b * d + c] = rb(t[b * 3 * d + c] * t[b * 3 * d + 2 * d + c], bf);
+    conv(u.data(), tail, conv_w, conv_b, Bn, d, W, 0, bf);
+    for (int64_t b = 0; b < Bn; b++)
+        for (int64_t c = 0; c < d; c++) u[b * d + c] = rb(t[b * 3 * d + d + c] * u[b * d + c], bf);
+    linear(*out, 0, u.data(), Bn, d, yf.data(), bf);
     store(yf.data(), Bn * d, y, bf);
 }
