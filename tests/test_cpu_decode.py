@@ -178,7 +178,7 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
                "decode_attention", "rms_norm"):
         real = getattr(cpu_decode, fn)
         monkeypatch.setattr(cpu_decode, fn, lambda *a, _f=real, _n=fn, **k: used.add(_n) or _f(*a, **k))
-    for fn in ("gated_deltanet", "kda", "routed_moe", "attention", "mamba2", "gated_conv"):
+    for fn in ("gated_deltanet", "kda", "routed_moe", "attention", "mamba2", "gated_conv", "rodimus"):
         real = getattr(cpu_mixers, fn)
         monkeypatch.setattr(cpu_mixers, fn, lambda *a, _f=real, _n=fn: used.add(_n) or _f(*a))
     with torch.no_grad():
@@ -189,7 +189,7 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
     assert_close(dec, full, **tol, msg=name)
     want = {"llama": {"attention"}, "mamba2": {"mamba2"}, "nemotron-h": {"mamba2", "attention"},
             "falcon-h1": {"mamba2"},
-            "rodimus": {"gla_step", "conv_step"},
+            "rodimus": {"rodimus"},
             "qwen3-next": {"gated_deltanet", "routed_moe", "attention"}, "kimi-linear": {"kda", "routed_moe"},
             "lfm2": {"gated_conv", "attention"}}.get(name, set()) | {"rms_norm"}
     assert want <= used, (name, used)
@@ -198,7 +198,8 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
 # whole-mixer steps (ops/cpu_mixers.py): each letter's step against the layer's own PyTorch decode, step by step
 MIXER_STEPS = {"qwen3-next": {"gated_deltanet", "routed_moe", "attention"}, "kimi-linear": {"kda", "routed_moe"},
                "llama": {"attention"}, "mamba2": {"mamba2"}, "nemotron-h": {"mamba2", "attention"},
-               "falcon-h1": {"mamba2", "attention"}, "lfm2": {"gated_conv", "attention"}}
+               "falcon-h1": {"mamba2", "attention"}, "lfm2": {"gated_conv", "attention"}, "rodimus": {"rodimus"},
+               "rodimus++": {"rodimus"}}
 
 
 def _counted(used: list, name: str, y):

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode
+from ..ops import cpu_decode, cpu_mixers
 from ..ops.gla import gla_chunked, gla_step
 from ..ops.gla_product import gla_product_chunked, gla_product_step
 from ..ops.norm import gated_rms_norm
@@ -100,12 +100,16 @@ class Rodimus(nn.Module):
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         n = self.d_state
+        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
+        step = slot is not None and T == 1 and slot.state is not None
+        if step and slot.conv is not None and ctx.pad_mask is None and cpu_mixers.serves(x):
+            y = cpu_mixers.rodimus(self, x, slot)           # decode on a CPU: the whole step in one C++ call
+            if y is not None:
+                return y
         xi, z = self.fc(x).chunk(2, dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
         if mask is not None:  # padded positions must not reach the state through u = β̂ ⊙ x (nor the conv taps)
             xi = xi * mask.to(xi.dtype)
-        slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
-        step = slot is not None and T == 1 and slot.state is not None
         xc = F.silu(self.conv(xi, ctx, slot))
 
         q, k = self.qk_proj(xc).split(n, dim=-1)

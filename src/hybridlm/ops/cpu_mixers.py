@@ -14,6 +14,8 @@ on the weights as stored: float32, bf16, int8 or int4 (`describe`).
     mamba2(layer, x, slot)           layers/mamba2.Mamba2 (S): in_proj, conv, dt / A / D, the SSD update, the
                                      gate or gated norm, out_proj
     gated_conv(layer, x, slot)       layers/gated_conv.GatedShortConv (C, LFM2): in_proj, the gated conv, out_proj
+    rodimus(layer, x, slot)          layers/rodimus.Rodimus (R): fc, conv, q/k, the DDTS gates, β̂, the GLA
+                                     update, the feed-through, gated norm, out_proj
 
 Each returns the layer's output [B, 1, d] (the cache slot updated in place), or None where it cannot take the layer
 (a weight the kernels do not read, an option it does not cover): the layer then runs its PyTorch decode, which each
@@ -137,8 +139,9 @@ def _bind():
         lib.mix_attention.argtypes = [p, p, i, i, b, p, p, i, i, i, i, b, p, p, f, i, b, p, p, p, p, *[i] * 7, f]
         lib.mix_mamba2.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, p, f, f, b, p, f, p, p, i, i, i, i]
         lib.mix_gated_conv.argtypes = [p, p, i, i, b, p, p, p, p, i, p]
+        lib.mix_rodimus.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, b, p, p, p, p, p, p, f, p, p, i, i]
         for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe, lib.mix_attention, lib.mix_mamba2,
-                   lib.mix_gated_conv):
+                   lib.mix_gated_conv, lib.mix_rodimus):
             fn.restype = None
         lib._mixers_bound = True
     return lib
@@ -323,4 +326,30 @@ def gated_conv(layer, x: Tensor, slot) -> Tensor | None:
     xc, y, B, d, bf = _io(x)
     _bind().mix_gated_conv(xc.data_ptr(), y.data_ptr(), B, d, bf, in_proj, cw, cb, slot.conv.data_ptr(),
                            layer.conv.kernel, out)
+    return y
+
+
+def rodimus(layer, x: Tensor, slot) -> Tensor | None:
+    """layers/rodimus.Rodimus's decode step (not its product-decay ablation: None): x [B, 1, d] -> [B, 1, d]; `slot`
+    (conv [B, W-1, m], state [B, 1, n, m]) updated in place."""
+    if layer.product_decay:
+        return None
+
+    def build(dtype):
+        beta = (layer.beta_down, layer.beta_up) if layer.use_beta_hat else (None, None)
+        lins = _lins(layer.fc, layer.qk_proj, layer.gate_proj, *beta, layer.out_proj)
+        if lins is None:
+            return None
+        small = _floats(_conv_weight(layer.conv, dtype), _conv_bias(layer.conv, dtype), layer.g_bias,
+                        layer.tau_bias, layer.residual_weight, layer.norm_weight)
+        return (*lins[0], *small[0]), (lins[1], small[1])
+    plan = _plan(layer, x.dtype, build)
+    if plan is None:
+        return None
+    fc, qk_proj, gate_proj, beta_down, beta_up, out, cw, cb, g_bias, tau_bias, res_w, norm_w = plan[0]
+    conv, state = _recurrent_slot(slot, x.dtype)
+    xc, y, B, d, bf = _io(x)
+    _bind().mix_rodimus(xc.data_ptr(), y.data_ptr(), B, d, bf, fc, cw, cb, conv.data_ptr(), layer.conv.kernel,
+                        qk_proj, gate_proj, int(layer.use_g), g_bias, tau_bias, beta_down, beta_up, res_w, norm_w,
+                        layer.norm_eps, state.data_ptr(), out, layer.d_inner, layer.d_state)
     return y

@@ -26,6 +26,8 @@ extern "C" void dec_delta_gated(const float* qkv, const float* b, const float* a
 extern "C" void dec_ssd_gated(const float* x, const float* dt_raw, const float* dt_bias, const float* A_log,
                               const float* D, float lo, float hi, const float* Bm, const float* Cm, float* state,
                               float* y, int64_t Bn, int64_t H, int64_t P, int64_t G, int64_t N);
+extern "C" void dec_gla_step(const float* q, const float* k, const float* v, const float* logd, float* state,
+                             float* o, int64_t Bn, int64_t H, int64_t K, int64_t V, float scale);
 extern "C" void dec_rms_norm(void* x, const void* res, const void* z, const void* w, void* y, int64_t R, int64_t d,
                              int64_t group, int mode, float eps, int bf);
 extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t S,

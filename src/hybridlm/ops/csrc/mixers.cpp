@@ -362,3 +362,56 @@ extern "C" void mix_gated_conv(const void* x, void* y, int64_t Bn, int64_t d, in
     linear(*out, 0, u.data(), Bn, d, yf.data(), bf);
     store(yf.data(), Bn * d, y, bf);
 }
+
+// Rodimus (layers/rodimus.py, letter R) without the product decay: x [B, d] -> y [B, d]. [xi | z] = fc(x); x' =
+// silu(conv(xi)); [q | k] = qk_proj(x'); raw = gate_proj(x') (null: no g and no τ); g = softplus(raw[:n] + g_bias)
+// (`use_g`; else softplus(g_bias)), τ = sigmoid(raw[-n:] + tau_bias) (tau_bias null: τ = 1); log α = -g τ, the key
+// k / max(|k|, 1e-12) · g^τ; the value u = sigmoid(beta_up(beta_down(xi))) · xi (beta_down null: xi); the GLA step
+// of `state` [B, 1, n, m]; o + x' · residual_weight; RMSNorm(o · silu(z)) · norm_weight; out_proj
+extern "C" void mix_rodimus(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* fc,
+                            const float* conv_w, const float* conv_b, void* tail, int64_t W, const Lin* qk_proj,
+                            const Lin* gate_proj, int use_g, const float* g_bias, const float* tau_bias,
+                            const Lin* beta_down, const Lin* beta_up, const float* res_w, const float* norm_w,
+                            float eps, float* state, const Lin* out, int64_t m, int64_t n) {
+    const int64_t ng = gate_proj ? gate_proj->N : 0, rank = beta_down ? beta_down->N : 0;
+    std::vector<float> xf(Bn * d), t(Bn * 2 * m), xi(Bn * m), z(Bn * m), xc(Bn * m), qk(Bn * 2 * n), raw(Bn * ng),
+        q(Bn * n), k(Bn * n), la(Bn * n), u(Bn * m), lo(Bn * rank), logit(Bn * m), o(Bn * m), yf(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    linear(*fc, 0, xf.data(), Bn, d, t.data(), bf);
+    for (int64_t b = 0; b < Bn; b++) {
+        std::copy(t.begin() + b * 2 * m, t.begin() + b * 2 * m + m, xi.begin() + b * m);
+        std::copy(t.begin() + b * 2 * m + m, t.begin() + (b + 1) * 2 * m, z.begin() + b * m);
+    }
+    xc = xi;
+    conv(xc.data(), tail, conv_w, conv_b, Bn, m, W, 1, bf);
+    linear(*qk_proj, 0, xc.data(), Bn, m, qk.data(), bf);
+    if (gate_proj) linear(*gate_proj, 0, xc.data(), Bn, m, raw.data(), bf);
+    if (beta_down) {
+        linear(*beta_down, 0, xi.data(), Bn, m, lo.data(), bf);
+        linear(*beta_up, 0, lo.data(), Bn, rank, logit.data(), bf);
+        for (int64_t i = 0; i < Bn * m; i++) u[i] = rb(rb(sigm(logit[i]), bf) * xi[i], bf);
+    } else {
+        u = xi;
+    }
+    for (int64_t b = 0; b < Bn; b++) {
+        const float* kr = qk.data() + b * 2 * n + n;
+        float ss = 0.f;
+        for (int64_t i = 0; i < n; i++) ss += kr[i] * kr[i];
+        const float inv = 1.f / std::max(std::sqrt(ss), 1e-12f);
+        for (int64_t i = 0; i < n; i++) {
+            const float g = softplus((use_g ? raw[b * ng + i] : 0.f) + g_bias[i]);
+            const float tau = tau_bias ? sigm(raw[b * ng + ng - n + i] + tau_bias[i]) : 1.f;
+            la[b * n + i] = -g * tau;
+            const float gate = tau_bias ? std::pow(std::max(g, 1.17549435e-38f), tau) : g;
+            k[b * n + i] = kr[i] * inv * gate;
+            q[b * n + i] = qk[b * 2 * n + i];
+        }
+    }
+    dec_gla_step(q.data(), k.data(), u.data(), la.data(), state, o.data(), Bn, 1, n, m, 1.f / std::sqrt(float(n)));
+    for (int64_t i = 0; i < Bn * m; i++)
+        o[i] = rb(rb(o[i], bf) + rb(xc[i] * rb(res_w[i % m], bf), bf), bf);
+    dec_rms_norm(o.data(), nullptr, z.data(), norm_w, o.data(), Bn, m, m, 1, eps, 0);
+    for (auto& v : o) v = rb(v, bf);
+    linear(*out, 0, o.data(), Bn, m, yf.data(), bf);
+    store(yf.data(), Bn * d, y, bf);
+}
