@@ -148,10 +148,10 @@ def _bind():
 
 
 def _recurrent_slot(slot, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The slot's conv tail (in the activations' dtype) and float32 state, each one the step may update in place."""
-    slot.conv = cpu_decode.owned(slot.conv, dtype)
-    slot.state = cpu_decode.owned(slot.state, torch.float32)
-    return slot.conv, slot.state
+    """The slot's conv tail (in the activations' dtype) and float32 state as tensors the step may update in place:
+    the slot's own, or copies (a static cache's views); the caller stores them back (`slot.conv, slot.state = ...`:
+    a static cache copies them into its buffers)."""
+    return cpu_decode.owned(slot.conv, dtype), cpu_decode.owned(slot.state, torch.float32)
 
 
 def _conv_weight(conv, dtype: torch.dtype) -> Tensor:
@@ -188,6 +188,7 @@ def gated_deltanet(layer, x: Tensor, slot) -> Tensor | None:
     _bind().mix_gated_deltanet(xc.data_ptr(), y.data_ptr(), B, d, bf, qkvz, ba, cw, conv.data_ptr(),
                                layer.conv.kernel, A_log, dt_bias, norm_w, layer.norm_eps, state.data_ptr(), out,
                                layer.hk, layer.hv, layer.dk, layer.dv)
+    slot.conv, slot.state = conv, state
     return y
 
 
@@ -209,6 +210,7 @@ def kda(layer, x: Tensor, slot) -> Tensor | None:
     _bind().mix_kda(xc.data_ptr(), y.data_ptr(), B, d, bf, qkv, cw, conv.data_ptr(), layer.conv.kernel, f_a, f_b,
                     b_proj, A_log, dt_bias, g_a, g_b, norm_w, layer.norm_eps, state.data_ptr(), o_proj,
                     layer.n_heads, layer.head_dim)
+    slot.conv, slot.state = conv, state
     return y
 
 
@@ -306,6 +308,7 @@ def mamba2(layer, x: Tensor, slot) -> Tensor | None:
     _bind().mix_mamba2(xc.data_ptr(), y.data_ptr(), B, d, bf, in_proj, cw, cb, conv.data_ptr(), layer.conv.kernel,
                        dt_bias, A_log, D, lo, hi, norm, norm_w, layer.norm_eps, state.data_ptr(), out, layer.nheads,
                        layer.headdim, layer.ngroups, layer.d_state)
+    slot.conv, slot.state = conv, state
     return y
 
 
@@ -322,10 +325,11 @@ def gated_conv(layer, x: Tensor, slot) -> Tensor | None:
     if plan is None:
         return None
     in_proj, out, cw, cb = plan[0]
-    slot.conv = cpu_decode.owned(slot.conv, x.dtype)
+    conv = cpu_decode.owned(slot.conv, x.dtype)
     xc, y, B, d, bf = _io(x)
-    _bind().mix_gated_conv(xc.data_ptr(), y.data_ptr(), B, d, bf, in_proj, cw, cb, slot.conv.data_ptr(),
-                           layer.conv.kernel, out)
+    _bind().mix_gated_conv(xc.data_ptr(), y.data_ptr(), B, d, bf, in_proj, cw, cb, conv.data_ptr(), layer.conv.kernel,
+                           out)
+    slot.conv = conv
     return y
 
 
@@ -352,4 +356,5 @@ def rodimus(layer, x: Tensor, slot) -> Tensor | None:
     _bind().mix_rodimus(xc.data_ptr(), y.data_ptr(), B, d, bf, fc, cw, cb, conv.data_ptr(), layer.conv.kernel,
                         qk_proj, gate_proj, int(layer.use_g), g_bias, tau_bias, beta_down, beta_up, res_w, norm_w,
                         layer.norm_eps, state.data_ptr(), out, layer.d_inner, layer.d_state)
+    slot.conv, slot.state = conv, state
     return y
