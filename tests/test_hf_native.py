@@ -39,7 +39,8 @@ CASES = {
                        "NemotronHForCausalLM"),
     "bamba": ("bamba", dict(n_layers=3, n_heads=2, n_kv_heads=1, ssd_headdim=16), "BambaForCausalLM"),
     "falcon-h1": ("falcon-h1", dict(n_layers=2, n_heads=2, n_kv_heads=1, ssd_headdim=16), "FalconH1ForCausalLM"),
-    "jamba": ("jamba", dict(n_layers=1, n_heads=2, n_kv_heads=1, moe_experts=4), "JambaForCausalLM"),
+    "jamba": ("jamba", dict(n_layers=1, layout="BM AO BM BO", n_heads=2, n_kv_heads=1, moe_experts=4),
+              "JambaForCausalLM"),
     "zamba2": ("zamba2", dict(n_layers=4, n_heads=2, ssd_headdim=16), "Zamba2ForCausalLM"),
     "qwen3-next": ("qwen3-next", dict(n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, rope_dim=8, moe_experts=4),
                    "Qwen3NextForCausalLM"),
@@ -139,8 +140,8 @@ def test_as_native_refuses_with_the_obstacle_and_the_closest_families(tmp_path, 
                                                ssd_headdim=16))
     assert cli(["convert", "--to-hf", str(tmp_path / "r"), "--out", str(tmp_path / "x"), "--as-native"]) != 0
     err = capsys.readouterr().err
-    assert "letter 'R' at layer 2 stands in the way; closest: GraniteMoeHybrid, NemotronH, Bamba" in err
+    assert "the closest, GraniteMoeHybrid, NemotronH, Bamba, stop at letter 'R' at layer 2." in err
     assert "Traceback" not in err and not (tmp_path / "x").exists()
     save_checkpoint(str(tmp_path / "w"), small("llama", n_layers=2, n_heads=4, window=8))
-    with pytest.raises(ConfigError, match=r"layout '\(AM\)\*2' exactly: window=8 stands in the way; closest: Llama"):
+    with pytest.raises(ConfigError, match=r"layout '\(AM\)\*2' exactly: the closest, Llama, .*stop at window=8\."):
         export_to_hf(str(tmp_path / "w"), str(tmp_path / "x"), native=True)
