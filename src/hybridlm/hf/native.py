@@ -133,13 +133,13 @@ def native_config(cfg: ModelConfig, family: str = "auto", **special):
 class _Numbered(LazyTensor):
     """Positions [offset + 1, offset + 1 + numel) of the native weights (0 marks a constant the converter made),
     shaped like one native tensor, made when the converter reads it (so only the index tensors the converter is
-    holding exist at a time); with `zero` all zeros instead (the converter's constant offsets)."""
+    holding exist at a time); with dtype None all zeros instead (uint8: the converter's constant offsets)."""
 
-    def __init__(self, offset: int, shape: torch.Size, dtype: torch.dtype, zero: bool = False):
-        self.offset, self.shape, self.dtype, self.zero = offset, shape, dtype, zero
+    def __init__(self, offset: int, shape: torch.Size, dtype: torch.dtype | None):
+        self.offset, self.shape, self.dtype = offset, shape, dtype
 
     def load(self) -> torch.Tensor:
-        if self.zero:
+        if self.dtype is None:
             return torch.zeros(self.shape, dtype=torch.uint8)
         n = math.prod(self.shape)
         return torch.arange(self.offset + 1, self.offset + 1 + n, dtype=self.dtype).view(self.shape)
@@ -164,8 +164,9 @@ def _parameters_on_meta():
 
 def to_native(model: CausalLM, family: str = "auto", **special):
     """transformers' own class (`native_config`) with `model`'s weights (copied), in eval mode. Memory: one native
-    copy of the weights, a bitmap and the index tensors of the converter's output (int32 up to 2^24 weights, float64
-    above, exact through the converters' float arithmetic), about 2.3x the model beside it (3.3x above 2^24)."""
+    copy of the weights, a bitmap and the index tensors of the converter's output (int32 below 2^31 weights; float64
+    for a converter that computes in floating point, Qwen3-Next's 1 + w), about 2.3x a float32 model beside it
+    (3.3x with float64 numbers): a 1.5B float32 model exports in 24 GB."""
     from transformers import AutoModelForCausalLM
     hf_cfg = native_config(model.config, family, **special)
     dtype = next(model.parameters()).dtype
@@ -178,13 +179,16 @@ def to_native(model: CausalLM, family: str = "auto", **special):
             theirs[k] = t
     sizes = [t.numel() for t in theirs.values()]
     offsets = torch.tensor([0, *sizes]).cumsum(0).tolist()
-    index = torch.int32 if offsets[-1] < 2 ** 24 else torch.float64
 
-    def run(zero: bool) -> dict:
-        tensors = Tensors({k: _Numbered(o, t.shape, index, zero) for (k, t), o in zip(theirs.items(), offsets)})
+    def run(index: torch.dtype | None) -> dict:    # the converter on numbered tensors (None: on zeros)
+        tensors = Tensors({k: _Numbered(o, t.shape, index) for (k, t), o in zip(theirs.items(), offsets)})
         return convert_weights(hf_cfg, tensors, model.config)
-    const = {k: v for k, v in run(True).items() if bool(v.any())}   # constants the converter adds (1 + w)
-    placed = run(False)
+    const = run(None)                              # what the converter makes of zeros: the constants it adds (1 + w)
+    # numbers survive as integers, or, where the converter computes in floating point, as float64 (exact to 2^53)
+    index = torch.float64 if any(v.is_floating_point() for v in const.values()) else \
+        torch.int32 if offsets[-1] < 2 ** 31 else torch.int64
+    const = {k: v for k, v in const.items() if bool(v.any())}
+    placed = run(index)
     flat = torch.empty(offsets[-1], dtype=dtype)  # the native weights, one buffer
     filled = torch.zeros(offsets[-1], dtype=torch.bool)
     ours = model.state_dict()
@@ -196,6 +200,8 @@ def to_native(model: CausalLM, family: str = "auto", **special):
             c = c.reshape(-1)
             idx = idx - c.to(idx.dtype)
             w = (w.to(c.dtype if c.is_floating_point() else w.dtype) - c).to(dtype)
+        if idx.is_floating_point() and not torch.equal(idx, idx.round()):
+            raise ConfigError(f"--as-native: the {class_name(hf_cfg.model_type)} converter scales {name}")
         idx = idx.long() - 1
         if bool((idx < 0).any()):
             raise ConfigError(f"--as-native: the {class_name(hf_cfg.model_type)} converter makes part of {name} "
