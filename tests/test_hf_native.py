@@ -5,6 +5,7 @@ of the export gives our weights bit for bit; a layout no class expresses gets on
 way."""
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,6 +19,7 @@ from hybridlm import CausalLM, presets  # noqa: E402
 from hybridlm.cli import main as cli  # noqa: E402
 from hybridlm.errors import ConfigError  # noqa: E402
 from hybridlm.hf.directory import convert_from_hf, export_to_hf  # noqa: E402
+from hybridlm.hf.native import native_config  # noqa: E402
 from hybridlm.train import load_checkpoint, save_checkpoint  # noqa: E402
 
 V = 61
@@ -131,6 +133,20 @@ def test_as_native_names_a_family(tmp_path):
         export_to_hf(str(tmp_path / "run"), str(tmp_path / "x"), native="NemotronH")
     with pytest.raises(ConfigError, match="'mistral': not a family; choose auto or one of Llama, Mamba2"):
         export_to_hf(str(tmp_path / "run"), str(tmp_path / "x"), native="mistral")
+
+
+@pytest.mark.parametrize("layout, family, why", [
+    ("SM AO", "granitemoehybrid", "letter 'O' at layer 3 (its layers are all dense or all MoE)"),
+    ("SM S", "bamba", "the end of the layout (a layer's S is followed by M)"),
+    ("SM AM", "jamba", "letter 'S' at layer 0"),
+    ("SM Z S", "zamba2", "letter 'M' at layer 1 (its layers are S or Z S)"),
+])
+def test_as_native_family_names_where_it_stops(layout, family, why):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                   # (fields the short layouts do not read)
+        cfg = presets.get("granite-hybrid", n_layers=2, layout=layout, d_model=64, n_heads=2, ssd_headdim=16)
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        native_config(cfg, family)
 
 
 def test_as_native_refuses_with_the_obstacle_and_the_closest_families(tmp_path, capsys):

@@ -86,7 +86,7 @@ def _zamba2_layers(tokens) -> list:
 
 
 def _uniform(tokens, layers: list, k: int, what: str):
-    """Families whose channel mixer is one kind throughout (Granite, Doge): the first layer unlike layer 0 stops."""
+    """Families whose channel mixer is one kind throughout (Granite): the first layer unlike layer 0 stops."""
     for i, layer in enumerate(layers):
         if layer[k] != layers[0][k]:
             _stop(tokens, 2 * i + k, f" ({what})")
@@ -98,12 +98,13 @@ def _uniform(tokens, layers: list, k: int, what: str):
 def _rope(cfg: ModelConfig, partial: bool = False) -> dict:
     params = {"rope_type": "default", "rope_theta": cfg.rope_base}
     if partial:
-        params["partial_rotary_factor"] = (cfg.rope_dim or cfg.attn_head_dim) / cfg.attn_head_dim
+        params["partial_rotary_factor"] = (cfg.attn_head_dim if cfg.rope_dim is None else cfg.rope_dim) / cfg.attn_head_dim
     return {"rope_parameters": params}
 
 
-def _attn(cfg: ModelConfig, heads: str = "num_attention_heads", kv: str = "num_key_value_heads") -> dict:
-    return {heads: cfg.n_heads, kv: cfg.kv_heads, "head_dim": cfg.attn_head_dim, "attention_bias": cfg.attn_bias}
+def _attn(cfg: ModelConfig) -> dict:
+    return {"num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.attn_head_dim,
+            "attention_bias": cfg.attn_bias}
 
 
 def _ssd(cfg: ModelConfig, prefix: str = "mamba_") -> dict:
@@ -304,14 +305,14 @@ def _deepseek(v32: bool):
     def config(cfg, layers, tokens):
         import transformers
         n = len(layers)
-        extra = dict(rope_interleave=cfg.mla_rope_interleaved, first_k_dense_replace=n)
         if v32:
             from ..models.mixers_deepseek import dsa_sizes
             d = dsa_sizes(cfg)
-            extra = dict(index_n_heads=d["n_heads"], index_head_dim=d["head_dim"], index_topk=d["topk"],
-                         mlp_layer_types=["dense"] * n)
-        cls = transformers.DeepseekV32Config if v32 else transformers.DeepseekV3Config
-        return cls(**_common(cfg, n), **_mla(cfg), **_rope(cfg), **extra)
+            return transformers.DeepseekV32Config(
+                **_common(cfg, n), **_mla(cfg), **_rope(cfg), index_n_heads=d["n_heads"], index_head_dim=d["head_dim"],
+                index_topk=d["topk"], mlp_layer_types=["dense"] * n)
+        return transformers.DeepseekV3Config(**_common(cfg, n), **_mla(cfg), **_rope(cfg), first_k_dense_replace=n,
+                                             rope_interleave=cfg.mla_rope_interleaved)
     return config
 
 
