@@ -85,8 +85,8 @@ def _express(family: str, cfg: ModelConfig, tokens, special: dict):
     """`family`'s config computing exactly `cfg`'s function, else NotExpressed."""
     fam = FAMILIES[family]
     layers = fam.grammar(tokens)
-    letters = {str(x) for x in flatten(parse_layout(cfg.layout, LETTERS.keys()))}
-    n_layers = len(flatten(parse_layout(cfg.layout, LETTERS.keys())))
+    every = flatten(parse_layout(cfg.layout, LETTERS.keys()))
+    letters, n_layers = {str(x) for x in every}, len(every)
     try:
         hf = fam.config(cfg, layers, tokens)
         for k, v in special.items():
