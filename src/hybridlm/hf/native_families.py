@@ -98,7 +98,8 @@ def _uniform(tokens, layers: list, k: int, what: str):
 def _rope(cfg: ModelConfig, partial: bool = False) -> dict:
     params = {"rope_type": "default", "rope_theta": cfg.rope_base}
     if partial:
-        params["partial_rotary_factor"] = (cfg.attn_head_dim if cfg.rope_dim is None else cfg.rope_dim) / cfg.attn_head_dim
+        rotary = cfg.attn_head_dim if cfg.rope_dim is None else cfg.rope_dim
+        params["partial_rotary_factor"] = rotary / cfg.attn_head_dim
     return {"rope_parameters": params}
 
 
@@ -236,6 +237,19 @@ def _jamba(cfg, layers, tokens):
         mamba_proj_bias=cfg.mamba1_bias, use_mamba_kernels=False)
 
 
+def _mamba1(falcon: bool):
+    def config(cfg, layers, tokens):
+        import transformers
+        cls = transformers.FalconMambaConfig if falcon else transformers.MambaConfig
+        extra = dict(mixer_rms_eps=cfg.norm_eps if cfg.mamba1_norm_eps is None else cfg.mamba1_norm_eps) if falcon \
+            else {}
+        return cls(**_common(cfg, len(layers), "layer_norm_epsilon"), state_size=cfg.mamba1_d_state,
+                   expand=cfg.mamba1_expand, conv_kernel=cfg.d_conv, use_bias=cfg.mamba1_bias,
+                   use_conv_bias=cfg.mamba1_conv_bias, time_step_rank=cfg.mamba1_dt_rank or math.ceil(cfg.d_model / 16),
+                   **extra)
+    return config
+
+
 def _zamba2(cfg, layers, tokens):
     from transformers import Zamba2Config
     tags = [t for t in layers if t is not None]
@@ -334,6 +348,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("bamba", layers_of({"S": "S", "A": "A"}, {"M": "M"}), _bamba),
     Family("falcon_h1", layers_of({"{AS}": "AS"}, {"M": "M"}), _falcon_h1),
     Family("jamba", layers_of({"B": "B", "A": "A"}, {"M": "M", "O": "O"}), _jamba),
+    Family("mamba", layers_of({"B": "B"}), _mamba1(False)),
+    Family("falcon_mamba", layers_of({"B": "B"}), _mamba1(True)),
     Family("zamba2", _zamba2_layers, _zamba2),
     Family("qwen3_next", layers_of({"G": "G", "A": "A"}, {"M": "M", "O": "O"}), _qwen3_next),
     Family("kimi_linear", layers_of({"K": "K", "L": "L"}, {"M": "M", "O": "O"}), _kimi_linear),
