@@ -137,8 +137,7 @@ def test_validation_queue_abort_and_budget():
     assert b.finish_reason == "length"
     # a memory budget: attention K/V grows with the tokens, so two long requests do not fit where two short ones do
     eng = Engine(m, eos_id=None, block=8, max_slots=8, memory_bytes=None)
-    per = eng.slot_bytes(64)
-    eng.memory_bytes = int(per * 1.5)
+    eng.memory_bytes = int(eng.peak_bytes([64], 32) * 1.5)
     sch = Scheduler(eng)
     for _ in range(2):
         sch.submit(Request([1] * 32, SamplingParams(max_tokens=32, temperature=0)))
@@ -167,7 +166,7 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
             for n in (9, 14, 4, 6, 30)]
     for r in reqs:
         eng.start(r)
-        eng.prefill(r)
+        eng.prefill([r])
     own = {id(r): gather([(r.cache, [0])]) for r in reqs}
     eng.set_rows(reqs[:3])
     batch = eng.batch
