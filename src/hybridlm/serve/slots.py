@@ -208,7 +208,7 @@ def cut(cache: InferenceCache, lo: int) -> InferenceCache:
 
 def cut_bytes(cache: InferenceCache, lo: int) -> int:
     """The bytes `cut(cache, lo)` will hold (checked against the budget before anything is copied)."""
-    total = 0
+    total = cache.next_pos.nbytes
     for slot in cache.layers:
         for sl in ([slot.keys, slot.main] if isinstance(slot, IndexerCache) else [slot]):
             if isinstance(sl, KVCache):
