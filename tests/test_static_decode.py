@@ -69,10 +69,10 @@ def test_static_step_keeps_shapes_and_addresses(name):
         m(ids, attention_mask=mask, cache=cache)
         step = m.static_decode_step()
         step(torch.randint(0, 97, (3, 1)), cache)
-        before = [(t.shape, t.data_ptr()) for t in cache._static_tensors()]
+        before = [(t.shape, t.data_ptr()) for t in cache.static_tensors()]
         for _ in range(4):
             step(torch.randint(0, 97, (3, 1)), cache)
-        assert [(t.shape, t.data_ptr()) for t in cache._static_tensors()] == before
+        assert [(t.shape, t.data_ptr()) for t in cache.static_tensors()] == before
         ex = torch._dynamo.explain(type(m)._static_decode_step)(m, torch.randint(0, 97, (3, 1)), cache)
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
 

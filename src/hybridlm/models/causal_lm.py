@@ -454,7 +454,7 @@ class CausalLM(nn.Module):
         """fn(ids, cache) captured as a CUDA graph over a static ids buffer -> replay(ids) -> logits buffer.
         Capture needs warm-up runs on a side stream, which write into the cache: its static tensors are saved
         before and restored after, so capturing leaves the cache as it found it."""
-        saved = [t.clone() for t in cache._static_tensors()]
+        saved = [t.clone() for t in cache.static_tensors()]
         ids_buf = ids.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -466,7 +466,7 @@ class CausalLM(nn.Module):
         with torch.cuda.graph(g), torch.inference_mode():
             out = fn(ids_buf, cache)
         with torch.inference_mode():
-            for t, v in zip(cache._static_tensors(), saved):
+            for t, v in zip(cache.static_tensors(), saved):
                 t.copy_(v)
 
         def replay(x: Tensor) -> Tensor:
