@@ -1,15 +1,20 @@
 """The engine: one model, the cache of the running batch, per-request prefill caches and the prefix cache.
 
 Plain Python, no HTTP and no threads (the scheduler drives it). One request's life:
-  `start`    look up the prompt's longest cached prefix and make its own batch-1 cache (a copy of the snapshot)
-  `prefill`  run the next chunk of its prompt (chunks end at `block` boundaries, where snapshots are taken);
-             after the last chunk the first token is sampled
+  `start`    resume from the longest cached prefix of its prompt (its own batch-1 cache, joined from the prefix
+             cache's chain) or start with no cache
+  `prefill`  run the next chunk of a group of requests in one forward pass (`plan_prefill` groups them: fresh
+             prompts left-padded together, prompts under way by chunk length; chunks end at `block` boundaries,
+             where snapshots are taken); after the last chunk the first token is sampled
   `set_rows` move prefilled requests into the running batch and retire finished ones: one left-padded
              `InferenceCache` [rows, time] for all (serve/slots.py aligns rows of different lengths); a new
              request takes a free row in place, and the batch is rebuilt only when it must be
-  `decode`   one token for every running row in one forward pass: the weights are read once per step for all rows
+  `decode`   one token for every running row in one forward pass (`CausalLM.decode_step`): the weights are read
+             once per step for all rows
 Greedy decoding (temperature 0) gives what `CausalLM.generate` gives for the same prompt: batched, left-padded
-decoding equals single decoding for every layout, and a prefill in chunks equals one in one go.
+decoding equals single decoding for every layout, and a prefill in chunks (batched or not) equals one in one go.
+Memory is counted as allocated (`memory`), and admission (`fits`) reserves what the requests in flight can come to
+hold (`peak_bytes`).
 """
 import os
 import threading
@@ -160,10 +165,6 @@ class Engine:
     def slot_bytes(self, tokens: int) -> int:
         """Bytes of inference state of one request at `tokens` tokens."""
         return self.fixed_bytes + self.token_bytes * tokens
-
-    def request_bytes(self, req: Request) -> int:
-        """What a request may come to hold alone: its state at prompt + max_tokens tokens."""
-        return self.slot_bytes(len(req.prompt) + req.params.max_tokens)
 
     def peak_bytes(self, lengths: list[int], max_new: int | None = None, batch_now: int = 0) -> int:
         """The most state requests of total lengths `lengths` (prompt + max_tokens) can hold at once: their prefill
