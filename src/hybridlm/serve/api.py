@@ -25,7 +25,7 @@ from ..errors import HybridLMError
 from .engine import Request, SamplingParams
 from .fields import check as check_fields
 from .scheduler import NotAccepting, QueueFull
-from .text import TextStream
+from .text import TextStream, token_text
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
@@ -229,10 +229,11 @@ class Server:
             raise APIError(400, f"token id {bad} is out of range for vocab_size {V}", param)
         return ids
 
-    def token_text(self, t: int) -> str:
+    def token_text(self, t: int) -> tuple[str, bytes | None]:
+        """(text, bytes) of one token for logprobs (text.token_text), remembered."""
         s = self._token_text.get(t)
         if s is None:
-            s = self._token_text[t] = self.tok.decode([t])
+            s = self._token_text[t] = token_text(self.tok, t)
         return s
 
     # -------------------------------------------------------------- generation
@@ -303,11 +304,11 @@ class Server:
         return out
 
     def _entry(self, c: Choice, token: int, lp) -> tuple:
-        """(token text, logprob or None, [(alt text, logprob)], text_offset) of one token."""
+        """((token text, bytes), logprob or None, [((alt text, bytes), logprob)], text_offset) of one token."""
         s = self.token_text(token)
         entry = (s, None if lp is None else max(lp.logprob, LOGPROB_FLOOR),
                  [] if lp is None else [(self.token_text(t), max(v, LOGPROB_FLOOR)) for t, v in lp.top], c.offset)
-        c.offset += len(s)
+        c.offset += len(s[0])
         return entry
 
     def _cleanup(self, choices: list[Choice]):
@@ -447,7 +448,7 @@ class Server:
         ids = self.tok.encode(text)
         out = {"tokens": ids, "count": len(ids), "max_model_len": self.scheduler.engine.context}
         if body.get("with_pieces"):
-            out["tokens"] = [{"id": t, "piece": self.token_text(t)} for t in ids]
+            out["tokens"] = [{"id": t, "piece": self.tok.decode([t])} for t in ids]
         return JSONResponse(out)
 
     async def detokenize(self, request: HTTPRequest):
@@ -532,15 +533,16 @@ def _usage(prompts, choices: list[Choice]) -> dict:
 def _completion_logprobs(entries: list) -> dict:
     """OpenAI's legacy completions shape: parallel lists, top_logprobs as {token text: logprob} (the chosen token
     among them, as vLLM gives it; the first prompt token of an echo has None)."""
-    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [None if e[1] is None else {e[0]: e[1], **dict(e[2])} for e in entries],
+    return {"tokens": [e[0][0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [None if e[1] is None else {e[0][0]: e[1], **{s: v for (s, _), v in e[2]}}
+                             for e in entries],
             "text_offset": [e[3] for e in entries]}
 
 
 def _chat_logprobs(entries: list) -> dict:
     """OpenAI's chat shape: content[] of {token, logprob, bytes, top_logprobs[{token, logprob, bytes}]}."""
     def one(s, v):
-        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+        return {"token": s[0], "logprob": v, "bytes": None if s[1] is None else list(s[1])}
     return {"content": [{**one(e[0], e[1]), "top_logprobs": [one(s, v) for s, v in e[2]]} for e in entries],
             "refusal": None}
 

@@ -68,3 +68,15 @@ class TextStream:
         self.prefix = self.read = len(self.ids)
         piece, self.held = self.held + tail[len(before):], ""
         return self._send(piece)
+
+
+def token_text(tok, t: int) -> tuple[str, bytes | None]:
+    """(the text of token `t` for a logprobs entry, its bytes). A token that is part of a UTF-8 character has no
+    text of its own: OpenAI writes it "bytes:\\xe2\\x80" (its bytes known: the byte tokenizer), vLLM "token_id:N"
+    (otherwise), so that different tokens never share a key of `top_logprobs`."""
+    s = tok.decode([t])
+    if "\ufffd" not in s:
+        return s, s.encode()
+    if getattr(tok, "kind", None) == "byte" and 0 <= t < 256:
+        return f"bytes:\\x{t:02x}", bytes([t])
+    return f"token_id:{t}", None
