@@ -70,16 +70,16 @@ def test_gather_rows_decode_like_their_own_caches(name):
             caches.append(c)
             ids.append(torch.randint(0, 256, (1, 1), generator=g))
         batch = gather([(c, [0]) for c in caches], extra=4)
-        own = torch.cat([m._decode_step(i, gather([(c, [0])])) for i, c in zip(ids, caches)])
-        assert_close(m._decode_step(torch.cat(ids), batch), own, atol=1e-5, msg=name)
+        own = torch.cat([m.decode_step(i, gather([(c, [0])])) for i, c in zip(ids, caches)])
+        assert_close(m.decode_step(torch.cat(ids), batch), own, atol=1e-5, msg=name)
         sub = gather([(batch, [2, 0])])         # drop a row (its padding columns go with it)
         assert sub.seen == 7
         nxt = torch.randint(0, 256, (2, 1), generator=g)
-        ref = torch.cat([m._decode_step(nxt[j:j + 1], gather([(caches[k], [0])])) for j, k in enumerate((2, 0))])
+        ref = torch.cat([m.decode_step(nxt[j:j + 1], gather([(caches[k], [0])])) for j, k in enumerate((2, 0))])
         for c, i in zip(caches, ids):          # advance the own caches by the token the batch saw
-            m._decode_step(i, c)
-        ref = torch.cat([m._decode_step(nxt[j:j + 1], caches[k]) for j, k in enumerate((2, 0))])
-        assert_close(m._decode_step(nxt, sub), ref, atol=1e-5, msg=name)
+            m.decode_step(i, c)
+        ref = torch.cat([m.decode_step(nxt[j:j + 1], caches[k]) for j, k in enumerate((2, 0))])
+        assert_close(m.decode_step(nxt, sub), ref, atol=1e-5, msg=name)
 
 
 def test_seeded_sampling_matches_generate():
@@ -176,7 +176,7 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
     eng.decode()
     with torch.inference_mode():
         for r in (reqs[0], reqs[3], reqs[2]):
-            t = m._decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
+            t = m.decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
             assert r.output[1] == t, name
     eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens: longer than the batch, so a rebuild
     assert eng.batch is not batch and eng.batch.batch_size == 4
@@ -210,3 +210,93 @@ def test_an_engine_fault_fails_the_requests_in_flight_not_the_server():
         assert r2.finish_reason == "length"
     finally:
         sch.stop()
+
+
+def _run(m, reqs, **kw):
+    eng = Engine(m, eos_id=None, **{"block": 8, **kw})
+    sch = Scheduler(eng)
+    for r in reqs:
+        sch.submit(r)
+    with torch.inference_mode():
+        sch.run_until_idle()
+    return eng
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logprobs_are_the_raw_model_distribution(name):
+    """Each new token's logprob (and its top-k) and every prompt token's are log_softmax of one full forward pass
+    over prompt + output; asking for prompt logprobs skips the prefix cache (the positions must all be run)."""
+    m = tiny(name)
+    g = torch.Generator().manual_seed(2)
+    p = torch.randint(0, 256, (19,), generator=g).tolist()
+    warm = Request(p, SamplingParams(max_tokens=1, temperature=0))
+    r = Request(p, SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=3, prompt_logprobs=2))
+    score = Request(p, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    eng = _run(m, [warm], prefix_cache_bytes=1 << 24)
+    sch = Scheduler(eng)
+    for q in (r, score):
+        sch.submit(q)
+    with torch.inference_mode():
+        sch.run_until_idle()
+        full = torch.log_softmax(m(torch.tensor([p + r.output])).logits[0].float(), -1)
+    assert r.cached_tokens == 0 and eng.prefix.hits == 0
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(p)
+    for j, e in enumerate(r.prompt_logprobs[1:], 1):
+        assert e.token == p[j] and abs(e.logprob - full[j - 1, p[j]].item()) < 1e-4
+        assert [t for t, _ in e.top] == full[j - 1].topk(2).indices.tolist()
+    assert [e.token for e in r.logprobs] == r.output
+    for j, e in enumerate(r.logprobs):
+        row = full[len(p) - 1 + j]
+        assert abs(e.logprob - row[e.token].item()) < 1e-4 and len(e.top) == 3
+        assert_close(torch.tensor([v for _, v in e.top]), row.topk(3).values, atol=1e-4)
+    assert score.finish_reason == "length" and score.output == [] and len(score.prompt_logprobs) == len(p)
+    assert all(e.top == [] for e in score.prompt_logprobs[1:])
+    assert [e.logprob for e in score.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in r.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_penalties_and_min_p():
+    """Greedy with penalties is the argmax of the penalised logits (checked step by step against a plain loop);
+    min_p 1 keeps only the most likely token, so sampling with it is greedy."""
+    m = tiny("mamba2")
+    p = [5, 6, 7, 5, 5]
+    sp = dict(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.7)
+    r = Request(p, SamplingParams(max_tokens=8, temperature=0, **sp))
+    mp = Request(p, SamplingParams(max_tokens=8, temperature=1.5, min_p=1.0, seed=4))
+    plain = Request(p, SamplingParams(max_tokens=8, temperature=0))
+    _run(m, [r, mp, plain])
+    out = []
+    with torch.inference_mode():
+        for _ in range(8):
+            x = m(torch.tensor([p + out])).logits[0, -1].float()
+            seen = torch.zeros_like(x, dtype=torch.bool)
+            seen[p + out] = True
+            x = torch.where(seen, torch.where(x > 0, x / 1.7, x * 1.7), x)
+            for t in set(out):
+                x[t] -= 0.5 + 0.7 * out.count(t)
+            out.append(int(x.argmax()))
+    assert r.output == out and r.output != plain.output
+    assert mp.output == plain.output
+
+
+def test_sampling_rows_of_one_batch_keep_their_seeds():
+    """Requests with different settings sampled as rows of one batch give what each gives alone."""
+    m = tiny("transformer++")
+    kinds = [dict(temperature=0.9, top_k=20, seed=1), dict(temperature=1.2, top_p=0.8, seed=2),
+             dict(temperature=0.7, min_p=0.1, seed=3), dict(temperature=0, repetition_penalty=1.3)]
+    together = [Request([1, 2, 3, 4], SamplingParams(max_tokens=6, **k)) for k in kinds]
+    _run(m, together)
+    for r, k in zip(together, kinds):
+        alone = Request([1, 2, 3, 4], SamplingParams(max_tokens=6, **k))
+        _run(m, [alone])
+        assert alone.output == r.output, k
+
+
+def test_sampling_validation():
+    eng = Engine(tiny("mamba2"), block=8)
+    for kw, msg in ((dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
+                    (dict(presence_penalty=3), "presence_penalty"), (dict(logprobs=21), "logprobs"),
+                    (dict(max_tokens=0), "max_tokens")):
+        with pytest.raises(InputError, match=msg):
+            eng.validate(Request([1, 2], SamplingParams(**kw)))
+    eng.validate(Request([1, 2], SamplingParams(max_tokens=0, prompt_logprobs=1)))

@@ -30,7 +30,7 @@ def _decode_both(m, ids, mask, n):
         cache = m.make_cache(ids.shape[0], max_tokens=ids.shape[1] + n)
         with torch.inference_mode():
             m(ids, attention_mask=mask, cache=cache)
-            step = m.static_decode_step() if static else m._decode_step
+            step = m.static_decode_step() if static else m.decode_step
             out.append(torch.stack([step(s, cache) for s in steps]))
         assert cache.seen == ids.shape[1] + n
     return out

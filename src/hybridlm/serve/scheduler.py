@@ -136,7 +136,8 @@ class Scheduler:
             if r.prefilled == len(r.prompt):
                 with self.cv:
                     self.prefilling.remove(r)
-                self._emit(r, r.output[-1])
+                if r.output:                  # none when only the prompt is scored (max_tokens 0)
+                    self._emit(r, r.output[-1])
                 if r.finished:
                     self._finish(r)
                 else:
