@@ -115,6 +115,32 @@ def test_text_stream_holds_back_a_possible_stop():
     assert t.add("a") == "a" and t.add("c") == "" and t.finish() == "c"
 
 
+class _Counting(ChatBytes):
+    """The byte tokenizer, counting the token ids it decodes."""
+    decoded = 0
+
+    def decode(self, ids):
+        ids = list(ids)
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_text_stream_is_incremental_and_whole_characters():
+    text = "héllo wörld — 日本語 🎉 naïve " * 200
+    tok = _Counting()
+    t = TextStream(tok, [])
+    pieces = [t.add(b) for b in text.encode()]
+    assert "".join(pieces) + t.finish() == text
+    assert not any("\ufffd" in p for p in pieces)                # a character is sent whole, never half
+    assert sum(1 for p in pieces if p) == len(text)               # each as soon as its last byte arrives
+    assert tok.decoded < 8 * len(text.encode())                    # a short window per token, not the whole output
+    t = TextStream(ChatBytes(), ["日本", "🎉"])                    # stop strings met across tokens, multi-byte
+    out = "".join(t.add(b) for b in "ab 日本語".encode())
+    assert (out, t.stopped, t.tokens) == ("ab ", True, 9)
+    t = TextStream(ChatBytes(), [])
+    assert t.add(0xE6) == "" and t.finish() == "\ufffd"           # an unfinished character at the end
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_server_greedy_equals_generate_concurrently(name):
     """Requests of mixed lengths, sent at once so they share the batch and join it mid-flight, some sharing a
@@ -380,3 +406,58 @@ def test_serve_suite_through_the_bench_command(tmp_path):
     res = json.loads(out.read_text())
     levels = res["presets"]["mamba2"]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["output_tokens"] > 0 for lv in levels)
+
+
+class _Silent(ChatBytes):
+    """A tokenizer whose tokens have no text (as random weights repeating a special token produce)."""
+
+    def decode(self, ids):
+        return ""
+
+
+def _stdlib_stream(url: str, body: dict) -> dict:
+    """An independent client (http.client, a line at a time): TTFT and TPOT from its own receipt times."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    stamps, tokens = [], 0
+    while line := r.readline():
+        now = time.perf_counter()
+        if line.startswith(b"data: {"):
+            ev = json.loads(line[6:])
+            tokens = (ev.get("usage") or {}).get("completion_tokens", tokens)
+            if ev["choices"] and not ev["choices"][0]["finish_reason"]:
+                stamps.append(now)
+    conn.close()
+    return {"ttft": stamps[0] - t0, "tpot": (stamps[-1] - stamps[0]) / (tokens - 1), "events": len(stamps)}
+
+
+@pytest.mark.parametrize("silent", [False, True])
+def test_the_bench_clock_agrees_with_a_plain_client(model, silent):
+    """bench/serve.py's TTFT / TPOT against a stdlib client's on the same server and request, each decode step
+    slowed to ~25 ms so the gaps are well above scheduling noise; also when no token has text."""
+    import asyncio
+    from hybridlm.bench.serve import _one
+    with live_server(model, _Silent() if silent else None, max_slots=2) as (url, sch):
+        real = sch.engine.decode
+
+        def slow(*a, **k):
+            time.sleep(0.025)
+            return real(*a, **k)
+        sch.engine.decode = slow
+        prompt, n = [5, 6, 7], 12
+
+        async def bench():
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await _one(c, url, prompt, n)
+        ours = asyncio.run(bench())
+        plain = _stdlib_stream(url, {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                                     "stream": True, "stream_options": {"include_usage": True}})
+    assert ours["tokens"] == n and plain["events"] in (n, n + 1)    # an event per token, text or not (+ a held tail)
+    for r in (ours, plain):
+        assert 0.02 < r["tpot"] < 0.1, r
+    assert abs(ours["tpot"] - plain["tpot"]) < 0.015 and abs(ours["ttft"] - plain["ttft"]) < 0.1

@@ -127,7 +127,7 @@ def parse_options(body: dict, route: str, default_max_tokens: int) -> Options:
         temperature=_number(body, "temperature", 1.0, 0, 2, "must be in [0, 2]"),
         top_p=None if top_p == 1.0 else top_p,
         top_k=None if top_k in (None, 0, -1) else top_k,
-        min_p=min_p or None,
+        min_p=min_p,
         repetition_penalty=rep,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2, "must be in [-2, 2]"),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2, "must be in [-2, 2]"),
