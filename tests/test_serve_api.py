@@ -461,3 +461,34 @@ def test_the_bench_clock_agrees_with_a_plain_client(model, silent):
     for r in (ours, plain):
         assert 0.02 < r["tpot"] < 0.1, r
     assert abs(ours["tpot"] - plain["tpot"]) < 0.015 and abs(ours["ttft"] - plain["ttft"]) < 0.1
+
+
+def test_serve_without_the_extra_is_one_line(tmp_path, capsys, monkeypatch):
+    from hybridlm.cli import main
+    monkeypatch.setitem(sys.modules, "uvicorn", None)                 # import uvicorn -> ImportError
+    assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'hybridlm[serve]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_takes_a_transformers_directory(tmp_path):
+    """A transformers Llama directory, converted on load by convert --from-hf's code: greedy = transformers'."""
+    import argparse
+    transformers = pytest.importorskip("transformers")
+    from hybridlm.commands import serve
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    _, sch = serve.build(p.parse_args(["--checkpoint", str(tmp_path / "hf"), "--tokenizer", "byte",
+                                       "--dtype", "float32"]))
+    ids = [1, 2, 3]
+    r = Request(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    sch.submit(r)
+    sch.run_until_idle()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+    assert r.output == want
