@@ -137,8 +137,7 @@ def test_validation_queue_abort_and_budget():
     assert b.finish_reason == "length"
     # a memory budget: attention K/V grows with the tokens, so two long requests do not fit where two short ones do
     eng = Engine(m, eos_id=None, block=8, max_slots=8, memory_bytes=None)
-    per = eng.slot_bytes(64)
-    eng.memory_bytes = int(per * 1.5)
+    eng.memory_bytes = int(eng.peak_bytes([64], 32) * 1.5)
     sch = Scheduler(eng)
     for _ in range(2):
         sch.submit(Request([1] * 32, SamplingParams(max_tokens=32, temperature=0)))
@@ -167,7 +166,7 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
             for n in (9, 14, 4, 6, 30)]
     for r in reqs:
         eng.start(r)
-        eng.prefill(r)
+        eng.prefill([r])
     own = {id(r): gather([(r.cache, [0])]) for r in reqs}
     eng.set_rows(reqs[:3])
     batch = eng.batch
@@ -300,3 +299,116 @@ def test_sampling_validation():
         with pytest.raises(InputError, match=msg):
             eng.validate(Request([1, 2], SamplingParams(**kw)))
     eng.validate(Request([1, 2], SamplingParams(max_tokens=0, prompt_logprobs=1)))
+
+
+LAYOUTS = ["SM RM", "AM WM", "GM CM", "KM BM", "LM IM", "FM AO AE", "ZM SM"]
+
+
+def tiny_layout(layout: str):
+    import warnings
+
+    from hybridlm import CausalLM
+    from serve_helpers import TINY
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # fields of letters this layout leaves out
+        return CausalLM(presets.get("transformer++", **{**TINY, "layout": layout})).eval()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batched_prefill_of_mixed_lengths_equals_generate(layout):
+    """Prompts of mixed lengths arriving together are prefilled several per forward pass (fresh ones left-padded
+    together, later chunks grouped by length) and greedy output still equals `generate`, with and without a
+    prefix hit."""
+    m = tiny_layout(layout)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 30, 9, 17, 12, 1, 24)]
+    late = prompts[1][:16] + [7, 8, 9]
+    eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=8, step_tokens=40)
+    sch = Scheduler(eng)
+    sizes = []
+    plan = eng.plan_prefill
+    eng.plan_prefill = lambda reqs: [sizes.append(len(grp)) or grp for grp in plan(reqs)]
+    reqs = [Request(p, SamplingParams(max_tokens=5, temperature=0)) for p in prompts]
+    with torch.inference_mode():
+        for r in reqs:
+            sch.submit(r)
+        while reqs[1].prefilled < 16:
+            sch.step()
+        hit = Request(late, SamplingParams(max_tokens=5, temperature=0))
+        sch.submit(hit)
+        sch.run_until_idle()
+    assert max(sizes) >= 4                                   # several prompts in one forward pass
+    assert hit.cached_tokens == 16
+    for r in reqs + [hit]:
+        assert r.output == m.generate(torch.tensor([r.prompt]), 5, temperature=0)[0, len(r.prompt):].tolist(), \
+            (layout, len(r.prompt))
+
+
+def test_a_short_prompt_is_not_left_behind_a_long_one():
+    """A short prompt that arrives just after a long one gets its first token long before the long one
+    finishes its prefill (fewest tokens left first), and the long one still progresses (aging)."""
+    m = tiny("transformer++")
+    eng = Engine(m, eos_id=None, block=8, max_slots=4, step_tokens=8)
+    sch = Scheduler(eng)
+    long = Request(list(range(1, 100)), SamplingParams(max_tokens=20, temperature=0))
+    short = Request([5, 6, 7], SamplingParams(max_tokens=20, temperature=0))
+    with torch.inference_mode():
+        sch.submit(long)
+        sch.step()
+        sch.submit(short)
+        for i in range(3):
+            sch.step()
+        assert short.output and not long.output and long.prefilled > 8
+        sch.run_until_idle()
+    assert long.finish_reason == short.finish_reason == "length"
+
+
+def test_memory_counts_what_is_allocated():
+    """The engine's memory figures are the bytes of the storage held (capacity and padding included); the batch
+    stays within the bound the budget admits by; a prefix snapshot stores only its own block of K/V."""
+    m = tiny("mamba2-attention")
+    eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=4)
+    sch = Scheduler(eng)
+    base = eng.memory()["state_bytes"]
+    assert base == 0
+    p = list(range(1, 41))
+    reqs = [Request(p[:n], SamplingParams(max_tokens=6, temperature=0)) for n in (40, 11, 25)]
+    seen = []
+    with torch.inference_mode():
+        for r in reqs:
+            sch.submit(r)
+        while sch.busy():
+            sch.step()
+            mem = eng.memory()
+            seen.append(mem)
+            lengths = [len(r.prompt) + r.params.max_tokens for r in reqs]
+            assert mem["batch_bytes"] + mem["prefill_bytes"] <= eng.peak_bytes(lengths, 6)
+    assert max(s["batch_bytes"] for s in seen) > eng.slot_bytes(46)   # several rows at their capacity
+    # 40 tokens at block 8: five snapshots, chained; each holds one block of attention K/V plus the fixed states
+    assert len(eng.prefix.entries) == 5
+    attn = [i for i, (f, t) in enumerate(eng.layers) if t]
+    for part in eng.prefix.parts():
+        assert all(part.layers[i].k.shape[1] == 8 for i in attn)
+    assert eng.memory()["prefix_cache_bytes"] == eng.prefix.nbytes
+    assert eng.memory()["state_bytes"] == eng.prefix.nbytes       # the requests' state is all freed
+    eng.prefix.clear()
+    assert eng.memory()["state_bytes"] == 0
+
+
+def test_snapshots_give_way_to_the_memory_budget():
+    """With a budget that the requests in flight fill, no snapshot is made (and none is copied)."""
+    m = tiny("transformer++")
+    eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=4)
+    eng.memory_bytes = eng.peak_bytes([40 + 4], 4)
+    r = Request(list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0))
+    sch = Scheduler(eng)
+    sch.submit(r)
+    with torch.inference_mode():
+        sch.run_until_idle()
+    assert r.finish_reason == "length" and len(eng.prefix.entries) == 0
+    eng.memory_bytes = None
+    sch.submit(Request(list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0)))
+    with torch.inference_mode():
+        sch.run_until_idle()
+    assert len(eng.prefix.entries) == 5
