@@ -371,7 +371,8 @@ def test_serve_bench_smoke(tmp_path):
                           max_tokens=4, prefix_len=64, context=256, dtype="float32", out=out, log=lambda *_: None)
     row = res["presets"]["rodimus++"]
     assert [lv["requests"] for lv in row["levels"]] == [3, 3] and row["prefix"]["ttft_hit_s"] > 0
-    assert os.path.exists(out) and os.path.exists(str(tmp_path / "serve.png"))
+    assert row["burst"]["requests"] == 16 and row["burst"]["peak_rss_bytes"] >= row["burst"]["idle_rss_bytes"]
+    assert os.path.exists(str(tmp_path / "serve.png"))
 
 
 def test_a_non_streaming_client_that_leaves_frees_its_slot():
@@ -406,6 +407,9 @@ def test_serve_suite_through_the_bench_command(tmp_path):
     res = json.loads(out.read_text())
     levels = res["presets"]["mamba2"]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["output_tokens"] > 0 for lv in levels)
+    burst = res["presets"]["mamba2"]["burst"]
+    assert burst["requests"] == 4 and burst["prompt_tokens"] == [8, 64] and burst["ttft_p99_s"] >= burst["ttft_p50_s"]
+    assert "peak_state_bytes" in burst and res["meta"]["cpu_count"] and "machine" not in res
 
 
 class _Silent(ChatBytes):

@@ -191,7 +191,7 @@ class Sampler:
         while not self._stop.is_set():
             m = self.server.metrics()
             m["rss_bytes"] = self.proc.memory_info().rss
-            for k in ("rss_bytes", "state_bytes", "allocated_bytes", "prefix_cache_bytes"):
+            for k in ("rss_bytes", "state_bytes", "batch_bytes", "prefill_bytes", "prefix_cache_bytes"):
                 if k in m:
                     self.peak[k] = max(self.peak.get(k, 0), m[k])
             self._stop.wait(self.every)

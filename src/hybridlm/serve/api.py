@@ -479,24 +479,8 @@ class Server:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: HTTPRequest):
-        sch, eng = self.scheduler, self.scheduler.engine
-        c = sch.counts()
-        batch = eng.batch
-        gauges = {
-            "requests_running": ("Requests in the decode batch", c["running"]),
-            "requests_prefilling": ("Requests being prefilled", c["prefilling"]),
-            "requests_waiting": ("Requests in the queue", c["waiting"]),
-            "slots": ("Cache slots (requests decoded together at most)", eng.max_slots),
-            "slot_occupancy": ("Fraction of the slots in use", (c["running"] + c["prefilling"]) / eng.max_slots),
-            "state_bytes": ("Bytes of inference state of the running batch", batch.nbytes if batch else 0),
-            "slot_fixed_bytes": ("Fixed state bytes of one request (recurrent states, rings)", eng.fixed_bytes),
-            "slot_token_bytes": ("State bytes per token of one request (attention K/V)", eng.token_bytes),
-            "prefix_cache_hits_total": ("Requests that resumed from the prefix cache", eng.prefix.hits),
-            "prefix_cache_misses_total": ("Requests with full blocks and no cached prefix", eng.prefix.misses),
-            "prefix_cache_hit_tokens_total": ("Prompt tokens resumed from the prefix cache", eng.prefix.hit_tokens),
-            "prefix_cache_bytes": ("Bytes held by the prefix cache", eng.prefix.nbytes),
-        }
-        return PlainTextResponse(sch.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        sch = self.scheduler
+        return PlainTextResponse(sch.metrics.render(sch.gauges()), media_type="text/plain; version=0.0.4")
 
 
 def _on_token(loop, queue, index: int, req: Request, token):
