@@ -116,8 +116,9 @@ def main(args) -> int:
 
 
 def add_arguments(p):
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one), or a transformers "
-                   "directory of a family `convert --from-hf` reads (converted on load)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (or the run directory holding one), or a transformers directory of a "
+                        "family `convert --from-hf` reads (converted on load)")
     add_tokenizer_arg(p)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

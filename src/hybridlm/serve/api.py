@@ -141,8 +141,8 @@ def parse_options(body: dict, route: str, default_max_tokens: int) -> Options:
 
 def _penalty(body: dict) -> float:
     """repetition_penalty (vLLM) or repeat_penalty (llama-server): one value > 0 (1: off)."""
-    vals = {k: _number(body, k, 1.0, 1e-9, 100, "must be > 0 (1: off)") for k in ("repetition_penalty", "repeat_penalty")
-            if body.get(k) is not None}
+    vals = {k: _number(body, k, 1.0, 1e-9, 100, "must be > 0 (1: off)")
+            for k in ("repetition_penalty", "repeat_penalty") if body.get(k) is not None}
     if len(set(vals.values())) > 1:
         raise APIError(400, "'repetition_penalty' and 'repeat_penalty' disagree (give one)", "repeat_penalty")
     return next(iter(vals.values()), 1.0)
@@ -241,7 +241,7 @@ class Server:
         """n Requests per prompt into the scheduler at once (rows of one batch); all or none."""
         choices = []
         try:
-            for p, (ids, text) in enumerate(prompts):
+            for ids, text in prompts:
                 for j in range(o.n):
                     params = o.params if o.n == 1 else _with_seed(o.params, j)
                     req = Request(ids, params, on_token=partial(_on_token, loop, queue, len(choices)),
@@ -285,9 +285,8 @@ class Server:
                 self.scheduler.abort(c.req, "stop")
                 c.reason = "stop"
                 left -= 1
-                yield c, prefix + piece, entries + self._take(c)
-            else:       # one event per token, its text possibly "" (held back, or a token with no text), as vLLM
-                yield c, prefix + piece, entries + self._take(c)
+            # one event per token, its text possibly "" (held back, or a token with no text), as vLLM sends them
+            yield c, prefix + piece, entries + self._take(c)
 
     def _echo(self, c: Choice, o: Options) -> tuple[str, list]:
         """The prompt's text and its logprob entries, reported once before a choice's first output (echo)."""
@@ -342,11 +341,12 @@ class Server:
         out = []
         for c in choices:
             text = "".join(c.pieces)
-            lp = None if o.logprobs is None else (_chat_logprobs(c.entries) if chat else _completion_logprobs(c.entries))
+            shape = _chat_logprobs if chat else _completion_logprobs
+            lp = None if o.logprobs is None else shape(c.entries)
             body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             out.append({"index": c.index, **body, "logprobs": lp, "finish_reason": c.reason})
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "choices": out, "usage": _usage(prompts, choices)})
+                             "created": int(time.time()), "choices": out, "usage": _usage(choices)})
 
     async def _stream(self, choices: list[Choice], o: Options, queue, head: dict, chat: bool):
         """Server-sent events: per choice a first chunk (chat: the role), text pieces, a chunk with finish_reason;
@@ -381,7 +381,7 @@ class Server:
                 return
             if o.include_usage:
                 yield _sse({**head, "object": obj, "created": int(time.time()), "choices": [],
-                            "usage": _usage(None, choices)})
+                            "usage": _usage(choices)})
             yield "data: [DONE]\n\n"
         finally:                          # the client went away (cancelled) or the stream ended
             self._cleanup(choices)
@@ -506,7 +506,7 @@ def _submit_error(e: Exception) -> APIError:
     return APIError(400, msg, "max_tokens" if context else None, "context_length_exceeded" if context else None)
 
 
-def _usage(prompts, choices: list[Choice]) -> dict:
+def _usage(choices: list[Choice]) -> dict:
     """Prompt tokens count once per prompt (not per choice), as OpenAI counts them."""
     seen = {id(c.req.prompt): len(c.req.prompt) for c in choices}
     p, n = sum(seen.values()), sum(c.completion_tokens for c in choices)
