@@ -89,8 +89,6 @@ def parse_options(body: dict, route: str, default_max_tokens: int) -> Options:
     """The sampling and response fields of a request body (after fields.check has passed it)."""
     chat = route == "chat"
     n = _get(body, "n", int, 1, lambda v: 1 <= v <= 128, "must be in 1..128")
-    if body.get("best_of") not in (None, 1, n):
-        raise APIError(400, "'best_of' is not supported (only best_of = n)", "best_of")
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):

@@ -34,7 +34,7 @@ FIELDS: dict[str, Field] = {
     "top_p": _s("both", "nucleus sampling, (0, 1]"),
     "seed": _s("both", "per-request generator; the same seed gives the same sample"),
     "stop": _s("both", "a string or up to 16 strings; the output ends before the first one"),
-    "stream": _s("both", "server-sent events, one per text piece, `data: [DONE]` at the end"),
+    "stream": _s("both", "server-sent events, one per token, `data: [DONE]` at the end"),
     "stream_options": _s("both", "`include_usage` only"),
     "presence_penalty": _s("both", "-2..2, subtracted once from every token already generated"),
     "frequency_penalty": _s("both", "-2..2, subtracted per occurrence in the generated tokens"),
