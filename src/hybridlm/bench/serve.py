@@ -323,8 +323,14 @@ def serve_suite(s: dict, log=print) -> dict:
         raise ConfigError("--concurrency, --max-tokens and --prompt-len must be >= 1")
     load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
                 time_limit=s["time_limit"], log=log)
-    if s["url"]:
-        return {"url": s["url"], "levels": load_external(s["url"], s["concurrency"], **load)}
+    if s["url"]:            # any server (e.g. an older hybridlm serve, for a before / after): no memory figures
+        out = {"url": s["url"], "levels": load_external(s["url"], s["concurrency"], **load)}
+        if s["burst"]:
+            out["burst"] = asyncio.run(_burst(s["url"].rstrip("/"), s["burst"], s["burst_min"], s["burst_max"],
+                                              s["max_tokens"], 5))
+            log(f"burst of {s['burst']}: TTFT p50 {out['burst']['ttft_p50_s']:.3f}s p99 "
+                f"{out['burst']['ttft_p99_s']:.3f}s")
+        return out
     if s["llama_server"]:
         return compare_llama_server(s, log)
     return run_serve_bench(s["presets"].split(","), s["concurrency"], params=s["params"] or None,
