@@ -20,6 +20,7 @@ from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops import cpu_decode
 from ..ops.delta_rule import delta_rule, delta_rule_step, expand_key_heads
+from ..ops.flops import delta_rule_flops
 from ..ops.norm import gated_rms_norm, l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
 from .short_conv import ShortConv
@@ -55,6 +56,10 @@ class GatedDeltaNet(nn.Module):
         init_dt_bias_(self.dt_bias, *self.dt_init)
         init_A_log_(self.A_log, 1.0, 16.0)
         self.norm_weight.fill_(1.0)
+
+    def sequence_flops(self) -> float:
+        """Forward FLOPs per token of the gated delta rule over the value heads (ops/flops.py)."""
+        return delta_rule_flops(self.hv, self.dk, self.dv)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
