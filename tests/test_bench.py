@@ -147,7 +147,7 @@ def test_mfu_counts_the_linear_mixers_recurrence():
     cases = {"S": (dict(ssd_d_state=16, ssd_headdim=32), gla(2, 16, 32, 1)),
              "R": (dict(rodimus_d_state=16), gla(1, 16, 64, 1)),
              "G": (dict(head_dim=16, gdn_v_heads=4, gdn_k_heads=2), delta(4, 16, 16)),
-             "K": (dict(head_dim=16), delta(4, 16, 16))}
+             "K": (dict(kda_head_dim=16), delta(4, 16, 16))}
     for letter, (kw, fwd) in cases.items():
         model = CausalLM(ModelConfig(layout=letter, d_model=32, n_heads=4, vocab_size=64, max_seq_len=64, **kw))
         assert tp.train_flops_per_token(model, 64) == 6 * tp.matmul_params(model) + 3 * fwd, letter
