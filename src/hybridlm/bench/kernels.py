@@ -63,6 +63,15 @@ def fla_skip_reason(device) -> str | None:
     return None
 
 
+def fla_rows(device, what: str, notes: list, log=print) -> str | None:
+    """fla_skip_reason(device), noted in `notes` (and logged) when FLA is installed but cannot run here."""
+    skip = fla_skip_reason(device)
+    if skip and skip != "not installed":
+        notes.append(f"FLA's {what} rows {skip}")
+        log(f"  FLA's rows {skip}")
+    return skip
+
+
 def _theirs(row: dict, ref: str, fn, grads: tuple, repeats: int, ours_out: torch.Tensor, skip: str | None = None):
     """Time the reference op `fn` (through our adapter, on the same inputs) into row[ref] (or note `skip`, why it
     cannot run), with its output's largest difference from ours and the ours / reference and PyTorch / reference

@@ -22,7 +22,8 @@ In this order (the most-wanted figures first):
 `--dry-run` runs all of it on the CPU at tiny sizes with Triton's interpreter, in about a minute: the check cannot
 rot while no GPU is at hand (tests/test_gpu_check.py). FLA's rows are skipped there, with a note: its Triton kernels
 do not run under the interpreter (their mappings are checked on a CPU by tests/test_ops_fla.py).
-scripts/gpu-check.sh runs it from the source tree. The parts live in checks.py (correctness) and timings.py (the rest); report.py writes the JSON and markdown.
+scripts/gpu-check.sh runs it from the source tree. The parts live in checks.py (correctness) and timings.py (the
+rest); report.py writes the JSON and markdown.
 
     hybridlm bench --suite gpu --out runs/gpu/gpu.json          # on a GPU machine: ~10 minutes
     hybridlm bench --suite gpu --dry-run --out /tmp/gpu.json    # anywhere

@@ -63,10 +63,7 @@ def kernel_checks(s: dict, device, budget: Budget, log, rows: list, notes: list)
     rnd = lambda *shape: torch.randn(*shape, device=device, generator=gen)
     dtypes = (torch.float32, torch.bfloat16)
     cases = []
-    skip = kn.fla_skip_reason(device)
-    if skip and skip != "not installed":
-        notes.append(f"FLA's correctness rows {skip}")
-        log(f"  FLA's rows {skip}")
+    skip = kn.fla_rows(device, "correctness", notes, log)
     for i, c in enumerate(s["ssd"]):
         b, T, h, p, n, g = (c[k] for k in "b T h p n g".split())
         ins = [rnd(b, T, h, p), F.softplus(rnd(b, T, h) - 2), -torch.rand(h, device=device, generator=gen) * 4 - 0.5,

@@ -30,8 +30,8 @@ def targets(res: dict) -> list[dict]:
     for r in res.get("training", {}).get("rows", []):
         if "mfu" in r:
             need = 0.40 if r["preset"] == "transformer++" else 0.30
-            out.append(dict(target=f"{r['preset']} {r['mode']} T {r['seq_len']} MFU >= {need:.2f}", measured=r["mfu"],
-                            met=r["mfu"] >= need))
+            out.append(dict(target=f"{r['preset']} {r['mode']} T {r.get('seq_len')} MFU >= {need:.2f}",
+                            measured=r["mfu"], met=r["mfu"] >= need))
     for r in res.get("decode", {}).get("rows", []):
         if r.get("batch") == 1 and r.get("mode") == "graph":
             out.append(dict(target=f"{r['preset']} decode ctx {r['context']} <= 2 ms/token", measured=r["ms_per_token"],
@@ -94,10 +94,11 @@ def to_markdown(res: dict) -> str:
     if part("training"):
         t = res["training"]
         lines += _table(f"Training: batch {t['batch']}, bf16 autocast, forward+backward (matmul peak "
-                        f"{t['matmul_peak_tflops']:.0f} TFLOP/s measured; FLOPs: {t['flops']})",
+                        f"{t['matmul_peak_tflops']:.0f} TFLOP/s measured; FLOPs: {t.get('flops')})",
                         ["preset", "params", "mode", "tokens", "tokens/s", "vs transformer++", "MFU"], t["rows"],
-                        lambda r: [r["preset"], f"{r['params'] / 1e6:.0f}M", r["mode"], r["seq_len"],
-                                   _fmt(r["tokens_per_s"], ".0f"), _fmt(r["vs_transformer"]), _fmt(r["mfu"], ".3f")])
+                        lambda r: [r["preset"], f"{r['params'] / 1e6:.0f}M", r["mode"], r.get("seq_len", "-"),
+                                   _fmt(r["tokens_per_s"], ".0f"), _fmt(r.get("vs_transformer")),
+                                   _fmt(r["mfu"], ".3f")])
     if part("decode"):
         lines += _table("Decode (bf16 weights, static cache)", ["preset", "batch", "context", "mode", "ms/token",
                                                                 "tokens/s"], res["decode"]["rows"],

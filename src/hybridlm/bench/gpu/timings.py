@@ -2,6 +2,7 @@
 memory of a long training step, and the ms per optimizer step of the small models the results page prices. Each
 part appends its rows to out["rows"] as they are measured (the run writes its results on every row)."""
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -15,17 +16,13 @@ def part_kernels(s: dict, device, budget: Budget, log, out: dict):
     Without a GPU FLA's rows are skipped, with a note (its kernels do not run under Triton's interpreter)."""
     from .. import kernels as kn
     k, rows = s["kernels"], out["rows"]
-    from importlib.metadata import PackageNotFoundError, version
     try:
         fla_version = version("fla-core")
     except PackageNotFoundError:
         fla_version = None
     out.update(fla=fla_version, batch=k["b"], seq_len=k["T"],
                mamba_ssm="not measured unless installed: a compiled CUDA extension that cannot travel as a pure wheel")
-    skip = kn.fla_skip_reason(device)
-    if skip and skip != "not installed":
-        out.setdefault("notes", []).append(f"FLA's kernel rows {skip}")
-        log(f"  FLA's rows {skip}")
+    kn.fla_rows(device, "kernel", out.setdefault("notes", []), log)
     ops = {"ssd": lambda: kn.bench_ssd(k["b"], k["T"], k["repeats"], log, heads=k["ssd"], device=device),
            "gla": lambda: kn.bench_gla(k["b"], k["T"], k["repeats"], log, heads=k["gla"], device=device),
            "delta": lambda: kn.bench_delta(k["b"], k["T"], k["repeats"], log, heads=k["delta"], device=device),
