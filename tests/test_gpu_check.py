@@ -78,6 +78,26 @@ def test_dry_run_skips_fla_rows_and_says_so(monkeypatch):
     assert "FLA's kernel rows skipped" in gpu.to_markdown(res)
 
 
+def test_training_forces_fla_where_it_refuses_this_triton(monkeypatch):
+    """On Hopper with Triton < 3.7.1 FLA refuses its gated backward (#640): the training part lifts the guard and
+    forces FLA's dispatch for the timing, and says so (device checks mocked)."""
+    import torch
+
+    from hybridlm.bench import kernels as kn
+    from hybridlm.bench.gpu import timings
+    from hybridlm.ops import fla
+    monkeypatch.delenv("HYBRIDLM_FLA", raising=False)
+    monkeypatch.setattr(fla, "available", lambda: True)
+    monkeypatch.setattr(fla, "trusted", lambda index: False)
+    monkeypatch.setattr(kn, "fla_hopper_guard_off", lambda: True)
+    out = {}
+    try:
+        timings._force_fla(torch.device("cuda", 0), out, log=lambda *_: None)
+        assert os.environ["HYBRIDLM_FLA"] == "force" and "#640" in out["notes"][0]
+    finally:
+        os.environ.pop("HYBRIDLM_FLA", None)
+
+
 def test_unknown_part_is_one_clear_error():
     with pytest.raises(ConfigError, match="unknown GPU-check part"):
         gpu.run_gpu_check(dry_run=True, parts=["kernel"])

@@ -82,7 +82,7 @@ def _theirs(row: dict, ref: str, fn, grads: tuple, repeats: int, ours_out: torch
         try:
             row[ref] = _measure(fn, grads, repeats)
         except RuntimeError as e:
-            if "#640" not in str(e) or not _fla_hopper_guard_off():
+            if "#640" not in str(e) or not fla_hopper_guard_off():
                 raise
             row[ref] = _measure(fn, grads, repeats)
             row[ref]["note"] = FLA_GUARD_NOTE
@@ -94,7 +94,7 @@ FLA_GUARD_NOTE = ("FLA refuses its gated backward on Hopper with Triton < 3.7.1 
                   "#640); its guard was lifted to time it: the time is what FLA costs once Triton is fixed")
 
 
-def _fla_hopper_guard_off() -> bool:
+def fla_hopper_guard_off() -> bool:
     """Lift FLA's Triton-version guard on its gated chunk backward (True when there was one to lift)."""
     try:
         import fla.ops.common.chunk_o as chunk_o

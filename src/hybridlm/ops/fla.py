@@ -19,7 +19,8 @@ j // (H / Hk), as our repeat_interleave).
 
 Dispatch (`enabled`): on CUDA tensors, when fla imports, HYBRIDLM_FLA and HYBRIDLM_TRITON are not 0, the key dim
 is one FLA takes (<= 256), and FLA trusts the Triton in use (Triton 3.4-3.7.0 miscompiles its gated backward on
-Hopper, fla-org/flash-linear-attention #640: there our own kernels run). Otherwise our Triton kernels (ops/triton)
+Hopper, fla-org/flash-linear-attention #640: there our own kernels run, unless HYBRIDLM_FLA=force, for timing).
+Otherwise our Triton kernels (ops/triton)
 and the PyTorch forms run as before. The adapters are opaque to torch.compile (a graph break per call), as ours.
 """
 import functools
@@ -78,10 +79,11 @@ def _cuda(*tensors: Tensor) -> bool:
 
 def enabled(*tensors: Tensor, key_dim: int) -> bool:
     """Dispatch test: every tensor on CUDA in float32/bf16/fp16, key_dim <= 256, fla importable and trusted on this
-    GPU, neither HYBRIDLM_FLA nor HYBRIDLM_TRITON set to 0."""
+    GPU (HYBRIDLM_FLA=force skips that test: timing only, FLA's gated backward is wrong where it is not trusted),
+    neither HYBRIDLM_FLA nor HYBRIDLM_TRITON set to 0."""
     if not (_on("HYBRIDLM_FLA") and _on("HYBRIDLM_TRITON") and _cuda(*tensors) and key_dim <= MAX_KEY_DIM):
         return False
-    return available() and trusted(tensors[0].device.index or 0)
+    return available() and (os.environ.get("HYBRIDLM_FLA") == "force" or trusted(tensors[0].device.index or 0))
 
 
 def mamba_enabled(*tensors: Tensor) -> bool:

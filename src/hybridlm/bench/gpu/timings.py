@@ -1,6 +1,7 @@
 """The GPU check's timing parts: our kernels against FLA's, training tokens/s and MFU, decode ms/token, the peak
 memory of a long training step, and the ms per optimizer step of the small models the results page prices. Each
 part appends its rows to out["rows"] as they are measured (the run writes its results on every row)."""
+import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 
@@ -38,6 +39,22 @@ def part_kernels(s: dict, device, budget: Budget, log, out: dict):
                 log(f"  {op}: {rows[-1]['error']}")
 
 
+def _force_fla(device, out: dict, log):
+    """Where FLA does not trust the Triton in use (Hopper, Triton < 3.7.1: its gated backward is miscompiled, FLA
+    #640) the models would not run it: for the timing, lift FLA's guard and force its dispatch (HYBRIDLM_FLA=force,
+    for the rest of this process), with a note. The times are what FLA costs once Triton is fixed; its gradients there
+    are wrong (the correctness part shows it)."""
+    from ...ops import fla
+    from .. import kernels as kn
+    if device.type != "cuda" or not fla.available() or fla.trusted(device.index or 0):
+        return
+    if kn.fla_hopper_guard_off():
+        os.environ.setdefault("HYBRIDLM_FLA", "force")
+        out.setdefault("notes", []).append("training: FLA forced where it refuses this Triton (" + kn.FLA_GUARD_NOTE
+                                           + ")")
+        log("  FLA forced for the timing (Hopper with Triton < 3.7.1, FLA #640)")
+
+
 def part_training(s: dict, device, budget: Budget, log, out: dict):
     """Forward+backward tokens/s, its ratio to transformer++'s at the same length and mode, and MFU (FLOPs counted per
     letter: bench/measure.train_flops_per_token) of each preset at each sequence length: eager for every length
@@ -50,6 +67,7 @@ def part_training(s: dict, device, budget: Budget, log, out: dict):
                flops="6 x matmul parameters + causal attention scores + 3 x the linear mixers' chunked recurrence "
                      "(per letter, ops/flops.py)")
     rows, base = out["rows"], {}
+    _force_fla(device, out, log)
     for mode in ("eager", "compiled") if t["compile"] else ("eager",):
         for T in t["seq_lens"]:
             gen = torch.Generator().manual_seed(0)
