@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,15 @@ if not torch.cuda.is_available():
 # `--dtype auto` (the CLI default) resolves to float32 on every machine, subprocesses included, so float32 figures
 # do not change on a CPU with AMX-BF16; tests of auto itself (test_dtypes.py) unset it
 os.environ["HYBRIDLM_AUTO_DTYPE"] = "float32"
+
+
+def pytest_collection_finish(session):
+    """transformers' hybrid models call FLA's (or mamba_ssm's) kernels on CPU tensors too once that package is
+    installed (the gpu extra): route those calls to transformers' own PyTorch fallback (hybridlm/hf/kernels.py).
+    After collection, so a session that never imports transformers does not pay for it."""
+    if "transformers" in sys.modules:
+        from hybridlm.hf.kernels import torch_fallback_on_cpu
+        torch_fallback_on_cpu()
 
 
 @pytest.fixture(autouse=True)

@@ -137,6 +137,22 @@ def test_mfu_counts_every_attention_letter(layout):
     assert tp.train_flops_per_token(model, 64) == 6 * tp.matmul_params(model) + attention
 
 
+def test_mfu_counts_the_linear_mixers_recurrence():
+    """S, R, G and K add 3x their chunked recurrence's forward FLOPs (ops/flops.py), by hand with chunk 64: SSD 2 heads
+    of 32 over d_state 16, one B/C group; Rodimus one head, K 16, V = d_inner 64; Gated DeltaNet 4 value heads of 16 (keys 16);
+    KDA 4 heads of 16."""
+    from hybridlm.models import CausalLM, ModelConfig
+    gla = lambda h, k, v, g: 64 * k * g + 64 * v * h + 4 * k * v * h
+    delta = lambda h, k, v: gla(h, k, v, h) + h * (64 * k + 64 * (v + k) + 2 * k * v)
+    cases = {"S": (dict(ssd_d_state=16, ssd_headdim=32), gla(2, 16, 32, 1)),
+             "R": (dict(rodimus_d_state=16), gla(1, 16, 64, 1)),
+             "G": (dict(head_dim=16, gdn_v_heads=4, gdn_k_heads=2), delta(4, 16, 16)),
+             "K": (dict(kda_head_dim=16), delta(4, 16, 16))}
+    for letter, (kw, fwd) in cases.items():
+        model = CausalLM(ModelConfig(layout=letter, d_model=32, n_heads=4, vocab_size=64, max_seq_len=64, **kw))
+        assert tp.train_flops_per_token(model, 64) == 6 * tp.matmul_params(model) + 3 * fwd, letter
+
+
 def test_suites_are_declared_one_way():
     """Every suite is a registry row: a function that imports, quick settings among its defaults, each default a
     flag; a flag its suite does not take, or a suite flag without --suite, is one clear error."""

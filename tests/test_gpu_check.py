@@ -40,7 +40,10 @@ def test_dry_run_measures_every_part(dry):
     assert all(_finite(r["max_rel_err"]) for r in c["rows"] if "max_rel_err" in r)
     ops = {r["op"] for r in res["kernels"]["rows"] if _finite(r.get("ours", {}).get("fwd_bwd_ms"))}
     assert "ssd" in ops and "gla" in ops
-    assert any(_finite(r.get("mfu")) for r in res["training"]["rows"])
+    train = [r for r in res["training"]["rows"] if _finite(r.get("mfu"))]
+    assert {r["seq_len"] for r in train} == {64, 128}
+    assert all(r["vs_transformer"] == 1.0 for r in train if r["preset"] == "transformer++")
+    assert all(_finite(r["vs_transformer"]) for r in train)
     assert {r["batch"] for r in res["decode"]["rows"] if _finite(r.get("ms_per_token"))} == {1, 4}
     assert all(_finite(r.get("peak_bytes")) for r in res["memory"]["rows"])
     assert any(_finite(r.get("ms_per_step")) for r in res["steps"]["rows"])
@@ -60,6 +63,39 @@ def test_budget_cuts_with_a_note_and_every_row_is_written():
     n = len(res["memory"]["rows"])
     assert seen == [("memory", k) for k in range(1, n + 1)] + [(None, n)]
     assert "stopped during the memory part" in gpu.to_markdown(dict(res, running="memory"))
+
+
+def test_dry_run_skips_fla_rows_and_says_so(monkeypatch):
+    """With fla installed on a machine without a GPU its kernels cannot run (`RuntimeError: 0 active drivers`): the dry
+    run skips FLA's rows with a note instead of failing every one (fla's presence mocked: none of its code runs)."""
+    from hybridlm.ops import fla
+    monkeypatch.setattr(fla, "available", lambda: True)
+    monkeypatch.setattr(gpu, "DRY", dict(gpu.DRY, kernels=dict(gpu.DRY["kernels"], ops=("delta", "kda"))))
+    res = gpu.run_gpu_check(dry_run=True, parts=["kernels"], log=lambda *_: None, time_limit=300)
+    rows = res["kernels"]["rows"]
+    assert [r["op"] for r in rows] == ["delta", "kda"], rows
+    assert all("skipped" in r["fla"] and _finite(r["pytorch"]["fwd_bwd_ms"]) for r in rows), rows
+    assert "FLA's kernel rows skipped" in gpu.to_markdown(res)
+
+
+def test_training_forces_fla_where_it_refuses_this_triton(monkeypatch):
+    """On Hopper with Triton < 3.7.1 FLA refuses its gated backward (#640): the training part lifts the guard and
+    forces FLA's dispatch for the timing, and says so (device checks mocked)."""
+    import torch
+
+    from hybridlm.bench import kernels as kn
+    from hybridlm.bench.gpu import timings
+    from hybridlm.ops import fla
+    monkeypatch.delenv("HYBRIDLM_FLA", raising=False)
+    monkeypatch.setattr(fla, "available", lambda: True)
+    monkeypatch.setattr(fla, "trusted", lambda index: False)
+    monkeypatch.setattr(kn, "fla_hopper_guard_off", lambda: True)
+    out = {}
+    try:
+        timings._force_fla(torch.device("cuda", 0), out, log=lambda *_: None)
+        assert os.environ["HYBRIDLM_FLA"] == "force" and "#640" in out["notes"][0]
+    finally:
+        os.environ.pop("HYBRIDLM_FLA", None)
 
 
 def test_unknown_part_is_one_clear_error():

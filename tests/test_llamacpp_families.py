@@ -90,7 +90,7 @@ def test_models_and_servers_tables_lead_with_the_host():
     md = models_table({**host, "rows": rows})
     assert md.startswith(host_line(host)) and "| llama | 2.00B | q4_0 / int4 | 10.0 | 5.0 | 0.50x |" in md
     level = lambda c, t: {"concurrency": c, "tokens_per_s": t}           # noqa: E731
-    res = {"machine": {**host, "cores": 2, "threads": 2},
+    res = {"host": host,
            "servers": {"hybridlm": {"levels": [level(1, 8.0), level(16, 30.0)]},
                        "llama-server": {"levels": [level(1, 10.0), level(16, 40.0)]}}}
     md = servers_table(res)

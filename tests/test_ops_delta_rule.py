@@ -123,6 +123,19 @@ def test_state_passing_and_step(per_channel):
     torch.testing.assert_close(S3, S, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_shared_key_heads(per_channel):
+    """q, k with fewer heads than v (Qwen3-Next's value heads sharing key heads): value head j reads key head
+    j // (H / Hk), the same as the recurrence on each key head repeated over its value heads (gradients summed)."""
+    q, k, v, beta, g, s0 = make_inputs(33, per_channel=per_channel)
+    q1, k1 = q[:, :, :1], k[:, :, :1]
+    rep = lambda x: x.repeat_interleave(H, 2)
+    ref = run(lambda q, k, *a, **kw: delta_rule_recurrent(rep(q), rep(k), *a, **kw), q1, k1, v, beta, g, s0)
+    assert_same(run(delta_rule_chunked, q1, k1, v, beta, g, s0), ref)
+    with pytest.raises(InputError, match="multiple"):
+        delta_rule_chunked(q[:, :, :1].repeat(1, 1, 3, 1), k[:, :, :1].repeat(1, 1, 3, 1), v, beta, g)
+
+
 def test_bad_inputs():
     q, k, v, beta, g, _ = make_inputs(8, per_channel=False)
     with pytest.raises(InputError, match="log_decay"):

@@ -115,6 +115,32 @@ def test_text_stream_holds_back_a_possible_stop():
     assert t.add("a") == "a" and t.add("c") == "" and t.finish() == "c"
 
 
+class _Counting(ChatBytes):
+    """The byte tokenizer, counting the token ids it decodes."""
+    decoded = 0
+
+    def decode(self, ids):
+        ids = list(ids)
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_text_stream_is_incremental_and_whole_characters():
+    text = "héllo wörld — 日本語 🎉 naïve " * 200
+    tok = _Counting()
+    t = TextStream(tok, [])
+    pieces = [t.add(b) for b in text.encode()]
+    assert "".join(pieces) + t.finish() == text
+    assert not any("\ufffd" in p for p in pieces)                # a character is sent whole, never half
+    assert sum(1 for p in pieces if p) == len(text)               # each as soon as its last byte arrives
+    assert tok.decoded < 8 * len(text.encode())                    # a short window per token, not the whole output
+    t = TextStream(ChatBytes(), ["日本", "🎉"])                    # stop strings met across tokens, multi-byte
+    out = "".join(t.add(b) for b in "ab 日本語".encode())
+    assert (out, t.stopped, t.tokens) == ("ab ", True, 9)
+    t = TextStream(ChatBytes(), [])
+    assert t.add(0xE6) == "" and t.finish() == "\ufffd"           # an unfinished character at the end
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_server_greedy_equals_generate_concurrently(name):
     """Requests of mixed lengths, sent at once so they share the batch and join it mid-flight, some sharing a
@@ -163,8 +189,10 @@ def test_errors_are_openai_shaped(server, client):
         (_post(url, {**ok, "max_tokens": 120, "prompt": "x" * 20}), 400, "max_tokens"),
         (_post(url, {**ok, "prompt": [1, 300]}), 400, "prompt"),
         (_post(url, {**ok, "prompt": [-1]}), 400, "prompt"),
-        (_post(url, {**ok, "n": 2}), 400, "n"),
-        (_post(url, {**ok, "frequency_penalty": 0.5}), 400, "frequency_penalty"),
+        (_post(url, {**ok, "n": 0}), 400, "n"),
+        (_post(url, {**ok, "frequency_penalty": 2.5}), 400, "frequency_penalty"),
+        (_post(url, {**ok, "grammar": "root ::= x"}), 400, "grammar"),
+        (_post(url, {**ok, "no_such_field": 1}), 400, "no_such_field"),
         (_post(url, {k: v for k, v in ok.items() if k != "prompt"}), 400, "prompt"),
         (_post(url, ok, key=None), 401, None),
         (_post(url, ok, key="wrong"), 401, None),
@@ -343,7 +371,8 @@ def test_serve_bench_smoke(tmp_path):
                           max_tokens=4, prefix_len=64, context=256, dtype="float32", out=out, log=lambda *_: None)
     row = res["presets"]["rodimus++"]
     assert [lv["requests"] for lv in row["levels"]] == [3, 3] and row["prefix"]["ttft_hit_s"] > 0
-    assert os.path.exists(out) and os.path.exists(str(tmp_path / "serve.png"))
+    assert row["burst"]["requests"] == 16 and row["burst"]["peak_rss_bytes"] >= row["burst"]["idle_rss_bytes"]
+    assert os.path.exists(str(tmp_path / "serve.png"))
 
 
 def test_a_non_streaming_client_that_leaves_frees_its_slot():
@@ -378,3 +407,92 @@ def test_serve_suite_through_the_bench_command(tmp_path):
     res = json.loads(out.read_text())
     levels = res["presets"]["mamba2"]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["output_tokens"] > 0 for lv in levels)
+    burst = res["presets"]["mamba2"]["burst"]
+    assert burst["requests"] == 4 and burst["prompt_tokens"] == [8, 64] and burst["ttft_p99_s"] >= burst["ttft_p50_s"]
+    assert "peak_state_bytes" in burst and res["meta"]["cpu_count"] and "machine" not in res
+
+
+class _Silent(ChatBytes):
+    """A tokenizer whose tokens have no text (as random weights repeating a special token produce)."""
+
+    def decode(self, ids):
+        return ""
+
+
+def _stdlib_stream(url: str, body: dict) -> dict:
+    """An independent client (http.client, a line at a time): TTFT and TPOT from its own receipt times."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    stamps, tokens = [], 0
+    while line := r.readline():
+        now = time.perf_counter()
+        if line.startswith(b"data: {"):
+            ev = json.loads(line[6:])
+            tokens = (ev.get("usage") or {}).get("completion_tokens", tokens)
+            if ev["choices"] and not ev["choices"][0]["finish_reason"]:
+                stamps.append(now)
+    conn.close()
+    return {"ttft": stamps[0] - t0, "tpot": (stamps[-1] - stamps[0]) / (tokens - 1), "events": len(stamps)}
+
+
+@pytest.mark.parametrize("silent", [False, True])
+def test_the_bench_clock_agrees_with_a_plain_client(model, silent):
+    """bench/serve.py's TTFT / TPOT against a stdlib client's on the same server and request, each decode step
+    slowed to ~25 ms so the gaps are well above scheduling noise; also when no token has text."""
+    import asyncio
+    from hybridlm.bench.serve import _one
+    with live_server(model, _Silent() if silent else None, max_slots=2) as (url, sch):
+        real = sch.engine.decode
+
+        def slow(*a, **k):
+            time.sleep(0.025)
+            return real(*a, **k)
+        sch.engine.decode = slow
+        prompt, n = [5, 6, 7], 12
+
+        async def bench():
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await _one(c, url, prompt, n)
+        ours = asyncio.run(bench())
+        plain = _stdlib_stream(url, {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                                     "stream": True, "stream_options": {"include_usage": True}})
+    assert ours["tokens"] == n and plain["events"] in (n, n + 1)    # an event per token, text or not (+ a held tail)
+    for r in (ours, plain):
+        assert 0.02 < r["tpot"] < 0.1, r
+    assert abs(ours["tpot"] - plain["tpot"]) < 0.015 and abs(ours["ttft"] - plain["ttft"]) < 0.1
+
+
+def test_serve_without_the_extra_is_one_line(tmp_path, capsys, monkeypatch):
+    from hybridlm.cli import main
+    monkeypatch.setitem(sys.modules, "uvicorn", None)                 # import uvicorn -> ImportError
+    assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'hybridlm[serve]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_takes_a_transformers_directory(tmp_path):
+    """A transformers Llama directory, converted on load by convert --from-hf's code: greedy = transformers'."""
+    import argparse
+    transformers = pytest.importorskip("transformers")
+    from hybridlm.commands import serve
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    _, sch = serve.build(p.parse_args(["--checkpoint", str(tmp_path / "hf"), "--tokenizer", "byte",
+                                       "--dtype", "float32"]))
+    ids = [1, 2, 3]
+    r = Request(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    sch.submit(r)
+    sch.run_until_idle()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+    assert r.output == want

@@ -1,6 +1,7 @@
-"""`hybridlm bench --suite kernels`: forward and forward+backward time of our Triton chunk kernels (ops/triton) at the
-shapes of issue 15, next to mamba_ssm's `mamba_chunk_scan_combined` and flash-linear-attention's `chunk_gla` on
-the same inputs when those packages are installed (never a dependency), and our PyTorch ops on the same GPU;
+"""`hybridlm bench --suite kernels`: forward and forward+backward time of each linear-time letter's op in its three
+forms: flash-linear-attention's chunk kernel through our adapter (ops/fla.py: S chunk_simple_gla, R chunk_gla,
+G chunk_gated_delta_rule, K chunk_kda; the gpu extra), our Triton kernel where we have one (ops/triton: S, R) and our
+PyTorch form, on the same inputs (mamba_ssm's `mamba_chunk_scan_combined` beside S when installed);
 and the CDMoE expert kernel (16,384 single-neuron experts, 64 per token, d_model 1024) against a gated MLP with
 the same active parameters. Needs CUDA and triton (`pip install 'hybridlm[gpu]'`).
 
@@ -51,25 +52,37 @@ def _leaves(*ts):
     return [t.detach().requires_grad_() for t in ts]
 
 
-def _fla(name: str):
-    """flash-linear-attention's op `name` (fla.ops), or None when fla is not installed."""
-    try:
-        import fla.ops
-    except ImportError:
-        return None
-    return getattr(fla.ops, name)
+def fla_skip_reason(device) -> str | None:
+    """Why FLA's kernels cannot be timed here (None: they can): not installed, or no GPU (its Triton kernels do not
+    run under Triton's interpreter: `0 active drivers`)."""
+    from ..ops import fla
+    if not fla.available():
+        return "not installed"
+    if torch.device(device).type != "cuda":
+        return "skipped: FLA's Triton kernels need a GPU (they do not run under Triton's interpreter)"
+    return None
 
 
-def _theirs(row: dict, ref: str, fn, grads: tuple, repeats: int, ours_out: torch.Tensor) -> None:
-    """Time the reference package's op `fn` (None: not installed) into row[ref], with its output's largest
-    difference from ours on the same inputs, and the ours / reference ratio."""
-    if fn is None:
-        row[ref] = {"error": "not installed"}
+def fla_rows(device, what: str, notes: list, log=print) -> str | None:
+    """fla_skip_reason(device), noted in `notes` (and logged) when FLA is installed but cannot run here."""
+    skip = fla_skip_reason(device)
+    if skip and skip != "not installed":
+        notes.append(f"FLA's {what} rows {skip}")
+        log(f"  FLA's rows {skip}")
+    return skip
+
+
+def _theirs(row: dict, ref: str, fn, grads: tuple, repeats: int, ours_out: torch.Tensor, skip: str | None = None):
+    """Time the reference op `fn` (through our adapter, on the same inputs) into row[ref] (or note `skip`, why it
+    cannot run), with its output's largest difference from ours and the ours / reference and PyTorch / reference
+    time ratios."""
+    if skip is not None:
+        row[ref] = {"skipped" if skip.startswith("skipped") else "error": skip}
     else:
         try:
             row[ref] = _measure(fn, grads, repeats)
         except RuntimeError as e:
-            if "#640" not in str(e) or not _fla_hopper_guard_off():
+            if "#640" not in str(e) or not fla_hopper_guard_off():
                 raise
             row[ref] = _measure(fn, grads, repeats)
             row[ref]["note"] = FLA_GUARD_NOTE
@@ -81,7 +94,7 @@ FLA_GUARD_NOTE = ("FLA refuses its gated backward on Hopper with Triton < 3.7.1 
                   "#640); its guard was lifted to time it: the time is what FLA costs once Triton is fixed")
 
 
-def _fla_hopper_guard_off() -> bool:
+def fla_hopper_guard_off() -> bool:
     """Lift FLA's Triton-version guard on its gated chunk backward (True when there was one to lift)."""
     try:
         import fla.ops.common.chunk_o as chunk_o
@@ -92,8 +105,10 @@ def _fla_hopper_guard_off() -> bool:
 
 
 def bench_ssd(b: int, T: int, repeats: int, log=print, heads: dict = SSD_HEADS, device="cuda") -> dict:
-    """Our Triton SSD against our PyTorch chunked SSD, mamba_ssm's `mamba_chunk_scan_combined` and FLA's
-    `chunk_simple_gla` (SSD is scalar-decay GLA: q = C, k = B, v = dt·x, g = dt·A) when installed."""
+    """S: our Triton SSD against our PyTorch chunked SSD, FLA's `chunk_simple_gla` through ops/fla.py's adapter (SSD
+    is scalar-decay GLA: q = C, k = B, v = dt·x, g = dt·A) and mamba_ssm's `mamba_chunk_scan_combined`, when
+    installed."""
+    from ..ops import fla
     from ..ops.ssd import ssd_chunked
     from ..ops.triton import ssd_chunked_triton
     h, p, n, g = heads["h"], heads["p"], heads["n"], heads["g"]
@@ -103,33 +118,23 @@ def bench_ssd(b: int, T: int, repeats: int, log=print, heads: dict = SSD_HEADS, 
     A = -torch.rand(h, device=device, generator=gen) * 4 - 0.5
     B, C = (torch.randn(b, T, g, n, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
     gy = torch.randn_like(x)
-    row = {"op": "ssd", "batch": b, "seq_len": T, **heads, "dtype": "bf16"}
+    row = {"op": "ssd", "letter": "S", "batch": b, "seq_len": T, **heads, "dtype": "bf16"}
     x_, dt_, A_, B_, C_ = _leaves(x, dt, A, B, C)
     ours = lambda: ssd_chunked_triton(x_, dt_, A_, B_, C_, chunk_size=64)
     row["ours"] = _measure(ours, (gy,), repeats)
     y_ours = ours()[0].detach()
     row["pytorch"] = _measure(_pytorch(ssd_chunked, x_, dt_, A_, B_, C_, chunk_size=64), (gy,), max(2, repeats // 4))
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError:
-        row["mamba_ssm"] = {"error": "not installed (a compiled CUDA package: it cannot travel as a pure wheel)"}
-    else:
-        _theirs(row, "mamba_ssm", lambda: (mamba_chunk_scan_combined(x_, dt_, A_, B_, C_, chunk_size=256),), (gy,),
-                repeats, y_ours)
-    simple_gla = _fla("chunk_simple_gla")
-
-    def fla_ssd():
-        rep = lambda t: t.repeat_interleave(h // g, dim=2)
-        o, s = simple_gla(rep(C_), rep(B_), x_ * dt_[..., None].to(x_.dtype), g=dt_ * A_, scale=1.0,
-                          output_final_state=True)
-        return o, s
-    _theirs(row, "fla", simple_gla and fla_ssd, (gy,), repeats, y_ours)
+    _theirs(row, "fla", lambda: fla.ssd_fla(x_, dt_, A_, B_, C_), (gy,), repeats, y_ours, fla_skip_reason(device))
+    mamba = None if torch.device(device).type == "cuda" and fla.mamba_available() else \
+        "not installed (a compiled CUDA package: it cannot travel as a pure wheel)"
+    _theirs(row, "mamba_ssm", lambda: fla.ssd_mamba(x_, dt_, A_, B_, C_), (gy,), repeats, y_ours, mamba)
     log(format_row(row))
     return row
 
 
 def bench_gla(b: int, T: int, repeats: int, log=print, heads: dict = GLA_HEADS, device="cuda") -> dict:
-    """Our Triton GLA (Rodimus' recurrence) against our PyTorch chunked GLA and FLA's `chunk_gla`."""
+    """R: our Triton GLA (Rodimus' recurrence) against our PyTorch chunked GLA and FLA's `chunk_gla` (ops/fla.py)."""
+    from ..ops import fla
     from ..ops.gla import gla_chunked
     from ..ops.triton import gla_chunked_triton
     h, k, v = heads["h"], heads["k"], heads["v"]
@@ -138,22 +143,23 @@ def bench_gla(b: int, T: int, repeats: int, log=print, heads: dict = GLA_HEADS, 
     vv = torch.randn(b, T, h, v, device=device, generator=gen, dtype=torch.bfloat16)
     w = F.logsigmoid(torch.randn(b, T, h, k, device=device, generator=gen)) / 16     # as FLA's GLA tests
     go = torch.randn_like(vv)
-    row = {"op": "gla", "batch": b, "seq_len": T, **heads, "dtype": "bf16"}
+    row = {"op": "gla", "letter": "R", "batch": b, "seq_len": T, **heads, "dtype": "bf16"}
     q_, k_, v_, w_ = _leaves(q, kk, vv, w)
     ours = lambda: gla_chunked_triton(q_, k_, v_, w_, chunk_size=64)
     row["ours"] = _measure(ours, (go,), repeats)
     o_ours = ours()[0].detach()
     row["pytorch"] = _measure(_pytorch(gla_chunked, q_, k_, v_, w_, chunk_size=64), (go,), max(2, repeats // 4))
-    chunk_gla = _fla("chunk_gla")
-    _theirs(row, "fla", chunk_gla and (lambda: chunk_gla(q_, k_, v_, w_, scale=k ** -0.5, output_final_state=True)),
-            (go,), repeats, o_ours)
+    _theirs(row, "fla", lambda: fla.gla_fla(q_, k_, v_, w_), (go,), repeats, o_ours, fla_skip_reason(device))
     log(format_row(row))
     return row
 
 
-def bench_delta(b: int, T: int, repeats: int, log=print, heads: dict = GLA_HEADS, device="cuda") -> dict:
-    """The gated delta rule (Gated DeltaNet; KDA with a per-channel gate): hybridlm has no Triton kernel for it,
-    so "ours" is the chunked WY form in PyTorch, against FLA's `chunk_gated_delta_rule` when installed."""
+def bench_delta(b: int, T: int, repeats: int, log=print, heads: dict = GLA_HEADS, device="cuda",
+                per_channel: bool = False) -> dict:
+    """G (scalar gate, FLA's `chunk_gated_delta_rule`) or K (`per_channel`, `chunk_kda`): the gated delta rule, FLA's
+    kernel through ops/fla.py against our PyTorch chunked WY form; hybridlm has no Triton kernel of its own for it
+    (FLA's is the CUDA path)."""
+    from ..ops import fla
     from ..ops.delta_rule import delta_rule_chunked
     h, k, v = heads["h"], heads["k"], heads["v"]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -161,17 +167,15 @@ def bench_delta(b: int, T: int, repeats: int, log=print, heads: dict = GLA_HEADS
     kk = F.normalize(torch.randn(b, T, h, k, device=device, generator=gen), dim=-1).to(torch.bfloat16)
     vv = torch.randn(b, T, h, v, device=device, generator=gen, dtype=torch.bfloat16)
     beta = torch.rand(b, T, h, device=device, generator=gen, dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn(b, T, h, device=device, generator=gen)) / 16
+    g = F.logsigmoid(torch.randn(b, T, h, *((k,) if per_channel else ()), device=device, generator=gen)) / 16
     go = torch.randn_like(vv)
-    row = {"op": "delta", "batch": b, "seq_len": T, **heads, "dtype": "bf16", "note": "ours = PyTorch chunked form"}
+    row = {"op": "kda" if per_channel else "delta", "letter": "K" if per_channel else "G", "batch": b, "seq_len": T,
+           **heads, "dtype": "bf16", "ours": {"error": "none (FLA's kernel is the CUDA path)"}}
     q_, k_, v_, beta_, g_ = _leaves(q, kk, vv, beta, g)
-    ours = lambda: delta_rule_chunked(q_, k_, v_, beta_, g_, chunk_size=64)
-    row["ours"] = _measure(ours, (go,), repeats)
-    o_ours = ours()[0].detach()
-    row["pytorch"] = row["ours"]
-    gdr = _fla("chunk_gated_delta_rule")
-    _theirs(row, "fla", gdr and (lambda: gdr(q_, k_, v_, g_, beta_, scale=k ** -0.5, output_final_state=True)),
-            (go,), repeats, o_ours)
+    torch_form = _pytorch(delta_rule_chunked, q_, k_, v_, beta_, g_, chunk_size=64)
+    row["pytorch"] = _measure(torch_form, (go,), max(2, repeats // 4))
+    _theirs(row, "fla", lambda: fla.delta_rule_fla(q_, k_, v_, beta_, g_), (go,), repeats,
+            torch_form()[0].detach(), fla_skip_reason(device))
     log(format_row(row))
     return row
 
@@ -209,22 +213,24 @@ def bench_cdmoe(b: int, T: int, repeats: int, log=print, sizes: dict = CDMOE, de
 
 
 def _ratio(row: dict, ref: str) -> None:
-    """ours / reference forward+backward time (the issue's target: <= 1.2), None when either is missing; the row's
-    own "ratio_fwd_bwd" is the first reference measured."""
-    a, b = row["ours"].get("fwd_bwd_ms"), row[ref].get("fwd_bwd_ms")
-    row[ref]["ours_over_this"] = a / b if a and b else None
-    if row.get("ratio_fwd_bwd") is None:
+    """ours / reference and our PyTorch / reference forward+backward time (the issue's target for ours: <= 1.2), None
+    when either is missing; the row's own "ratio_fwd_bwd" is the first reference measured."""
+    b = row[ref].get("fwd_bwd_ms")
+    for key, form in (("ours_over_this", "ours"), ("pytorch_over_this", "pytorch")):
+        a = row[form].get("fwd_bwd_ms")
+        row[ref][key] = a / b if a and b else None
+    if row.get("ratio_fwd_bwd") is None and (row[ref]["ours_over_this"] is not None or "ratio_ref" not in row):
         row["ratio_fwd_bwd"], row["ratio_ref"] = row[ref]["ours_over_this"], ref
 
 
 def format_row(r: dict) -> str:
-    """One table line: ours, the reference package and our PyTorch ops, forward and forward+backward ms."""
-    ref = r.get("ratio_ref") or ("fla" if "fla" in r else "mamba_ssm")
+    """One table line: ours, FLA (or the first reference timed) and our PyTorch ops, forward and forward+backward ms."""
+    ref = r.get("ratio_ref") or "fla"
 
     def cell(m: dict, key: str) -> str:
-        return f"{m[key]:9.2f}" if key in m else f"{m.get('error', '-')[:9]:>9s}"
-    ratio = r["ratio_fwd_bwd"]
-    return (f"{r['op']:4s} {r['batch']:>3d}x{r['seq_len']:<6d} ours {cell(r['ours'], 'fwd_ms')} "
+        return f"{m[key]:9.2f}" if key in m else f"{(m.get('error') or m.get('skipped') or '-')[:9]:>9s}"
+    ratio = r.get("ratio_fwd_bwd")
+    return (f"{r['op']:5s} {r['batch']:>3d}x{r['seq_len']:<6d} ours {cell(r['ours'], 'fwd_ms')} "
             f"{cell(r['ours'], 'fwd_bwd_ms')} | {ref:9s} {cell(r[ref], 'fwd_ms')} {cell(r[ref], 'fwd_bwd_ms')} | "
             f"pytorch {cell(r['pytorch'], 'fwd_ms')} {cell(r['pytorch'], 'fwd_bwd_ms')} | "
             f"ours/{ref} fwd+bwd {'-' if ratio is None else f'{ratio:.2f}'}")
@@ -248,9 +254,11 @@ def run_kernels(shapes=None, repeats: int = 10, quick: bool = False, log=print) 
         rows.append(bench_ssd(b, T, repeats, log))
         rows.append(bench_gla(b, T, repeats, log))
         rows.append(bench_delta(b, T, repeats, log))
+        rows.append(bench_delta(b, T, repeats, log, per_channel=True))
         rows.append(bench_cdmoe(b, T, repeats, log))
     return {"rows": rows, "device": torch.cuda.get_device_name(), "shapes": shapes,
-            "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "delta": GLA_HEADS, "cdmoe": CDMOE}, "torch": torch.__version__}
+            "heads": {"ssd": SSD_HEADS, "gla": GLA_HEADS, "delta": GLA_HEADS, "kda": GLA_HEADS, "cdmoe": CDMOE},
+            "torch": torch.__version__}
 
 
 def kernels_suite(s: dict, log=print) -> dict:

@@ -352,9 +352,10 @@ def attention_keys_per_query(seq_len: int, keys: int | None) -> float:
 def train_flops_per_token(model, seq_len: int) -> float:
     """≈ 6·(matmul parameters) + the softmax-attention score and value flops, forward + backward: 6·2·keys·H·D
     per attention layer, every letter the registry calls attention (A, F, W, L, I, ...; keys per query bounded by its
-    window or top-k). The recurrent mixers' state work (SSD intra-chunk, GLA) is not counted: MFU is then a lower
-    bound."""
+    window or top-k); + 3x the forward FLOPs of the linear-time mixers' chunked recurrence, each layer's own count
+    (`sequence_flops()`: S, R, G, K; ops/flops.py)."""
     f = 6.0 * matmul_params(model)
+    f += 3.0 * sum(m.sequence_flops() for m in model.modules() if hasattr(m, "sequence_flops"))
     cfg = getattr(model, "config", None)
     if getattr(cfg, "layout", ""):
         from ..models.registry import attention_layers

@@ -7,23 +7,29 @@ shared-prefix hit. Every load is bounded in requests and time. JSON + one PNG.
 
     python -m hybridlm.bench.serve --presets rodimus++ mamba2 --concurrency 1 4 16 --out serve.json
 
-Client-side timing from server-sent events: TTFT is the time to the first event with text (a token whose bytes do
-not finish a UTF-8 character yet is sent with the next one), TPOT is (last event - first event) / (tokens - 1)
-with the token count from the final usage.
+Client-side timing, each server-sent event stamped when the client receives it: TTFT is the time to the first
+event of a choice, TPOT is (last token event - first) / (tokens - 1), the token count from the final usage. Both
+servers send an event per token, its text possibly empty (held back inside a UTF-8 character or a possible stop
+string, or a token with no text): counting only events with text made a generation whose tokens decode to nothing
+(random weights repeating a special token) one event at the end, TTFT the whole request and TPOT 0.0.
+tests/test_serve_api.py checks these clocks against a plain socket client's.
+
+The burst figure: 16 requests arriving together, prompts of mixed length (64 to 2,048 tokens, spread
+geometrically), TTFT p50 / p99; and, while they run in 16 slots, the server process's resident memory against the
+state the memory budget counts for them (/metrics).
 """
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-from ..runtime import cpu_model
 from .registry import cpu_host
 
 PRESETS = ["transformer++", "mamba2", "rodimus++", "mamba2-attention"]
@@ -70,19 +76,12 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "hybridlm", "serve", "--checkpoint", checkpoint,
                                       "--port", str(self.port), *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT)
-        import httpx
-        deadline = time.time() + startup_s
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                out = self.proc.stdout.read().decode(errors="replace") if self.proc.poll() is not None else ""
-                self.stop()
-                raise RuntimeError(f"the server did not start: {out[-2000:]}")
-            time.sleep(0.2)
+        try:
+            wait_ready(self.url, self.proc, startup_s)
+        except RuntimeError as e:
+            out = self.proc.stdout.read().decode(errors="replace") if self.proc.poll() is not None else ""
+            self.stop()
+            raise RuntimeError(f"{e}: {out[-2000:]}") from None
 
     def metrics(self) -> dict:
         import httpx
@@ -104,27 +103,26 @@ class ServerProcess:
 
 
 async def _one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion -> {"ttft", "tpot", "tokens", "start", "end"}."""
+    """One streamed completion -> {"ttft", "tpot", "tokens", "start", "end"}, each event stamped on receipt."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = last = None
-    tokens = events = 0
+    stamps, tokens = [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
+            now = time.perf_counter()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[6:])
-            now = time.perf_counter()
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
-            if ev.get("choices") and (ev["choices"][0].get("text") or ev["choices"][0].get("finish_reason")):
-                first = first or now
-                last = now
-                events += bool(ev["choices"][0].get("text"))
-    tokens = tokens or events          # a server without usage in its stream: one event per token
+            choice = (ev.get("choices") or [None])[0]
+            if choice is not None and (choice.get("text") or not choice.get("finish_reason")):
+                stamps.append(now)                # a token's event (a finish-only event carries none)
+    tokens = tokens or len(stamps)                # a server without usage in its stream: one event per token
+    first, last = stamps[0], stamps[-1]
     return {"ttft": first - t0, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
             "start": t0, "end": last}
 
@@ -165,6 +163,69 @@ async def _prefix(url: str, prefix_len: int, seed: int) -> dict:
             "speedup": round(cold["ttft"] / hit["ttft"], 2)}
 
 
+async def _burst(url: str, n: int, shortest: int, longest: int, max_tokens: int, seed: int) -> dict:
+    """`n` completions sent at once, prompts from `shortest` to `longest` tokens (geometric): TTFT p50 / p99."""
+    import httpx
+    rng = random.Random(seed)
+    lens = [round(shortest * (longest / shortest) ** (i / max(1, n - 1))) for i in range(n)]
+    rng.shuffle(lens)
+    prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in lens]
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        res = await asyncio.gather(*(_one(client, url, p, max_tokens) for p in prompts))
+    ttft = [r["ttft"] for r in res]
+    return {"requests": n, "prompt_tokens": [min(lens), max(lens)], "max_tokens": max_tokens,
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "ttft_by_prompt": sorted(zip(lens, [round(t, 4) for t in ttft]))}
+
+
+class Sampler:
+    """The server process's resident memory and its /metrics state gauges, sampled in a thread (peaks)."""
+
+    def __init__(self, server: "ServerProcess", every: float = 0.05):
+        import psutil
+        self.server, self.every, self.proc = server, every, psutil.Process(server.proc.pid)
+        self.peak = {"rss_bytes": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            m = self.server.metrics()
+            m["rss_bytes"] = self.proc.memory_info().rss
+            for k in ("rss_bytes", "state_bytes", "batch_bytes", "prefill_bytes", "prefix_cache_bytes"):
+                if k in m:
+                    self.peak[k] = max(self.peak.get(k, 0), m[k])
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self.idle_rss = self.proc.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def burst_with_memory(server: "ServerProcess", s: dict, context: int, log=print) -> dict:
+    """The burst figure, with the server's RSS and state sampled while it runs: the budget the scheduler counts
+    for these requests (each at prompt + max_tokens tokens) against what the process holds."""
+    m = server.metrics()
+    longest = min(s["burst_max"], context - s["max_tokens"] - 1)
+    with Sampler(server) as mem:
+        row = asyncio.run(_burst(server.url, s["burst"], min(s["burst_min"], longest), longest, s["max_tokens"], 5))
+    lens = [k for k, _ in row.pop("ttft_by_prompt")]
+    row["budget_bytes"] = int(sum(m["slot_fixed_bytes"] + m["slot_token_bytes"] * (k + s["max_tokens"])
+                                  for k in lens))
+    row.update(idle_rss_bytes=mem.idle_rss, **{f"peak_{k}": v for k, v in mem.peak.items()})
+    row["rss_growth_bytes"] = mem.peak["rss_bytes"] - mem.idle_rss
+    log(f"burst of {row['requests']} ({row['prompt_tokens'][0]}-{row['prompt_tokens'][1]} tokens): TTFT p50 "
+        f"{row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s; budget {row['budget_bytes'] / 2**20:.1f} MiB, "
+        f"RSS growth {row['rss_growth_bytes'] / 2**20:.1f} MiB")
+    return row
+
+
 def load_external(url: str, concurrencies=(1, 16), *, prompt_len: int = 64, max_tokens: int = 48,
                   requests_per_level: int | None = None, time_limit: float = 120, log=print) -> list[dict]:
     """The same load against a server already running at `url` (any OpenAI-compatible one, e.g. llama.cpp's
@@ -183,19 +244,23 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     d_model: int | None = None, n_layers: int | None = None, prompt_len: int = 64,
                     max_tokens: int = 48, requests_per_level: int | None = None, time_limit: float = 120,
                     prefix_len: int = 2048, context: int = 4096, memory_budget_mb: float = 1024,
+                    burst: int = 16, burst_min: int = 64, burst_max: int = 2048,
                     dtype: str = "auto", quantize: str | None = None, out: str = "serve-bench.json",
                     plot: bool = True, log=print) -> dict:
-    """Start a server per preset, load it at each concurrency, measure; write `out` (JSON) and a PNG beside it."""
-    result = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
-              "settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
+    """Start a server per preset, load it at each concurrency, measure; the results (the caller writes them, with
+    the registry's meta) and a PNG beside `out`."""
+    result = {"settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
                            "max_tokens": max_tokens, "prefix_len": prefix_len, "context": context, "dtype": dtype,
-                           "quantize": quantize, "memory_budget_mb": memory_budget_mb},
+                           "quantize": quantize, "memory_budget_mb": memory_budget_mb, "burst": burst,
+                           "burst_min": burst_min, "burst_max": burst_max},
               "presets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
             ckpt = make_checkpoint(preset, params, d_model, n_layers, context, os.path.join(tmp, preset))
             args = ["--max-slots", str(max(concurrencies)), "--max-queue", "4096", "--dtype", dtype,
                     "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else [])
+            if burst:
+                args += ["--max-slots", str(max(burst, *concurrencies))]
             server = ServerProcess(ckpt, args)
             try:
                 m = server.metrics()
@@ -215,11 +280,13 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     row["prefix"] = asyncio.run(_prefix(server.url, prefix_len, 7))
                     log(f"{preset:<18} prefix {prefix_len}: TTFT cold {row['prefix']['ttft_cold_s']:.3f}s, "
                         f"after a hit {row['prefix']['ttft_hit_s']:.3f}s ({row['prefix']['speedup']}x)")
+                if burst:
+                    row["burst"] = burst_with_memory(server, dict(burst=burst, burst_min=burst_min,
+                                                                  burst_max=burst_max, max_tokens=max_tokens),
+                                                     context, log)
             finally:
                 server.stop()
             result["presets"][preset] = row
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
     if plot:
         _plot(result, os.path.splitext(out)[0] + ".png")
     return result
@@ -258,14 +325,20 @@ def serve_suite(s: dict, log=print) -> dict:
         raise ConfigError("--concurrency, --max-tokens and --prompt-len must be >= 1")
     load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
                 time_limit=s["time_limit"], log=log)
-    if s["url"]:
-        return {"url": s["url"], "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
-                "levels": load_external(s["url"], s["concurrency"], **load)}
+    if s["url"]:            # any server (e.g. an older hybridlm serve, for a before / after): no memory figures
+        out = {"url": s["url"], "levels": load_external(s["url"], s["concurrency"], **load)}
+        if s["burst"]:
+            out["burst"] = asyncio.run(_burst(s["url"].rstrip("/"), s["burst"], s["burst_min"], s["burst_max"],
+                                              s["max_tokens"], 5))
+            log(f"burst of {s['burst']}: TTFT p50 {out['burst']['ttft_p50_s']:.3f}s p99 "
+                f"{out['burst']['ttft_p99_s']:.3f}s")
+        return out
     if s["llama_server"]:
         return compare_llama_server(s, log)
     return run_serve_bench(s["presets"].split(","), s["concurrency"], params=s["params"] or None,
                            d_model=s["d_model"], n_layers=s["n_layers"], prefix_len=s["prefix_len"],
-                           context=s["context"], memory_budget_mb=s["memory_budget_mb"], dtype=s["dtype"],
+                           context=s["context"], memory_budget_mb=s["memory_budget_mb"], burst=s["burst"],
+                           burst_min=s["burst_min"], burst_max=s["burst_max"], dtype=s["dtype"],
                            quantize=s["quantize"] or None, out=s["out"], **load)
 
 
@@ -284,12 +357,11 @@ def compare_llama_server(s: dict, log=print) -> dict:
            "-t", threads, "-tb", threads, "-c", str(ctx), "--no-webui"]
     load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
                 time_limit=s["time_limit"], log=log)
-    out = {"machine": {**cpu_host(), "cores": os.cpu_count(), "threads": int(threads)},
-           "weights": {"family": "llama", "parameters": made["parameters"], "dtype": "bfloat16"}, "servers": {}}
+    out = {"host": cpu_host(), "weights": {"family": "llama", "parameters": made["parameters"], "dtype": "bfloat16"},
+           "servers": {}}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
-        _warm_up(f"http://127.0.0.1:{port}", load)
+        wait_ready(f"http://127.0.0.1:{port}", proc)
         out["servers"]["llama-server"] = {"command": " ".join(cmd[1:]),
                                           "levels": load_external(f"http://127.0.0.1:{port}", s["concurrency"], **load)}
     finally:
@@ -297,7 +369,6 @@ def compare_llama_server(s: dict, log=print) -> dict:
         proc.wait(60)
     server = ServerProcess(made["checkpoint"], ["--max-slots", str(n), "--dtype", "bfloat16"])   # convert --from-hf of it
     try:
-        _warm_up(server.url, load)
         out["servers"]["hybridlm"] = {"levels": load_external(server.url, s["concurrency"], **load)}
     finally:
         server.stop()
@@ -317,21 +388,8 @@ def servers_table(res: dict) -> str:
     ours, theirs = (res["servers"][k]["levels"] for k in ("hybridlm", "llama-server"))
     rows = [[str(a["concurrency"]), f"{b['tokens_per_s']:.1f}", f"{a['tokens_per_s']:.1f}",
              f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x"] for a, b in zip(ours, theirs)]
-    return host_line(res["machine"]) + "\n" + "\n".join(markdown_table(
+    return host_line(res["host"]) + "\n" + "\n".join(markdown_table(
         ["concurrency", "llama-server tok/s", "hybridlm serve tok/s", "ratio"], rows)) + "\n"
-
-
-def _warm_up(url: str, load: dict, tries: int = 30):
-    """Two requests, retried while the server still drops connections (llama-server answers /health before its
-    slots take requests)."""
-    import httpx
-    for i in range(tries):
-        try:
-            return load_external(url, (1,), **{**load, "requests_per_level": 2, "log": lambda *a: None})
-        except httpx.TransportError:
-            if i == tries - 1:
-                raise
-            time.sleep(1)
 
 
 def _free_port() -> int:
@@ -340,12 +398,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc, startup_s: float = 300):
+def wait_ready(url: str, proc, startup_s: float = 300):
+    """Until the server at `url` answers /health and then a two-token completion (llama-server answers /health
+    before its slots take requests): the one wait for every server here. RuntimeError when `proc` ends first or
+    `startup_s` passes."""
     import httpx
     deadline = time.time() + startup_s
     while time.time() < deadline and proc.poll() is None:
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/health", timeout=1).status_code == 200 and httpx.post(
+                    url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60).status_code == 200:
                 return
         except httpx.TransportError:
             pass

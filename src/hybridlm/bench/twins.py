@@ -41,6 +41,8 @@ def build_twin(name: str, *, d_model: int, n_layers: int, vocab_size: int, max_s
     from transformers import AutoModelForCausalLM
 
     from ..hf.convert import from_transformers
+    from ..hf.kernels import torch_fallback_on_cpu
+    torch_fallback_on_cpu()          # FLA installed: transformers' hybrids would call its kernels on CPU tensors
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(twins()[name](d_model, n_layers, vocab_size, max_seq_len)).float().eval()
     hf.config.use_cache = False      # training steps; transformers' hybrid caches also refuse models without attention

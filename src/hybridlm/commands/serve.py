@@ -1,5 +1,7 @@
 """`hybridlm serve`: an OpenAI-compatible HTTP server over a checkpoint (serve/: engine, scheduler, API)."""
+import argparse
 import os
+import tempfile
 
 from ..dtypes import CHOICES as DTYPES
 from .common import add_quantize_args, add_tokenizer_arg
@@ -16,18 +18,16 @@ def build(args):
     from ..serve.api import create_app
     from .common import human, out
     from .generate import load_for_inference
-    try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        raise InputError("serving needs starlette and uvicorn: pip install 'hybridlm[serve]'") from None
+    require_serve_extra()
     for flag in ("max_slots", "prefix_block", "max_queue"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.prefix_cache_mb < 0 or (args.memory_mb is not None and args.memory_mb <= 0):
         raise InputError("--prefix-cache-mb must be >= 0 and --memory-mb > 0")
     device = resolve_device(args.device)
-    model, tok = load_for_inference(args, str(device))
+    with tempfile.TemporaryDirectory(prefix="hybridlm-serve-") as tmp:    # a converted checkpoint, while it loads
+        model, tok = load_for_inference(argparse.Namespace(**{**vars(args), "checkpoint": hybridlm_checkpoint(
+            args.checkpoint, tmp)}), str(device))
     mb = 1 << 20
     with torch.no_grad():        # the engine's own calls run under inference_mode in its thread
         engine = Engine(model, eos_id=tok.eos_id, block=args.prefix_block,
@@ -51,6 +51,33 @@ def build(args):
     return app, scheduler
 
 
+def require_serve_extra():
+    """One clear error when the serve extra (starlette, uvicorn) is not installed."""
+    from ..errors import InputError
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise InputError("serving needs the serve extra: pip install 'hybridlm[serve]'") from None
+
+
+def hybridlm_checkpoint(path: str, tmp: str) -> str:
+    """`path` itself, or, for a transformers directory of a family the converters read (a released Rodimus
+    directory among them), the hybridlm checkpoint `convert --from-hf` makes of it, under `tmp`."""
+    import json
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return path                              # a run directory, or a path load_checkpoint explains
+    with open(config) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type in (None, "hybridlm"):        # a hybridlm checkpoint (a bare ModelConfig or transformers' layout)
+        return path
+    from ..hf.directory import convert_from_hf
+    from .common import out
+    out(f"converting {path} ({model_type}) to a hybridlm checkpoint on load")
+    return convert_from_hf(path, os.path.join(tmp, "checkpoint"))
+
+
 def listen(host: str, port: int):
     """A socket bound to host:port (one clear error when it cannot be)."""
     import socket
@@ -67,8 +94,9 @@ def listen(host: str, port: int):
 
 def main(args) -> int:
     import signal
-    import uvicorn
     from .common import out
+    require_serve_extra()
+    import uvicorn
     if not 0 <= args.port <= 65535:
         from ..errors import InputError
         raise InputError(f"--port must be in 0..65535, got {args.port}")
@@ -88,7 +116,9 @@ def main(args) -> int:
 
 
 def add_arguments(p):
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (or the run directory holding one)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (or the run directory holding one), or a transformers directory of a "
+                        "family `convert --from-hf` reads (converted on load)")
     add_tokenizer_arg(p)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

@@ -1,11 +1,17 @@
-"""A hybridlm model as transformers' own LlamaForCausalLM or Mamba2ForCausalLM, when it is exactly one
-(`hybridlm convert --to-hf RUN --as-native`): the result loads without hybridlm installed.
+"""A hybridlm model as one of transformers' own classes, when it is exactly one (`hybridlm convert --to-hf RUN
+--as-native [auto|FAMILY]`): the result loads without hybridlm installed, and engines that read those classes' config
+(vLLM, SGLang, TGI) serve it.
 
-"Exactly" is checked by running the native config back through our converter (hf/convert.py): the ModelConfig it
-gives must equal ours in every field the converter sets and in every option the converter cannot express. The
-weights are placed by inverting the converter itself: each native tensor element is numbered, the converter maps the
-numbers as it would map weights (renames, concatenations, reshapes), and our weights are scattered to where their
-numbers came from, so there is no second, hand-written mapping to keep in sync.
+One table, `FAMILIES` (hf/native_families.py): per transformers family, how our layout's blocks group into its
+decoder layers and its config from ours. Nothing else is per family, and every check runs the converter
+(hf/convert*.py) backwards:
+  - "exactly" is the native config read back through our converter: the ModelConfig it gives must equal ours in every
+    field our model's letters read (derived defaults resolved; initialisation- and speed-only fields aside);
+  - the weights are placed by inverting the converter itself: each native tensor element is numbered, the converter
+    maps the numbers as it would map weights (renames, concatenations, reshapes, stacking, constant offsets such as
+    Qwen3-Next's 1 + w), and our weights are scattered to where their numbers came from, so there is no second,
+    hand-written mapping to keep in sync.
+A model no family expresses gets one error naming what stands in the way and the families that come closest.
 """
 import math
 from contextlib import contextmanager
@@ -16,76 +22,127 @@ from torch import nn
 from ..errors import ConfigError
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig, quiet_unread
-from .common import LazyTensor, Tensors
+from ..models.layout import flatten, parse_layout
+from ..models.registry import LETTERS, readers
+from .common import LazyTensor, Tensors, convert_weights
 from .convert import CONVERTERS   # (importing convert registers every converter)
+from .native_families import FAMILIES, NotExpressed, class_name, family_name, layout_tokens
 
-# options no native class has: they must keep their default (off)
-_MUST_BE_DEFAULT = ("hyper_connections", "layer_overrides", "qk_norm", "residual_scale", "window", "wm_dyn_mask",
-                    "wm_ssd_rope", "rope_dim", "attn_shared_key", "pos_embedding", "ssd_d_inner", "ssd_norm")
-_IGNORED = {"max_seq_len"}   # Mamba-2 has no position limit (the converter writes a large one)
-
-
-def _llama(cfg: ModelConfig, n: int, **special):
-    from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden_size,
-                       num_hidden_layers=n, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-                       head_dim=cfg.attn_head_dim, hidden_act=cfg.mlp_act, max_position_embeddings=cfg.max_seq_len,
-                       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
-                       attention_bias=cfg.attn_bias, mlp_bias=cfg.mlp_bias, bos_token_id=None, **special)
+# fields that change no function computed (initialisation, speed, training only): never compared
+_NO_EFFECT = {"init_std", "dropout", "max_seq_len", "ssd_chunk_size", "ssd_dt_min", "ssd_dt_max", "ssd_A_init_range",
+              "rodimus_chunk_size", "gdn_chunk_size", "mamba1_chunk_size", "mla_absorb", "dsa_kl_weight"}
 
 
-def _mamba2(cfg: ModelConfig, n: int, **special):
-    from transformers import Mamba2Config
-    return Mamba2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=n,
-                        state_size=cfg.ssd_d_state, conv_kernel=cfg.d_conv, expand=cfg.ssd_expand,
-                        head_dim=cfg.ssd_headdim, num_heads=cfg.ssd_expand * cfg.d_model // cfg.ssd_headdim,
-                        n_groups=cfg.ssd_ngroups, chunk_size=cfg.ssd_chunk_size, use_bias=cfg.ssd_bias,
-                        use_conv_bias=cfg.ssd_conv_bias, layer_norm_epsilon=cfg.norm_eps,
-                        time_step_min=cfg.ssd_dt_min, time_step_max=cfg.ssd_dt_max, time_step_limit=(0.0, math.inf),
-                        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, **special)
-
+# ---------------------------------------------------------------------------------------------------
+# the round trip: our config -> theirs -> back through the converter -> compared
 
 def _normal(cfg: ModelConfig) -> dict:
     """Fields with the defaults that mean "derived" resolved, so equal models compare equal."""
-    return dict(cfg.to_dict(), n_kv_heads=cfg.kv_heads, head_dim=cfg.attn_head_dim, mlp_hidden=cfg.mlp_hidden_size)
+    from ..models.mixers_deepseek import dsa_sizes, mla_sizes
+    from ..models.mixers_delta import gdn_sizes
+    from ..models.mixers_kda import kda_sizes
+    d = cfg.to_dict()
+    moe_h = cfg.moe_hidden or cfg.mlp_hidden_size
+    d.update(n_kv_heads=cfg.kv_heads, head_dim=cfg.attn_head_dim, mlp_hidden=cfg.mlp_hidden_size,
+             rope_dim=cfg.attn_head_dim if cfg.rope_dim is None else cfg.rope_dim, moe_hidden=moe_h,
+             moe_shared_hidden=cfg.moe_shared_hidden or moe_h,
+             wm_cdmoe_hidden=cfg.wm_cdmoe_hidden or cfg.mlp_hidden_size,
+             ssd_d_inner=cfg.ssd_d_inner or cfg.ssd_expand * cfg.d_model, ssd_expand=None,
+             mamba1_dt_rank=cfg.mamba1_dt_rank or math.ceil(cfg.d_model / 16),
+             mamba1_norm_eps=cfg.norm_eps if cfg.mamba1_norm_eps is None else cfg.mamba1_norm_eps,
+             layout=[t for t, _ in layout_tokens(cfg)])
+    d.update({"mla_" + k: v for k, v in mla_sizes(cfg).items()})
+    d.update({"dsa_" + k: v for k, v in dsa_sizes(cfg).items()})
+    d.update(zip(("kda_heads", "kda_head_dim", "kda_rank"), kda_sizes(cfg)))
+    d.update(zip(("gdn_k_heads", "gdn_v_heads", "gdn_k_dim", "gdn_v_dim"), gdn_sizes(cfg)))
+    return d
 
 
-def native_config(cfg: ModelConfig, **special):
-    """transformers' config of the one native class computing exactly `cfg`'s function, else a ConfigError."""
-    from ..models.layout import flatten, parse_layout
-    from ..models.registry import LETTERS
-    letters = "".join(flatten(parse_layout(cfg.layout, LETTERS.keys())))
-    if letters and letters == "AM" * (len(letters) // 2):
-        hf = _llama(cfg, len(letters) // 2, **special)
-    elif letters and set(letters) == {"S"}:
-        hf = _mamba2(cfg, len(letters), **special)
-        if cfg.pos_embedding == "rope":   # RoPE reaches attention only: an S-only model computes the same without
-            cfg = cfg.replace(pos_embedding="none")
-    else:
-        raise ConfigError(f"--as-native: layout {cfg.layout!r} is neither a Llama '(AM)*n' nor a Mamba-2 'S*n'; "
-                          "export without --as-native")
-    fields = CONVERTERS[hf.model_type].config(hf)
-    with quiet_unread():
-        back = _normal(ModelConfig(**fields))
-    ours, default = _normal(cfg), ModelConfig().to_dict()
-    bad = [k for k in fields if k not in _IGNORED and ours[k] != back[k]]
-    bad += [k for k in _MUST_BE_DEFAULT if k not in fields and ours[k] != default[k]]
+def _refusals() -> tuple:
+    from huggingface_hub.errors import StrictDataclassError   # (transformers' configs validate their fields with it)
+    return ConfigError, ValueError, StrictDataclassError
+
+
+def _relevant(name: str, letters: set[str], cfg: ModelConfig) -> bool:
+    """Whether field `name` can change what a model of these letters computes."""
+    if name in _NO_EFFECT or name == "layer_overrides" and not cfg.layer_overrides:
+        return False
+    if name == "mlp_hidden":                   # for O and E only the default of their own widths (resolved)
+        return bool(letters & {"M", "Z"})
+    if name in ("rope_base", "rope_dim", "rope_interleaved") and cfg.pos_embedding != "rope":
+        return False
+    who = readers(name)
+    return not who or bool(letters & set(who))
+
+
+def _without_unread_rope(cfg: ModelConfig, letters: set[str]) -> ModelConfig:
+    """RoPE that no layer applies (an S-only or NoPE model with the default pos_embedding "rope") is no RoPE."""
+    rotary = set(readers("rope_base")) - {"S"}          # S reads it only under wm_ssd_rope (compared on its own)
+    return cfg.replace(pos_embedding="none") if cfg.pos_embedding == "rope" and not letters & rotary else cfg
+
+
+def _express(family: str, cfg: ModelConfig, tokens, special: dict):
+    """`family`'s config computing exactly `cfg`'s function, else NotExpressed."""
+    fam = FAMILIES[family]
+    layers = fam.grammar(tokens)
+    every = flatten(parse_layout(cfg.layout, LETTERS.keys()))
+    letters, n_layers = {str(x) for x in every}, len(every)
+    try:
+        hf = fam.config(cfg, layers, tokens)
+        for k, v in special.items():
+            setattr(hf, k, v)
+        fields = CONVERTERS[hf.model_type].config(hf)
+        with quiet_unread():
+            back = ModelConfig(**fields)
+    except _refusals() as e:                  # a config that transformers or our converter refuses
+        raise NotExpressed((n_layers, -1), " ".join(str(e).split())) from None
+    cfg, back = _without_unread_rope(cfg, letters), _without_unread_rope(back, letters)
+    ours, theirs = _normal(cfg), _normal(back)
+    bad = [k for k in ours if _relevant(k, letters, cfg) and ours[k] != theirs[k]]
     if bad:
-        raise ConfigError(f"--as-native: this model is not exactly a {type(hf).__name__[:-6]}: "
-                          + ", ".join(f"{k}={ours[k]!r}" for k in bad))
+        raise NotExpressed((n_layers, -len(bad)), ", ".join(f"{k}={ours[k]!r}" for k in bad))
     return hf
 
 
-class _Numbered(LazyTensor):
-    """Positions [offset, offset + numel) of the native weights, shaped like one native tensor, made when the
-    converter reads it (so only the index tensors the converter is holding exist at a time)."""
+def native_config(cfg: ModelConfig, family: str = "auto", **special):
+    """transformers' config of the native class computing exactly `cfg`'s function (`family`, or with "auto" the
+    first of FAMILIES that does), else one ConfigError naming what stands in the way."""
+    tokens = layout_tokens(cfg)
+    names = list(FAMILIES) if family == "auto" else [family_name(family)]
+    misses = {}
+    for name in names:
+        try:
+            return _express(name, cfg, tokens, special)
+        except NotExpressed as off:
+            misses[name] = off
+    if family != "auto":
+        raise ConfigError(f"--as-native {family}: this model is not exactly a {class_name(names[0])}: "
+                          f"{misses[names[0]].what}")
+    best = max(off.reach for off in misses.values())
+    closest = [k for k, off in misses.items() if off.reach == best]
+    what = misses[closest[0]].what
+    where = (f"every family stops at {what}" if best == (0, 0) else
+             f"the closest, {', '.join(class_name(k) for k in closest[:4])}, stop{'s' * (len(closest) == 1)} at {what}")
+    raise ConfigError(f"--as-native: no transformers class computes layout {cfg.layout!r} exactly: {where}. Export "
+                      "without --as-native (HybridLMForCausalLM: loads with hybridlm or trust_remote_code=True)")
 
-    def __init__(self, offset: int, shape: torch.Size, dtype: torch.dtype):
+
+# ---------------------------------------------------------------------------------------------------
+# the weights: the converter run on numbered tensors
+
+class _Numbered(LazyTensor):
+    """Positions [offset + 1, offset + 1 + numel) of the native weights (0 marks a constant the converter made),
+    shaped like one native tensor, made when the converter reads it (so only the index tensors the converter is
+    holding exist at a time); with dtype None all zeros instead (uint8: the converter's constant offsets)."""
+
+    def __init__(self, offset: int, shape: torch.Size, dtype: torch.dtype | None):
         self.offset, self.shape, self.dtype = offset, shape, dtype
 
     def load(self) -> torch.Tensor:
-        return torch.arange(self.offset, self.offset + math.prod(self.shape), dtype=self.dtype).view(self.shape)
+        if self.dtype is None:
+            return torch.zeros(self.shape, dtype=torch.uint8)
+        n = math.prod(self.shape)
+        return torch.arange(self.offset + 1, self.offset + 1 + n, dtype=self.dtype).view(self.shape)
 
 
 @contextmanager
@@ -105,31 +162,55 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def to_native(model: CausalLM, **special):
-    """transformers' LlamaForCausalLM / Mamba2ForCausalLM with `model`'s weights (copied), in eval mode. Memory: one
-    native copy of the weights, a bitmap and the index tensors of the converter's output (int32 below 2^31 weights),
-    about 2.3x the model beside it (a 1.5B float32 model exports in 24 GB)."""
+def to_native(model: CausalLM, family: str = "auto", **special):
+    """transformers' own class (`native_config`) with `model`'s weights (copied), in eval mode. Memory: one native
+    copy of the weights, a bitmap and the index tensors of the converter's output (int32 below 2^31 weights; float64
+    for a converter that computes in floating point, Qwen3-Next's 1 + w), about 2.3x a float32 model beside it
+    (3.3x with float64 numbers): a 1.5B float32 model exports in 24 GB."""
     from transformers import AutoModelForCausalLM
-    hf_cfg = native_config(model.config, **special)
+    hf_cfg = native_config(model.config, family, **special)
     dtype = next(model.parameters()).dtype
     with _parameters_on_meta():                   # shapes only: the weights are placed below, never initialised
         hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     theirs, seen = {}, set()
-    for k, t in hf.state_dict(keep_vars=True).items():     # a tied lm_head is the embedding: number it once
+    for k, t in hf.state_dict(keep_vars=True).items():     # a tied tensor (lm_head, shared blocks): number it once
         if id(t) not in seen:
             seen.add(id(t))
             theirs[k] = t
     sizes = [t.numel() for t in theirs.values()]
     offsets = torch.tensor([0, *sizes]).cumsum(0).tolist()
-    index = torch.int32 if offsets[-1] < 2 ** 31 else torch.int64
-    numbered = {k: _Numbered(o, t.shape, index) for (k, t), o in zip(theirs.items(), offsets)}
-    placed = CONVERTERS[hf_cfg.model_type].weights(Tensors(numbered), model.config)
+
+    def run(index: torch.dtype | None) -> dict:    # the converter on numbered tensors (None: on zeros)
+        tensors = Tensors({k: _Numbered(o, t.shape, index) for (k, t), o in zip(theirs.items(), offsets)})
+        return convert_weights(hf_cfg, tensors, model.config)
+    const = run(None)                              # what the converter makes of zeros: the constants it adds (1 + w)
+    # numbers survive as integers, or, where the converter computes in floating point, as float64 (exact to 2^53)
+    index = torch.float64 if any(v.is_floating_point() for v in const.values()) else \
+        torch.int32 if offsets[-1] < 2 ** 31 else torch.int64
+    const = {k: v for k, v in const.items() if bool(v.any())}
+    placed = run(index)
     flat = torch.empty(offsets[-1], dtype=dtype)  # the native weights, one buffer
     filled = torch.zeros(offsets[-1], dtype=torch.bool)
     ours = model.state_dict()
     for name in list(placed):
-        idx = placed.pop(name).reshape(-1).long()
-        flat[idx] = ours[name].detach().reshape(-1).to(dtype)
+        c = const.pop(name, None)
+        idx = placed.pop(name).reshape(-1)
+        w = ours[name].detach().reshape(-1)
+        if c is not None:                          # theirs = ours - c (exact for weights near c: Sterbenz)
+            c = c.reshape(-1)
+            idx = idx - c.to(idx.dtype)
+            w = (w.to(c.dtype if c.is_floating_point() else w.dtype) - c).to(dtype)
+        if idx.is_floating_point() and not torch.equal(idx, idx.round()):
+            raise ConfigError(f"--as-native: the {class_name(hf_cfg.model_type)} converter scales {name}")
+        idx = idx.long() - 1
+        if bool((idx < 0).any()):
+            raise ConfigError(f"--as-native: the {class_name(hf_cfg.model_type)} converter makes part of {name} "
+                              "from no weight of the class")
+        w = w.to(dtype)
+        again = filled[idx]                        # a native weight read twice (tied, shared): ours must agree
+        if bool(again.any()) and not torch.equal(flat[idx][again], w[again]):
+            raise ConfigError(f"--as-native: {name} differs where {class_name(hf_cfg.model_type)} shares one weight")
+        flat[idx] = w
         filled[idx] = True
         del idx
     if not bool(filled.all()):

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops import cpu_decode, cpu_mixers
-from ..ops.delta_rule import delta_rule, delta_rule_step
+from ..ops.delta_rule import delta_rule, delta_rule_step, expand_key_heads
+from ..ops.flops import delta_rule_flops
 from ..ops.norm import gated_rms_norm, l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
 from .short_conv import ShortConv
@@ -56,6 +57,10 @@ class GatedDeltaNet(nn.Module):
         init_A_log_(self.A_log, 1.0, 16.0)
         self.norm_weight.fill_(1.0)
 
+    def sequence_flops(self) -> float:
+        """Forward FLOPs per token of the gated delta rule over the value heads (ops/flops.py)."""
+        return delta_rule_flops(self.hv, self.dk, self.dv)
+
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape
         hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.r
@@ -76,15 +81,14 @@ class GatedDeltaNet(nn.Module):
                                                         self.dt_bias, slot.state, key_heads=hk, head_k=dk)
             return self._output(o.unsqueeze(1), z, x)
         q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), -1)
-        q, k = l2_norm(q.view(B, T, hk, dk)), l2_norm(k.view(B, T, hk, dk))
-        if r > 1:                     # each key head serves r consecutive value heads
-            q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
+        q, k = l2_norm(q.view(B, T, hk, dk)), l2_norm(k.view(B, T, hk, dk))   # each serves r value heads
         v = v.reshape(B, T, hv, dv)
         beta = torch.sigmoid(b.reshape(B, T, hv).float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.reshape(B, T, hv).float() + self.dt_bias.float())
         if mask is not None:          # no decay and no write: the state passes padding unchanged
             beta, g = beta * mask, g * mask
         if step:
+            q, k = expand_key_heads(q, k, hv)
             args = (q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], slot.state)
             o, slot.state = (cpu_decode.delta_rule_step if cpu_decode.serves(*args) else delta_rule_step)(*args)
             o = o.unsqueeze(1)

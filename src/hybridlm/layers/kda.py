@@ -19,6 +19,7 @@ from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops import cpu_decode, cpu_mixers
 from ..ops.delta_rule import delta_rule, delta_rule_step
+from ..ops.flops import delta_rule_flops
 from ..ops.norm import l2_norm
 from .init import init_A_log_, init_dt_bias_, normal_
 from .short_conv import ShortConv
@@ -58,6 +59,10 @@ class KimiDeltaAttention(nn.Module):
         init_A_log_(self.A_log, 1.0, 16.0)
         init_dt_bias_(self.dt_bias, *self.dt_init)
         self.norm_weight.fill_(1.0)
+
+    def sequence_flops(self) -> float:
+        """Forward FLOPs per token of the per-channel gated delta rule (ops/flops.py)."""
+        return delta_rule_flops(self.n_heads, self.head_dim, self.head_dim)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops import cpu_decode, cpu_mixers
+from ..ops.flops import gla_flops
 from ..ops.norm import gated_rms_norm
 from ..ops.ssd import ssd_chunked, ssd_step
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -58,6 +59,11 @@ class Mamba2(nn.Module):
         self.D.fill_(1.0)
         if self.norm_weight is not None:
             self.norm_weight.fill_(1.0)
+
+    def sequence_flops(self) -> float:
+        """Forward FLOPs per token of the SSD recurrence (ops/flops.py): B/C scores per group, outputs and state per
+        head."""
+        return gla_flops(self.nheads, self.d_state, self.headdim, score_heads=self.ngroups)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape

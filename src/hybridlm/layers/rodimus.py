@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..cache import RecurrentCache
 from ..context import SeqContext
 from ..ops import cpu_decode, cpu_mixers
+from ..ops.flops import gla_flops
 from ..ops.gla import gla_chunked, gla_step
 from ..ops.gla_product import gla_product_chunked, gla_product_step
 from ..ops.norm import gated_rms_norm
@@ -96,6 +97,10 @@ class Rodimus(nn.Module):
         # g^τ exactly (decay near 1 means g ~ 1e-9 and below: a coarse floor such as 1e-6 changes the logits); the
         # floor at the smallest normal only keeps log g, hence the gradient in τ, finite where softplus underflows
         return -g * tau, torch.pow(g.clamp(min=torch.finfo(g.dtype).tiny), tau)
+
+    def sequence_flops(self) -> float:
+        """Forward FLOPs per token of the one-head GLA (ops/flops.py): key dim d_state, value dim d_inner."""
+        return gla_flops(1, self.d_state, self.d_inner)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         B, T, _ = x.shape

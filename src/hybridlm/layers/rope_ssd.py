@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
+from ..ops.flops import gla_flops
 from ..ops.rope import apply_rope
 from ..ops.ssd import ssd_chunked, ssd_step
 from .init import init_A_log_, init_dt_bias_, normal_
@@ -59,6 +60,11 @@ class RopeSSD(nn.Module):
         if self.position == "conv":
             self.conv.reset_parameters()
             self.D.fill_(1.0)
+
+    def sequence_flops(self) -> float:
+        """Forward FLOPs per token of the SSD recurrence (ops/flops.py): B/C scores per group, outputs and state per
+        head."""
+        return gla_flops(self.nheads, self.d_state, self.headdim, score_heads=self.ngroups)
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         Bsz, T, _ = x.shape

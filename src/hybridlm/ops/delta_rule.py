@@ -5,14 +5,18 @@ gate, Kimi-Linear).
     S_t  = S'_t + β_t k_t (v_t - S'_tᵀ k_t)ᵀ             = (I - β_t k_t k_tᵀ) S'_t + β_t k_t v_tᵀ
     o_t  = scale · S_tᵀ q_t                               (state S: [key dim K, value dim V])
 
-Shapes: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; log_decay g [B, T, H] (Gated DeltaNet) or [B, T, H, K]
-(KDA), values <= 0; state [B, H, K, V]. `resets` [B, T] bool marks document starts in a packed batch (the carried
+Shapes: q, k [B, T, Hk, K]; v [B, T, H, V]; beta [B, T, H]; log_decay g [B, T, H] (Gated DeltaNet) or [B, T, H, K]
+(KDA), values <= 0; state [B, H, K, V]. Hk divides H: value head j reads key head j // (H / Hk) (Qwen3-Next's value
+heads sharing key heads; the decode step takes Hk = H). `resets` [B, T] bool marks document starts in a packed batch (the carried
 state is zeroed there). The state is kept in float32 (float64 for float64 inputs); outputs come back in q's dtype.
 q and k are used as given: callers L2-normalise them (as both public models do) before calling.
 
     delta_rule_recurrent  token loop (reference)
     delta_rule_step       one decode token
     delta_rule_chunked    chunked WY / UT-transform form (training and prefill); `delta_rule` is this one
+
+On CUDA tensors delta_rule_chunked is FLA's chunk_gated_delta_rule / chunk_kda when fla is installed (ops/fla.py;
+HYBRIDLM_FLA=0 or HYBRIDLM_TRITON=0 turn it off); hybridlm has no Triton kernel of its own for it.
 """
 import math
 
@@ -22,6 +26,7 @@ from torch import Tensor
 
 from hybridlm.errors import InputError
 
+from . import fla
 from .gla import LOG_DECAY_MIN, SUBCHUNK, _compute_dtype, _DiagBlocks, _segsum
 from .precision import caster, matmul_dtype, no_autocast
 
@@ -30,9 +35,11 @@ def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay:
                        initial_state: Tensor | None, resets: Tensor | None) -> None:
     if q.dim() != 4 or q.shape != k.shape:
         raise InputError(f"delta rule: q and k must share a [B, T, H, K] shape, got {tuple(q.shape)}, {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise InputError(f"delta rule: v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    B, T, Hk, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[2] % Hk:
+        raise InputError(f"delta rule: v must be [B, T, H, V] = [{B}, {T}, H, V] with H a multiple of q/k's {Hk} "
+                         f"heads, got {tuple(v.shape)}")
+    H = v.shape[2]
     if beta.shape != (B, T, H):
         raise InputError(f"delta rule: beta must be [B, T, H] = {(B, T, H)}, got {tuple(beta.shape)}")
     if log_decay.shape not in ((B, T, H), (B, T, H, K)):
@@ -43,6 +50,12 @@ def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay:
                          f"got {tuple(initial_state.shape)}")
     if resets is not None and resets.shape != (B, T):
         raise InputError(f"delta rule: resets must be [B, T] = {(B, T)}, got {tuple(resets.shape)}")
+
+
+def expand_key_heads(q: Tensor, k: Tensor, H: int) -> tuple[Tensor, Tensor]:
+    """q, k [B, T, Hk, K] -> [B, T, H, K]: each key head repeated over the H / Hk value heads it serves."""
+    r = H // q.shape[2]
+    return (q, k) if r == 1 else (q.repeat_interleave(r, 2), k.repeat_interleave(r, 2))
 
 
 def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor, state: Tensor, *,
@@ -67,6 +80,7 @@ def delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     """Reference: the recurrence token by token. Shapes as in the module docstring.
     Returns (o [B, T, H, V], final_state [B, H, K, V] float32)."""
     check_delta_inputs(q, k, v, beta, log_decay, initial_state, resets)
+    q, k = expand_key_heads(q, k, v.shape[2])
     B, T, H, K = q.shape
     dt = _compute_dtype(q)
     g = log_decay.to(dt)
@@ -126,6 +140,9 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay:
     check_delta_inputs(q, k, v, beta, log_decay, initial_state, resets)
     if chunk_size < 1:
         raise InputError(f"delta_rule_chunked: chunk_size must be >= 1, got {chunk_size}")
+    if fla.enabled(q, k, v, beta, log_decay, key_dim=q.shape[-1]):
+        return fla.delta_rule_fla(q, k, v, beta, log_decay, scale=scale, initial_state=initial_state, resets=resets)
+    q, k = expand_key_heads(q, k, v.shape[2])
     lo = caster(matmul_dtype(q) or matmul_dtype(v))                # read before autocast is switched off
     with no_autocast(q):
         return _delta_rule_chunked(q, k, v, beta, log_decay, scale, initial_state, resets, chunk_size, lo)

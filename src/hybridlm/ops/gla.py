@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridlm.errors import InputError
+from hybridlm.ops import fla
 from hybridlm.ops.precision import caster, matmul_dtype, no_autocast
 from hybridlm.ops.triton import enabled as triton_enabled
 
@@ -180,9 +181,12 @@ def gla_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, *, scale: fl
     log_decay is clamped to [LOG_DECAY_MIN, 0] = [-40, 0] to keep in-chunk cumulative sums precise.
     bf16 (or fp16) q or v, or autocast to it: the in-chunk and state matmuls read bf16 operands; decays, cumsums,
     the diagonal blocks and the carried state stay float32 (ops/precision.py).
-    CUDA tensors go to our Triton kernels (ops/triton) when triton imports and HYBRIDLM_TRITON is not 0.
+    CUDA tensors go to FLA's chunk_gla when fla is installed (ops/fla.py), else to our Triton kernels (ops/triton)
+    when triton imports; HYBRIDLM_FLA=0 skips FLA, HYBRIDLM_TRITON=0 both.
     """
     _check(q, k, v, log_decay, initial_state, resets)
+    if fla.enabled(q, k, v, log_decay, key_dim=q.shape[-1]):
+        return fla.gla_fla(q, k, v, log_decay, scale=scale, initial_state=initial_state, resets=resets)
     if triton_enabled(q, k, v, log_decay) and len({q.dtype, k.dtype, v.dtype}) == 1:
         from hybridlm.ops.triton import gla_chunked_triton
         return gla_chunked_triton(q, k, v, log_decay, scale=scale, initial_state=initial_state, resets=resets,

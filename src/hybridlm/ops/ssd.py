@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fla
 from .precision import caster, matmul_dtype, no_autocast
 from .triton import enabled as triton_enabled
 
@@ -82,8 +83,13 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int = 64, initial_state=None, res
     ([Q, n] x [n, heads*p]), with no expanded operands; the scan over chunks carries the state.
 
     bf16 (or fp16) x, or autocast to it: the four matmuls read bf16 operands; decays, cumsums and the carried state
-    stay float32 (ops/precision.py). CUDA tensors go to our Triton kernels (ops/triton) when triton imports and
-    HYBRIDLM_TRITON is not 0."""
+    stay float32 (ops/precision.py). CUDA tensors go to FLA's chunk_simple_gla when fla is installed (ops/fla.py),
+    else mamba_ssm's kernel when that is, else our Triton kernels (ops/triton) when triton imports; HYBRIDLM_FLA=0
+    skips FLA, HYBRIDLM_TRITON=0 all three."""
+    if fla.enabled(x, dt, B, C, key_dim=B.shape[-1]):
+        return fla.ssd_fla(x, dt, A, B, C, initial_state=initial_state, resets=resets)
+    if fla.mamba_enabled(x, dt, B, C):
+        return fla.ssd_mamba(x, dt, A, B, C, initial_state=initial_state, resets=resets)
     if triton_enabled(x, dt, B, C):
         from .triton import ssd_chunked_triton
         return ssd_chunked_triton(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state,

@@ -2,14 +2,17 @@
 in the scheduler's thread and is never waited on by the event loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), GET /v1/models,
-GET /health (no key needed), GET /metrics (Prometheus text). Errors are OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}: 400 bad input, 401 no or wrong key, 404 unknown model or route,
-413 body too large, 429 queue full and 503 shutting down (both with Retry-After).
+POST /tokenize and /detokenize (vLLM's and llama-server's), GET /tokenizer_info (vLLM's), GET /health (no key
+needed), GET /metrics (Prometheus text). The request fields: serve/fields.py (every one supported or refused).
+Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 no or wrong key,
+404 unknown model or route, 413 body too large, 429 queue full and 503 shutting down (both with Retry-After), 500
+a generation that failed; a stream that fails ends with an `error` event (as vLLM's do) and `data: [DONE]`.
 """
 import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from functools import partial
 
 from starlette.applications import Starlette
@@ -20,8 +23,13 @@ from starlette.routing import Route
 
 from ..errors import HybridLMError
 from .engine import Request, SamplingParams
+from .fields import check as check_fields
 from .scheduler import NotAccepting, QueueFull
-from .text import TextStream
+from .text import TextStream, token_text
+
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+LOGPROB_FLOOR = -9999.0          # JSON has no -inf (vLLM's floor)
 
 
 class APIError(Exception):
@@ -30,12 +38,14 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = type_ or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-                              503: "server_error"}.get(status, "invalid_request_error")
+                              500: "server_error", 503: "server_error"}.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}},
-                        status_code=e.status, headers=e.headers)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 # ------------------------------------------------------------------ request fields
@@ -59,37 +69,106 @@ def _get(body: dict, name: str, types, default=_MISSING, check=None, why: str = 
     return v
 
 
-def _sampling(body: dict, default_max_tokens: int) -> tuple[SamplingParams, list[str]]:
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise APIError(400, "only n=1 is supported", "n")
-    if _get(body, "logprobs", (bool, int), None):
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, (int, float), 0):
-            raise APIError(400, f"'{name}' is not supported (only 0)", name)
-    for name in ("tools", "functions", "logit_bias", "best_of"):
-        if body.get(name) not in (None, [], {}, 1):
-            raise APIError(400, f"'{name}' is not supported", name)
+def _number(body, name, default, lo, hi, why):
+    return float(_get(body, name, (int, float), default, lambda v: lo <= v <= hi, why))
+
+
+@dataclass
+class Options:
+    """What one request asks for, beyond the prompts: parsed and checked."""
+    params: SamplingParams
+    stop: list[str]
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None      # alternatives per token (0: the chosen token's own); None: no logprobs
+    echo: bool = False
+
+
+def parse_options(body: dict, route: str, default_max_tokens: int) -> Options:
+    """The sampling and response fields of a request body (after fields.check has passed it)."""
+    chat = route == "chat"
+    n = _get(body, "n", int, 1, lambda v: 1 <= v <= 128, "must be in 1..128")
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "'stop' must be a string or an array of up to 4 strings", "stop")
-    max_tokens = body.get("max_completion_tokens") if body.get("max_tokens") is None else body.get("max_tokens")
-    max_tokens = _get({"max_tokens": max_tokens}, "max_tokens", int, default_max_tokens, lambda v: v >= 1,
-                      "must be >= 1")
+    if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, f"'stop' must be a string or an array of up to {MAX_STOP} strings", "stop")
+    echo = False if chat else _get(body, "echo", bool, False)
+    if chat:
+        want = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in 0..{MAX_LOGPROBS}")
+        if top is not None and not want:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS,
+                        f"must be in 0..{MAX_LOGPROBS}")
+    name = "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
+    low = 0 if echo else 1
+    max_tokens = _get(body, name, int, default_max_tokens, lambda v: v >= low, f"must be >= {low}"
+                      + ("" if echo else " (0 only with echo)"))
+    fmt = _get(body, "response_format", dict, {"type": "text"})
+    if fmt.get("type") != "text":
+        raise APIError(400, f"'response_format' {json.dumps(fmt)[:60]} is not supported: only {{\"type\": \"text\"}} "
+                            "(no grammar-constrained decoder)", "response_format")
+    stream = _get(body, "stream", bool, False)
+    opts = _get(body, "stream_options", dict, None)
+    if opts is not None and (not stream or set(opts) - {"include_usage"}):
+        raise APIError(400, "'stream_options' goes with 'stream': true and takes 'include_usage' only",
+                       "stream_options")
+    rep = _penalty(body)
+    top_k = _get(body, "top_k", int, None, lambda v: v >= -1, "must be >= 1 (0 or -1: off)")
+    top_p = _number(body, "top_p", 1.0, 1e-9, 1, "must be in (0, 1]")
+    min_p = _number(body, "min_p", 0.0, 0, 1, "must be in [0, 1]")
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be in [0, 2]")),
-        top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")),
-        top_k=_get(body, "top_k", int, None, lambda v: v >= -1 and v != 0, "must be >= 1 (or -1: off)"),
+        temperature=_number(body, "temperature", 1.0, 0, 2, "must be in [0, 2]"),
+        top_p=None if top_p == 1.0 else top_p,
+        top_k=None if top_k in (None, 0, -1) else top_k,
+        min_p=min_p,
+        repetition_penalty=rep,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2, "must be in [-2, 2]"),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2, "must be in [-2, 2]"),
         seed=_get(body, "seed", int, None),
-        ignore_eos=_get(body, "ignore_eos", bool, False))
-    if params.top_k == -1:
-        params.top_k = None
-    if params.top_p == 1.0:
-        params.top_p = None
-    return params, stop
+        ignore_eos=_get(body, "ignore_eos", bool, False),
+        logprobs=logprobs,
+        prompt_logprobs=(logprobs if logprobs is not None else 0) if echo and (logprobs is not None or not max_tokens)
+        else None)
+    return Options(params, stop, n, stream, bool(opts and opts.get("include_usage")), logprobs, echo)
+
+
+def _penalty(body: dict) -> float:
+    """repetition_penalty (vLLM) or repeat_penalty (llama-server): one value > 0 (1: off)."""
+    vals = {k: _number(body, k, 1.0, 1e-9, 100, "must be > 0 (1: off)")
+            for k in ("repetition_penalty", "repeat_penalty") if body.get(k) is not None}
+    if len(set(vals.values())) > 1:
+        raise APIError(400, "'repetition_penalty' and 'repeat_penalty' disagree (give one)", "repeat_penalty")
+    return next(iter(vals.values()), 1.0)
+
+
+# ------------------------------------------------------------------ one choice
+@dataclass(eq=False)
+class Choice:
+    """One Request of a response and what has been made of its tokens: text, log probabilities, finish reason."""
+    index: int
+    req: Request
+    prompt_text: str
+    text: TextStream
+    logprobs: list = field(default_factory=list)   # TokenLogprob of tokens not yet reported
+    started: bool = False                            # the echo (prompt) part has been reported
+    reason: str | None = None                        # OpenAI's finish_reason once done
+    pieces: list[str] = field(default_factory=list)  # the whole text (non-streaming)
+    entries: list = field(default_factory=list)      # the whole logprobs (non-streaming)
+    offset: int = 0                                  # text_offset of the next token
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.text.tokens if self.text.stopped else len(self.req.output)
+
+
+def _finish_reason(req: Request) -> str:
+    """OpenAI's values only: "stop" (end of text or a stop string) or "length"."""
+    return "length" if req.finish_reason == "length" else "stop"
 
 
 class Server:
@@ -101,6 +180,7 @@ class Server:
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.created = int(time.time())
         self.draining = False
+        self._token_text: dict[int, str] = {}
 
     # -------------------------------------------------------------- plumbing
     async def _json(self, request: HTTPRequest) -> dict:
@@ -125,152 +205,203 @@ class Server:
                            "model", "model_not_found")
         return body
 
-    def _submit(self, prompt: list[int], params: SamplingParams, loop, queue) -> Request:
-        def on_token(req, token):            # the engine's thread
-            loop.call_soon_threadsafe(queue.put_nowait, token)
-        req = Request(prompt, params, on_token=on_token, id=uuid.uuid4().hex)
-        try:
-            self.scheduler.submit(req)
-        except HybridLMError as e:
-            msg = str(e)
-            raise APIError(400, msg, "max_tokens" if "context" in msg else None,
-                           "context_length_exceeded" if "context" in msg else None) from None
-        except QueueFull as e:
-            raise APIError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
-        except NotAccepting as e:
-            raise APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"}) from None
-        return req
+    async def _fields(self, request: HTTPRequest, route: str) -> dict:
+        body = await self._json(request)
+        bad = check_fields(body, route)
+        if bad is not None:
+            raise APIError(400, bad[0], bad[1], "unsupported_parameter")
+        return body
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, param: str = "prompt") -> list[int]:
         ids = self.tok.encode(text)
         if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
+            raise APIError(400, "the prompt is empty", param)
         return ids
 
+    def _token_ids(self, ids, param: str) -> list[int]:
+        V = self.scheduler.engine.model.config.vocab_size
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, f"'{param}' must be a string or a non-empty array of token ids", param)
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range for vocab_size {V}", param)
+        return ids
+
+    def token_text(self, t: int) -> tuple[str, bytes | None]:
+        """(text, bytes) of one token for logprobs (text.token_text), remembered."""
+        s = self._token_text.get(t)
+        if s is None:
+            s = self._token_text[t] = token_text(self.tok, t)
+        return s
+
     # -------------------------------------------------------------- generation
-    async def _generate(self, request: HTTPRequest, prompt: list[int], params: SamplingParams, stop: list[str],
-                        stream: bool, include_usage: bool, chat: bool):
+    def _submit(self, prompts: list[tuple[list[int], str]], o: Options, loop, queue) -> list[Choice]:
+        """n Requests per prompt into the scheduler at once (rows of one batch); all or none."""
+        choices = []
+        try:
+            for ids, text in prompts:
+                for j in range(o.n):
+                    params = o.params if o.n == 1 else _with_seed(o.params, j)
+                    req = Request(ids, params, on_token=partial(_on_token, loop, queue, len(choices)),
+                                  id=uuid.uuid4().hex)
+                    self.scheduler.submit(req)
+                    choices.append(Choice(len(choices), req, text, TextStream(self.tok, o.stop)))
+        except (HybridLMError, QueueFull, NotAccepting) as e:
+            for c in choices:
+                self.scheduler.abort(c.req)
+            raise _submit_error(e) from None
+        return choices
+
+    async def _events(self, choices: list[Choice], o: Options, queue):
+        """(choice, text piece, logprob entries) as tokens arrive; a choice's last has choice.reason set. A failed
+        request raises APIError (500) after the others are aborted."""
+        eos, left = self.scheduler.engine.eos_id, len(choices)
+        while left:
+            i, token, lp = await queue.get()
+            c = choices[i]
+            if c.reason is not None:
+                continue
+            prefix, entries = self._echo(c, o) if not c.started else ("", [])
+            c.started = True
+            if token is None:
+                if c.req.finish_reason in ("error", "abort"):
+                    raise APIError(500 if c.req.finish_reason == "error" else 503,
+                                   f"generation failed: {c.req.error}" if c.req.error
+                                   else "the request was aborted (the server is shutting down)", type_="server_error")
+                c.reason = _finish_reason(c.req)
+                left -= 1
+                yield c, prefix + c.text.finish(), entries + self._take(c)
+                continue
+            if token == eos and not c.req.params.ignore_eos:
+                if prefix or entries:
+                    yield c, prefix, entries
+                continue
+            piece = c.text.add(token)
+            if lp is not None and not c.text.stopped:
+                c.logprobs.append(lp)
+            if c.text.stopped:
+                self.scheduler.abort(c.req, "stop")
+                c.reason = "stop"
+                left -= 1
+            # one event per token, its text possibly "" (held back, or a token with no text), as vLLM sends them
+            yield c, prefix + piece, entries + self._take(c)
+
+    def _echo(self, c: Choice, o: Options) -> tuple[str, list]:
+        """The prompt's text and its logprob entries, reported once before a choice's first output (echo)."""
+        if not o.echo:
+            return "", []
+        lps = c.req.prompt_logprobs if o.logprobs is not None else None
+        entries = [] if lps is None else [self._entry(c, t, lp) for t, lp in zip(c.req.prompt, lps)]
+        return c.prompt_text, entries
+
+    def _take(self, c: Choice) -> list:
+        """Logprob entries of the tokens that arrived since the last report."""
+        out = [self._entry(c, lp.token, lp) for lp in c.logprobs]
+        c.logprobs.clear()
+        return out
+
+    def _entry(self, c: Choice, token: int, lp) -> tuple:
+        """((token text, bytes), logprob or None, [((alt text, bytes), logprob)], text_offset) of one token."""
+        s = self.token_text(token)
+        entry = (s, None if lp is None else max(lp.logprob, LOGPROB_FLOOR),
+                 [] if lp is None else [(self.token_text(t), max(v, LOGPROB_FLOOR)) for t, v in lp.top], c.offset)
+        c.offset += len(s[0])
+        return entry
+
+    def _cleanup(self, choices: list[Choice]):
+        for c in choices:
+            if not c.req.finished:
+                self.scheduler.abort(c.req)
+
+    async def _watch(self, request: HTTPRequest, choices: list[Choice]):
+        """A non-streaming client that goes away frees its slots (as a stream's does)."""
+        while not all(c.req.finished for c in choices):
+            if await request.is_disconnected():
+                self._cleanup(choices)
+                return
+            await asyncio.sleep(0.25)
+
+    async def _generate(self, request: HTTPRequest, prompts: list[tuple[list[int], str]], o: Options, chat: bool):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        req = self._submit(prompt, params, loop, queue)
-        rid = ("chatcmpl-" if chat else "cmpl-") + req.id
-        obj = "chat.completion" if chat else "text_completion"
-        text = TextStream(self.tok, stop)
-        eos = self.scheduler.engine.eos_id
+        choices = self._submit(prompts, o, loop, queue)
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + choices[0].req.id, "model": self.model_name}
+        if o.stream:
+            return StreamingResponse(self._stream(choices, o, queue, head, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.ensure_future(self._watch(request, choices))
+        try:
+            async for c, piece, entries in self._events(choices, o, queue):
+                c.pieces.append(piece)
+                c.entries += entries
+        finally:
+            watcher.cancel()
+            self._cleanup(choices)
+        out = []
+        for c in choices:
+            text = "".join(c.pieces)
+            shape = _chat_logprobs if chat else _completion_logprobs
+            lp = None if o.logprobs is None else shape(c.entries)
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            out.append({"index": c.index, **body, "logprobs": lp, "finish_reason": c.reason})
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "choices": out, "usage": _usage(choices)})
 
-        async def pieces():
-            """(text piece, finish_reason or None) as tokens arrive."""
-            while True:
-                token = await queue.get()
-                if token is None:
-                    yield text.finish(), req.finish_reason
-                    return
-                if token == eos and not params.ignore_eos:
-                    continue
-                piece = text.add(token)
-                if text.stopped:
-                    self.scheduler.abort(req, "stop")
-                    yield piece, "stop"
-                    return
-                if piece:
-                    yield piece, None
+    async def _stream(self, choices: list[Choice], o: Options, queue, head: dict, chat: bool):
+        """Server-sent events: per choice a first chunk (chat: the role), text pieces, a chunk with finish_reason;
+        then the usage chunk (include_usage) and [DONE]. A failure: an error event, then [DONE]."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage = {"usage": None} if o.include_usage else {}
 
-        def usage():
-            n = text.tokens if text.stopped else len(req.output)   # a stop string: the tokens up to it
-            return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
-                    "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
-
-        def finish_reason(reason):
-            if reason == "error":
-                return "error"
-            return "length" if reason == "length" else "stop"
-
-        if not stream:
-            async def watch():                # a client that goes away frees the slot (as a stream's does)
-                while not req.finished:
-                    if await request.is_disconnected():
-                        self.scheduler.abort(req)
-                        return
-                    await asyncio.sleep(0.25)
-            watcher = asyncio.ensure_future(watch())
-            out, reason = [], None
-            try:
-                async for piece, reason in pieces():
-                    out.append(piece)
-            finally:
-                watcher.cancel()
-                if not req.finished:
-                    self.scheduler.abort(req)
-            if reason == "error":
-                raise APIError(500, f"generation failed: {req.error}", type_="server_error")
-            content = "".join(out)
-            choice = {"index": 0, "finish_reason": finish_reason(reason), "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
-            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                                 "choices": [choice], "usage": usage()})
-
-        def chunk(piece, reason, first=False):
+        def chunk(c, piece, entries, reason=None, role=False):
             if chat:
-                delta = ({"role": "assistant", "content": piece} if first else {"content": piece}) \
-                    if piece or first else {}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-                body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                        "model": self.model_name, "choices": [choice]}
+                delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
+                lp = _chat_logprobs(entries) if o.logprobs is not None and entries else None
+                choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
             else:
-                body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                        "choices": [{"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}]}
-            if include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body)}\n\n"
+                lp = _completion_logprobs(entries) if o.logprobs is not None and entries else None
+                choice = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": reason}
+            return _sse({**head, "object": obj, "created": int(time.time()), "choices": [choice], **usage})
 
-        async def events():
+        try:
+            first = set()
             try:
-                first = True
-                async for piece, reason in pieces():
-                    if reason is not None:
-                        if piece or first:
-                            yield chunk(piece, None, first)
-                        yield chunk("", finish_reason(reason))
-                        break
-                    yield chunk(piece, None, first)
-                    first = False
-                if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": obj + ("" if not chat else ".chunk"),
-                                                 "created": int(time.time()), "model": self.model_name,
-                                                 "choices": [], "usage": usage()}) + "\n\n"
+                async for c, piece, entries in self._events(choices, o, queue):
+                    role = chat and c.index not in first
+                    first.add(c.index)
+                    if c.reason is None or piece or entries or role:
+                        yield chunk(c, piece, entries, role=role)
+                    if c.reason is not None:
+                        yield chunk(c, "", [], c.reason)
+            except APIError as e:
+                self._cleanup(choices)
+                yield _sse(e.body())
                 yield "data: [DONE]\n\n"
-            finally:                          # the client went away (cancelled) or the stream ended
-                if not req.finished:
-                    self.scheduler.abort(req)
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return
+            if o.include_usage:
+                yield _sse({**head, "object": obj, "created": int(time.time()), "choices": [],
+                            "usage": _usage(choices)})
+            yield "data: [DONE]\n\n"
+        finally:                          # the client went away (cancelled) or the stream ended
+            self._cleanup(choices)
 
     # -------------------------------------------------------------- routes
     async def completions(self, request: HTTPRequest):
-        body = await self._json(request)
+        body = await self._fields(request, "completions")
         prompt = _get(body, "prompt", (str, list))
-        if isinstance(prompt, list):
-            if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]                      # one prompt in a batch of one
-            elif prompt and all(isinstance(p, (str, list)) for p in prompt):
-                raise APIError(400, "one prompt per request (n=1, no batches)", "prompt")
-        if isinstance(prompt, str):
-            ids = self._encode(prompt)
-        else:
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise APIError(400, "'prompt' must be a string or a non-empty array of token ids", "prompt")
-            V = self.scheduler.engine.model.config.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < V), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is out of range for vocab_size {V}", "prompt")
-            ids = prompt
-        params, stop = _sampling(body, 16)
-        stream = _get(body, "stream", bool, False)
-        opts = _get(body, "stream_options", dict, {})
-        return await self._generate(request, ids, params, stop, stream, bool(opts.get("include_usage")), chat=False)
+        batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+            else [prompt]
+        prompts = []
+        for p in batch:
+            if isinstance(p, str):
+                prompts.append((self._encode(p), p))
+            else:
+                ids = self._token_ids(p, "prompt")
+                prompts.append((ids, self.tok.decode(ids)))
+        o = parse_options(body, "completions", 16)
+        return await self._generate(request, prompts, o, chat=False)
 
     async def chat_completions(self, request: HTTPRequest):
-        body = await self._json(request)
+        body = await self._fields(request, "chat")
         messages = _get(body, "messages", list, check=lambda v: len(v) > 0, why="must not be empty")
         clean = []
         for i, m in enumerate(messages):
@@ -292,12 +423,48 @@ class Server:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:                          # the template's own error (jinja raise_exception)
             raise APIError(400, f"the chat template failed: {e}", "messages") from None
-        ids = self._encode(text)
-        room = self.scheduler.engine.context - len(ids)
-        params, stop = _sampling(body, max(1, room))
-        stream = _get(body, "stream", bool, False)
-        opts = _get(body, "stream_options", dict, {})
-        return await self._generate(request, ids, params, stop, stream, bool(opts.get("include_usage")), chat=True)
+        ids = self._encode(text, "messages")
+        o = parse_options(body, "chat", max(1, self.scheduler.engine.context - len(ids)))
+        return await self._generate(request, [(ids, text)], o, chat=True)
+
+    async def tokenize(self, request: HTTPRequest):
+        """vLLM's {"prompt"} or {"messages"}, llama-server's {"content"} -> {"tokens", "count", "max_model_len"}."""
+        body = await self._json(request)
+        extra = set(body) - {"model", "prompt", "content", "messages", "add_special_tokens", "add_special",
+                             "add_generation_prompt", "with_pieces"}
+        if extra:
+            name = sorted(extra)[0]
+            raise APIError(400, f"unknown field '{name}'", name)
+        for name in ("add_special_tokens", "add_special", "add_generation_prompt", "with_pieces"):
+            _get(body, name, bool, False)
+        if "messages" in body:
+            from ..data.tokenizer import apply_chat_template
+            text = apply_chat_template(self.tok, _get(body, "messages", list))
+        else:
+            key = "content" if "content" in body else "prompt"
+            text = _get(body, key, str)
+        ids = self.tok.encode(text)
+        out = {"tokens": ids, "count": len(ids), "max_model_len": self.scheduler.engine.context}
+        if body.get("with_pieces"):
+            out["tokens"] = [{"id": t, "piece": self.tok.decode([t])} for t in ids]
+        return JSONResponse(out)
+
+    async def detokenize(self, request: HTTPRequest):
+        """{"tokens": [ids]} -> {"prompt": text} (vLLM) and {"content": text} (llama-server)."""
+        body = await self._json(request)
+        extra = set(body) - {"model", "tokens"}
+        if extra:
+            name = sorted(extra)[0]
+            raise APIError(400, f"unknown field '{name}'", name)
+        text = self.tok.decode(self._token_ids(_get(body, "tokens", list), "tokens"))
+        return JSONResponse({"prompt": text, "content": text})
+
+    async def tokenizer_info(self, request: HTTPRequest):
+        """vLLM's tokenizer description (lm-eval's remote tokenizer reads it)."""
+        return JSONResponse({"tokenizer_class": type(self.tok).__name__, "eos_token": self.tok.eos_token,
+                             "bos_token": None, "pad_token": self.tok.eos_token,
+                             "chat_template": getattr(self.tok, "chat_template", None),
+                             "model_max_length": self.scheduler.engine.context})
 
     async def models(self, request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
@@ -310,24 +477,60 @@ class Server:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: HTTPRequest):
-        sch, eng = self.scheduler, self.scheduler.engine
-        c = sch.counts()
-        batch = eng.batch
-        gauges = {
-            "requests_running": ("Requests in the decode batch", c["running"]),
-            "requests_prefilling": ("Requests being prefilled", c["prefilling"]),
-            "requests_waiting": ("Requests in the queue", c["waiting"]),
-            "slots": ("Cache slots (requests decoded together at most)", eng.max_slots),
-            "slot_occupancy": ("Fraction of the slots in use", (c["running"] + c["prefilling"]) / eng.max_slots),
-            "state_bytes": ("Bytes of inference state of the running batch", batch.nbytes if batch else 0),
-            "slot_fixed_bytes": ("Fixed state bytes of one request (recurrent states, rings)", eng.fixed_bytes),
-            "slot_token_bytes": ("State bytes per token of one request (attention K/V)", eng.token_bytes),
-            "prefix_cache_hits_total": ("Requests that resumed from the prefix cache", eng.prefix.hits),
-            "prefix_cache_misses_total": ("Requests with full blocks and no cached prefix", eng.prefix.misses),
-            "prefix_cache_hit_tokens_total": ("Prompt tokens resumed from the prefix cache", eng.prefix.hit_tokens),
-            "prefix_cache_bytes": ("Bytes held by the prefix cache", eng.prefix.nbytes),
-        }
-        return PlainTextResponse(sch.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        sch = self.scheduler
+        return PlainTextResponse(sch.metrics.render(sch.gauges()), media_type="text/plain; version=0.0.4")
+
+
+def _on_token(loop, queue, index: int, req: Request, token):
+    """The engine's thread: hand (choice index, token, its TokenLogprob) to the event loop. The engine appends a
+    token's logprob before this call, so req.logprobs[-1] is this token's."""
+    lp = req.logprobs[-1] if token is not None and req.params.logprobs is not None and req.logprobs else None
+    loop.call_soon_threadsafe(queue.put_nowait, (index, token, lp))
+
+
+def _with_seed(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of n: its own generator (seed + j when seeded), so the n samples differ."""
+    from dataclasses import replace
+    return replace(params, seed=None if params.seed is None else params.seed + j)
+
+
+def _submit_error(e: Exception) -> APIError:
+    if isinstance(e, QueueFull):
+        return APIError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, NotAccepting):
+        return APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"})
+    msg = str(e)
+    context = "context" in msg
+    return APIError(400, msg, "max_tokens" if context else None, "context_length_exceeded" if context else None)
+
+
+def _usage(choices: list[Choice]) -> dict:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI counts them."""
+    seen = {id(c.req.prompt): len(c.req.prompt) for c in choices}
+    p, n = sum(seen.values()), sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": sum(c.req.cached_tokens for c in choices)}}
+
+
+def _completion_logprobs(entries: list) -> dict:
+    """OpenAI's legacy completions shape: parallel lists, top_logprobs as {token text: logprob} (the chosen token
+    among them, as vLLM gives it; the first prompt token of an echo has None)."""
+    return {"tokens": [e[0][0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [None if e[1] is None else {e[0][0]: e[1], **{s: v for (s, _), v in e[2]}}
+                             for e in entries],
+            "text_offset": [e[3] for e in entries]}
+
+
+def _chat_logprobs(entries: list) -> dict:
+    """OpenAI's chat shape: content[] of {token, logprob, bytes, top_logprobs[{token, logprob, bytes}]}."""
+    def one(s, v):
+        return {"token": s[0], "logprob": v, "bytes": None if s[1] is None else list(s[1])}
+    return {"content": [{**one(e[0], e[1]), "top_logprobs": [one(s, v) for s, v in e[2]]} for e in entries],
+            "refusal": None}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 class _Guard:
@@ -382,6 +585,9 @@ def create_app(scheduler, tokenizer, model_name: str, api_key: str | None = None
     routes = [Route("/v1/completions", wrap(server.completions), methods=["POST"]),
               Route("/v1/chat/completions", wrap(server.chat_completions), methods=["POST"]),
               Route("/v1/models", wrap(server.models), methods=["GET"]),
+              Route("/tokenize", wrap(server.tokenize), methods=["POST"]),
+              Route("/detokenize", wrap(server.detokenize), methods=["POST"]),
+              Route("/tokenizer_info", wrap(server.tokenizer_info), methods=["GET"]),
               Route("/health", wrap(server.health), methods=["GET"]),
               Route("/metrics", wrap(server.metrics), methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)

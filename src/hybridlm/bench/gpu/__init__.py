@@ -2,23 +2,30 @@
 with its own time budget (a part that would overrun is cut with a note; the run goes on), results written after
 every row, so a run stopped from outside (or a job that hangs past its timeout) still leaves what it measured.
 
-    correctness  each Triton kernel (SSD, GLA, CDMoE) and the chunked gated delta rule against its float32 reference,
-                 forward and gradients, two shapes each; decode (static step, as a CUDA graph) = full forward for
-                 four preset families; one bf16 training step per family, loss and gradients finite
-    kernels      forward+backward ms at batch 8, T 4096 against our PyTorch chunked form and, when `fla` imports,
-                 flash-linear-attention's chunk kernels on the same inputs (mamba_ssm: when installed)
-    training     tokens/s and MFU (against a bf16 8192³ matmul timed in this process) at ~125M parameters,
-                 sequence 2048, bf16 autocast, eager and per-block torch.compile
+In this order (the most-wanted figures first):
+
+    training     tokens/s, its ratio to transformer++'s, and MFU (FLOPs counted per letter, against a bf16 8192³
+                 matmul timed in this process) at ~125M parameters, batch 8 x 2,048 and 8 x 8,192, bf16 autocast,
+                 eager and per-block torch.compile; the models take FLA's kernels for S, R, G, K when it is installed
+    kernels      forward+backward ms of each letter's op in its three forms at batch 8, T 4096: FLA's kernel through
+                 ops/fla.py, our Triton kernel where we have one (S, R; CDMoE against a gated MLP), our PyTorch form
+                 (mamba_ssm's SSD beside them when installed)
+    correctness  each Triton kernel (SSD, GLA, CDMoE), each FLA adapter (S, R, G, K) and the chunked gated delta rule
+                 against its float32 reference, forward and gradients, two shapes each; decode (static step, as a CUDA
+                 graph) = full forward for four preset families; one bf16 training step per family, loss and
+                 gradients finite
     decode       ms/token at batch 1 and tokens/s at batch 64, contexts 1k and 8k, static step as a CUDA graph
     memory       peak allocated by one 16k-token training step, mamba2 vs transformer++
-    steps        ms per optimizer step of the ablation recipes (scales 1, 2, 4) and the MQAR sweep's models: what
+    steps        ms per optimizer step of the ablation recipes (scales 1, 2, 4, 8) and the MQAR sweep's models: what
                  the results page's GPU-time estimates are computed from
 
 `--dry-run` runs all of it on the CPU at tiny sizes with Triton's interpreter, in about a minute: the check cannot
-rot while no GPU is at hand (tests/test_gpu_check.py). scripts/gpu-check.sh runs it from the source tree.
-The parts live in checks.py (correctness) and timings.py (the rest); report.py writes the JSON and markdown.
+rot while no GPU is at hand (tests/test_gpu_check.py). FLA's rows are skipped there, with a note: its Triton kernels
+do not run under the interpreter (their mappings are checked on a CPU by tests/test_ops_fla.py).
+scripts/gpu-check.sh runs it from the source tree. The parts live in checks.py (correctness) and timings.py (the
+rest); report.py writes the JSON and markdown.
 
-    hybridlm bench --suite gpu --out runs/gpu/gpu.json          # on a GPU machine: ~7 minutes
+    hybridlm bench --suite gpu --out runs/gpu/gpu.json          # on a GPU machine: ~10 minutes
     hybridlm bench --suite gpu --dry-run --out /tmp/gpu.json    # anywhere
     hybridlm bench --suite gpu --parts kernels,decode           # only some parts
 """

@@ -49,8 +49,11 @@ def _no_triton(fn: Callable) -> Callable:
     return run
 
 
-def kernel_checks(s: dict, device, budget: Budget, log, rows: list):
-    """Each fast op against its float32 reference: the first shape in float32, the second in bf16."""
+def kernel_checks(s: dict, device, budget: Budget, log, rows: list, notes: list):
+    """Each fast op against its float32 reference: the first shape in float32, the second in bf16. FLA's kernels
+    (through ops/fla.py's adapters) beside ours when FLA can run here; otherwise a note says why not."""
+    from .. import kernels as kn
+    from ...ops import fla
     from ...ops.delta_rule import delta_rule_chunked, delta_rule_recurrent
     from ...ops.gla import gla_chunked
     from ...ops.moe import expert_neurons_ref
@@ -60,23 +63,33 @@ def kernel_checks(s: dict, device, budget: Budget, log, rows: list):
     rnd = lambda *shape: torch.randn(*shape, device=device, generator=gen)
     dtypes = (torch.float32, torch.bfloat16)
     cases = []
+    skip = kn.fla_rows(device, "correctness", notes, log)
     for i, c in enumerate(s["ssd"]):
         b, T, h, p, n, g = (c[k] for k in "b T h p n g".split())
         ins = [rnd(b, T, h, p), F.softplus(rnd(b, T, h) - 2), -torch.rand(h, device=device, generator=gen) * 4 - 0.5,
                rnd(b, T, g, n), rnd(b, T, g, n)]
-        cases.append(("ssd triton", lambda *x: ssd_chunked_triton(*x, chunk_size=64),
-                      _no_triton(lambda *x: ssd_chunked(*x, chunk_size=64)), ins, dtypes[i], c))
+        ref = _no_triton(lambda *x: ssd_chunked(*x, chunk_size=64))
+        cases.append(("ssd triton", lambda *x: ssd_chunked_triton(*x, chunk_size=64), ref, ins, dtypes[i], c))
+        if not skip:
+            cases.append(("ssd fla (chunk_simple_gla)", fla.ssd_fla, ref, ins, dtypes[i], c))
     for i, c in enumerate(s["gla"]):
         b, T, h, k, v = (c[key] for key in "b T h k v".split())
         ins = [rnd(b, T, h, k), rnd(b, T, h, k) * k ** -0.5, rnd(b, T, h, v), F.logsigmoid(rnd(b, T, h, k)) / 16]
-        cases.append(("gla triton", lambda *x: gla_chunked_triton(*x, chunk_size=64),
-                      _no_triton(lambda *x: gla_chunked(*x, chunk_size=64)), ins, dtypes[i], c))
+        ref = _no_triton(lambda *x: gla_chunked(*x, chunk_size=64))
+        cases.append(("gla triton", lambda *x: gla_chunked_triton(*x, chunk_size=64), ref, ins, dtypes[i], c))
+        if not skip:
+            cases.append(("gla fla (chunk_gla)", fla.gla_fla, ref, ins, dtypes[i], c))
     for i, c in enumerate(s["delta"]):
         b, T, h, k, v = (c[key] for key in "b T h k v".split())
-        ins = [rnd(b, T, h, k), F.normalize(rnd(b, T, h, k), dim=-1), rnd(b, T, h, v),
-               torch.rand(b, T, h, device=device, generator=gen), F.logsigmoid(rnd(b, T, h)) / 16]
-        cases.append(("delta chunked (PyTorch; no Triton kernel)", lambda *x: delta_rule_chunked(*x, chunk_size=64),
-                      delta_rule_recurrent, ins, dtypes[i], c))
+        for gate, name in (((), "chunk_gated_delta_rule"), ((k,), "chunk_kda")):
+            ins = [rnd(b, T, h, k), F.normalize(rnd(b, T, h, k), dim=-1), rnd(b, T, h, v),
+                   torch.rand(b, T, h, device=device, generator=gen), F.logsigmoid(rnd(b, T, h, *gate)) / 16]
+            what = "kda" if gate else "delta"
+            cases.append((f"{what} chunked (PyTorch; no Triton kernel)",
+                          _no_triton(lambda *x: delta_rule_chunked(*x, chunk_size=64)), delta_rule_recurrent, ins,
+                          dtypes[i], c))
+            if not skip:
+                cases.append((f"{what} fla ({name})", fla.delta_rule_fla, delta_rule_recurrent, ins, dtypes[i], c))
     for i, c in enumerate(s["cdmoe"]):
         N, d, E, k = c["N"], c["d"], c["E"], c["k"]
         ins = [rnd(N, d), rnd(E, d) * d ** -0.5, rnd(E, d), torch.randint(0, E, (N, k), device=device, generator=gen),
@@ -150,6 +163,7 @@ def train_checks(s: dict, device, budget: Budget, log, rows: list):
 def part_correctness(s: dict, device, budget: Budget, log, out: dict):
     """Kernels, decode = forward and bf16 training steps; out["rows"] gets one row per check."""
     c, rows = s["check"], out["rows"]
-    for checks in (kernel_checks, decode_checks, train_checks):
+    kernel_checks(c, device, budget, log, rows, out.setdefault("notes", []))
+    for checks in (decode_checks, train_checks):
         checks(c, device, budget, log, rows)
     out.update(passed=sum(r["ok"] for r in rows), failed=sum(not r["ok"] for r in rows))

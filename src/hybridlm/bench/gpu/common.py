@@ -8,40 +8,45 @@ from typing import Callable
 
 import torch
 
-PARTS = ("correctness", "kernels", "training", "decode", "memory", "steps")
+# the most-wanted figures first (every part writes its rows as they come): the presets' tokens/s against
+# transformer++ and MFU, then each letter's op in its three forms, then the checks, then the rest
+PARTS = ("training", "kernels", "correctness", "decode", "memory", "steps")
 FAMILIES = ("transformer++", "mamba2", "rodimus++", "cheems")          # decode = forward
 TRAIN_FAMILIES = ("transformer++", "mamba2", "rodimus", "rodimus++", "mamba2-attention", "cheems", "doge",
                   "qwen3-next", "kimi-linear", "deepseek-mla")
 
 FULL = dict(
-    budget_s=dict(correctness=60, kernels=100, training=110, decode=70, memory=25, steps=35),
+    budget_s=dict(correctness=60, kernels=100, training=200, decode=60, memory=25, steps=60),
     check=dict(ssd=[dict(b=2, T=512, h=8, p=64, n=128, g=1), dict(b=1, T=1000, h=4, p=64, n=64, g=2)],
                gla=[dict(b=2, T=512, h=4, k=128, v=128), dict(b=1, T=1000, h=2, k=64, v=256)],
                delta=[dict(b=2, T=512, h=4, k=128, v=128), dict(b=1, T=1000, h=2, k=64, v=128)],
                cdmoe=[dict(N=4096, d=512, E=4096, k=16), dict(N=1000, d=256, E=1024, k=8)],
                model=dict(d_model=256, n_layers=4, vocab_size=1024), context=200, decode=16),
     kernels=dict(b=8, T=4096, ssd=dict(h=32, p=64, n=128, g=1), gla=dict(h=16, k=128, v=128),
-                 delta=dict(h=16, k=128, v=128), cdmoe=dict(d_model=1024, experts=16384, k=64), repeats=10),
-    training=dict(presets=("transformer++", "mamba2", "rodimus", "mamba2-attention"), params=125_000_000, layers=12,
-                  vocab_size=32000, batch=8, seq_len=2048, repeats=5, compile=True),
+                 delta=dict(h=16, k=128, v=128), cdmoe=dict(d_model=1024, experts=16384, k=64), repeats=10,
+                 ops=("ssd", "gla", "delta", "kda", "cdmoe")),
+    # transformer++ first at each length: the others' tokens/s are reported relative to it
+    training=dict(presets=("transformer++", "mamba2", "rodimus", "qwen3-next", "kimi-linear", "rodimus++",
+                           "mamba2-attention"), params=125_000_000, layers=12, vocab_size=32000, batch=8,
+                  seq_lens=(2048, 8192), repeats=5, compile=True),
     decode=dict(presets=("transformer++", "mamba2", "rodimus++"), params=125_000_000, layers=12, vocab_size=32000,
                 contexts=(1024, 8192), batches=(1, 64), steps=20, prefill_chunk=1024),
     memory=dict(presets=("mamba2", "transformer++"), params=125_000_000, layers=12, vocab_size=32000,
                 seq_len=16384),
-    steps=dict(scales=(1, 2, 4), mqar_d=(64, 256), mqar_T=128, repeats=3, mqar_batch=64),
+    steps=dict(scales=(1, 2, 4, 8), mqar_d=(64, 256), mqar_T=128, repeats=3, mqar_batch=64),
     matmul=8192,
 )
 DRY = dict(
-    budget_s=dict(correctness=60, kernels=30, training=40, decode=20, memory=10, steps=15),
+    budget_s=dict(correctness=60, kernels=30, training=40, decode=20, memory=10, steps=30),
     check=dict(ssd=[dict(b=1, T=40, h=2, p=8, n=16, g=1), dict(b=1, T=33, h=2, p=8, n=8, g=2)],
                gla=[dict(b=1, T=40, h=2, k=16, v=8), dict(b=1, T=33, h=1, k=8, v=16)],
                delta=[dict(b=1, T=40, h=2, k=16, v=8), dict(b=1, T=33, h=1, k=8, v=16)],
                cdmoe=[dict(N=16, d=16, E=64, k=4), dict(N=9, d=8, E=32, k=2)],
                model=dict(d_model=64, n_layers=2, vocab_size=128), context=24, decode=4),
     kernels=dict(b=1, T=32, ssd=dict(h=1, p=8, n=16, g=1), gla=dict(h=1, k=16, v=16), delta=dict(h=1, k=16, v=16),
-                 cdmoe=dict(d_model=16, experts=64, k=4), repeats=1),
+                 cdmoe=dict(d_model=16, experts=64, k=4), repeats=1, ops=("ssd", "gla", "delta", "kda", "cdmoe")),
     training=dict(presets=("transformer++", "mamba2"), params=None, d_model=64, layers=2, vocab_size=256, batch=2,
-                  seq_len=64, repeats=2, compile=False),      # compiling on a CPU takes minutes: the GPU run's part
+                  seq_lens=(64, 128), repeats=2, compile=False),   # compiling on a CPU takes minutes: the GPU run's
     decode=dict(presets=("transformer++", "mamba2"), params=None, d_model=64, layers=2, vocab_size=256,
                 contexts=(16, 48), batches=(1, 4), steps=3, prefill_chunk=16),
     memory=dict(presets=("mamba2", "transformer++"), params=None, d_model=64, layers=2, vocab_size=256, seq_len=256),

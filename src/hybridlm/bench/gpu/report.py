@@ -8,19 +8,30 @@ from ...markdown import markdown_table
 from .common import PARTS
 
 
+# tokens/s against transformer++ at the same length (issue 51): at 2k mamba2 0.9x and the other linear-time presets
+# 0.8x, every one at least even from 8k
+RELATIVE = {"mamba2": 0.9, "rodimus": 0.8, "qwen3-next": 0.8, "kimi-linear": 0.8}
+
+
 def targets(res: dict) -> list[dict]:
-    """The issue's targets against what was measured: kernels <= 1.2x FLA's fwd+bwd time, bf16 MFU >= 0.40
-    (transformer++) / 0.30 (linear-time presets) at ~125M, decode <= 2 ms/token at batch 1."""
+    """The issue's targets against what was measured: kernels <= 1.2x FLA's fwd+bwd time, tokens/s relative to
+    transformer++ (RELATIVE at 2k, 1.0 from 8k), bf16 MFU >= 0.40 (transformer++) / 0.30 (linear-time presets) at
+    ~125M, decode <= 2 ms/token at batch 1."""
     out = []
     for r in res.get("kernels", {}).get("rows", []):
-        if "fla" in r:
-            v = r["fla"].get("ours_over_this")
-            out.append(dict(target=f"{r['op']} fwd+bwd <= 1.2x FLA", measured=v, met=None if v is None else v <= 1.2))
+        v = r.get("fla", {}).get("ours_over_this")
+        if v is not None:
+            out.append(dict(target=f"{r['op']} fwd+bwd <= 1.2x FLA", measured=v, met=v <= 1.2))
+    for r in res.get("training", {}).get("rows", []):
+        if r.get("vs_transformer") is not None and r["preset"] in RELATIVE:
+            need = RELATIVE[r["preset"]] if r["seq_len"] < 8192 else 1.0
+            out.append(dict(target=f"{r['preset']} {r['mode']} T {r['seq_len']} tokens/s >= {need:.1f}x transformer++",
+                            measured=r["vs_transformer"], met=r["vs_transformer"] >= need))
     for r in res.get("training", {}).get("rows", []):
         if "mfu" in r:
             need = 0.40 if r["preset"] == "transformer++" else 0.30
-            out.append(dict(target=f"{r['preset']} {r['mode']} MFU >= {need:.2f}", measured=r["mfu"],
-                            met=r["mfu"] >= need))
+            out.append(dict(target=f"{r['preset']} {r['mode']} T {r.get('seq_len')} MFU >= {need:.2f}",
+                            measured=r["mfu"], met=r["mfu"] >= need))
     for r in res.get("decode", {}).get("rows", []):
         if r.get("batch") == 1 and r.get("mode") == "graph":
             out.append(dict(target=f"{r['preset']} decode ctx {r['context']} <= 2 ms/token", measured=r["ms_per_token"],
@@ -48,13 +59,16 @@ def _case(r: dict) -> str:
 
 
 def _kernel_cells(r: dict) -> list:
-    ms_ = lambda m: f"{_fmt(m.get('fwd_ms'))} / {_fmt(m.get('fwd_bwd_ms'))}" if "fwd_ms" in m else m.get("error", "-")
+    ms_ = lambda m: (f"{_fmt(m.get('fwd_ms'))} / {_fmt(m.get('fwd_bwd_ms'))}" if "fwd_ms" in m else
+                     m.get("error") or ("skipped (no GPU)" if "skipped" in m else "-"))
     heads = ", ".join(f"{x} {r[x]}" for x in ("h", "p", "n", "g", "k", "v", "d_model", "experts")
                       if x in r and not (r["op"] == "cdmoe" and x == "k"))
+    op = f"{r['op']} ({r['letter']})" if "letter" in r else r["op"]
     if "fla" in r:
-        return [r["op"], heads, ms_(r["ours"]), ms_(r["pytorch"]), ms_(r["fla"]), _fmt(r["fla"].get("ours_over_this"))]
-    return [r["op"], heads, ms_(r["ours"]), ms_(r["pytorch"]), "gated MLP " + ms_(r.get("gated_mlp", {})),
-            _fmt(r.get("tokens_per_s_ratio_vs_mlp")) + " (tokens/s vs gated MLP)"]
+        return [op, heads, ms_(r["fla"]), ms_(r["ours"]), ms_(r["pytorch"]), _fmt(r["fla"].get("ours_over_this")),
+                _fmt(r["fla"].get("pytorch_over_this"))]
+    return [op, heads, "gated MLP " + ms_(r.get("gated_mlp", {})), ms_(r["ours"]), ms_(r["pytorch"]),
+            _fmt(r.get("tokens_per_s_ratio_vs_mlp")) + " (tokens/s vs gated MLP)", "-"]
 
 
 def to_markdown(res: dict) -> str:
@@ -75,13 +89,15 @@ def to_markdown(res: dict) -> str:
         k = res["kernels"]
         lines += _table(f"Kernels: forward / forward+backward ms, batch {k['batch']}, T {k['seq_len']}, bf16 "
                         f"(fla {k['fla'] or 'not installed'})",
-                        ["op", "heads", "ours", "our PyTorch", "FLA", "ours / FLA (fwd+bwd)"], k["rows"], _kernel_cells)
+                        ["op (letter)", "heads", "FLA", "ours (Triton)", "our PyTorch", "ours / FLA (fwd+bwd)",
+                         "PyTorch / FLA"], k["rows"], _kernel_cells)
     if part("training"):
         t = res["training"]
-        lines += _table(f"Training: batch {t['batch']} x {t['seq_len']}, bf16 autocast, forward+backward (matmul "
-                        f"peak {t['matmul_peak_tflops']:.0f} TFLOP/s measured)",
-                        ["preset", "params", "mode", "tokens/s", "MFU"], t["rows"],
-                        lambda r: [r["preset"], f"{r['params'] / 1e6:.0f}M", r["mode"], _fmt(r["tokens_per_s"], ".0f"),
+        lines += _table(f"Training: batch {t['batch']}, bf16 autocast, forward+backward (matmul peak "
+                        f"{t['matmul_peak_tflops']:.0f} TFLOP/s measured; FLOPs: {t.get('flops')})",
+                        ["preset", "params", "mode", "tokens", "tokens/s", "vs transformer++", "MFU"], t["rows"],
+                        lambda r: [r["preset"], f"{r['params'] / 1e6:.0f}M", r["mode"], r.get("seq_len", "-"),
+                                   _fmt(r["tokens_per_s"], ".0f"), _fmt(r.get("vs_transformer")),
                                    _fmt(r["mfu"], ".3f")])
     if part("decode"):
         lines += _table("Decode (bf16 weights, static cache)", ["preset", "batch", "context", "mode", "ms/token",
@@ -105,6 +121,7 @@ def to_markdown(res: dict) -> str:
     notes = [f"stopped during the {res['running']} part: its rows above are those measured before"] \
         if res.get("running") else []
     notes += [f"{p}: {res[p]['error']}" for p in PARTS if (res.get(p) or {}).get("error")]
+    notes += [n for p in PARTS for n in (res.get(p) or {}).get("notes", [])]
     notes += [c for p in PARTS for c in (res.get(p) or {}).get("cut", [])]
     if notes:
         lines += ["", "Notes: " + "; ".join(notes) + "."]

@@ -1,7 +1,9 @@
 """The GPU check's timing parts: our kernels against FLA's, training tokens/s and MFU, decode ms/token, the peak
 memory of a long training step, and the ms per optimizer step of the small models the results page prices. Each
 part appends its rows to out["rows"] as they are measured (the run writes its results on every row)."""
+import os
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -10,68 +12,98 @@ from .common import Budget, free, sized
 
 
 def part_kernels(s: dict, device, budget: Budget, log, out: dict):
-    """Forward / forward+backward ms of our Triton kernels against our PyTorch form and FLA's, one row per op."""
+    """Forward / forward+backward ms of each letter's op in its three forms: FLA's kernel (through ops/fla.py), our
+    Triton kernel where we have one, our PyTorch form; one row per op (and the CDMoE experts against a gated MLP).
+    Without a GPU FLA's rows are skipped, with a note (its kernels do not run under Triton's interpreter)."""
     from .. import kernels as kn
     k, rows = s["kernels"], out["rows"]
     try:
-        import fla
-        fla_version = getattr(fla, "__version__", "installed")
-    except ImportError:
+        fla_version = version("fla-core")
+    except PackageNotFoundError:
         fla_version = None
     out.update(fla=fla_version, batch=k["b"], seq_len=k["T"],
                mamba_ssm="not measured unless installed: a compiled CUDA extension that cannot travel as a pure wheel")
-    jobs = [("ssd", lambda: kn.bench_ssd(k["b"], k["T"], k["repeats"], log, heads=k["ssd"], device=device)),
-            ("gla", lambda: kn.bench_gla(k["b"], k["T"], k["repeats"], log, heads=k["gla"], device=device)),
-            ("delta", lambda: kn.bench_delta(k["b"], k["T"], k["repeats"], log, heads=k["delta"], device=device)),
-            ("cdmoe", lambda: kn.bench_cdmoe(k["b"], k["T"], k["repeats"], log, sizes=k["cdmoe"], device=device))]
-    for op, job in jobs:
+    kn.fla_rows(device, "kernel", out.setdefault("notes", []), log)
+    ops = {"ssd": lambda: kn.bench_ssd(k["b"], k["T"], k["repeats"], log, heads=k["ssd"], device=device),
+           "gla": lambda: kn.bench_gla(k["b"], k["T"], k["repeats"], log, heads=k["gla"], device=device),
+           "delta": lambda: kn.bench_delta(k["b"], k["T"], k["repeats"], log, heads=k["delta"], device=device),
+           "kda": lambda: kn.bench_delta(k["b"], k["T"], k["repeats"], log, heads=k["delta"], device=device,
+                                         per_channel=True),
+           "cdmoe": lambda: kn.bench_cdmoe(k["b"], k["T"], k["repeats"], log, sizes=k["cdmoe"], device=device)}
+    for op in k["ops"]:
         if budget.fits(op, 5.0):
             try:
-                rows.append(job())
+                rows.append(ops[op]())
             except Exception as e:                 # noqa: BLE001
                 rows.append({"op": op, "error": f"{type(e).__name__}: {e}"[:300]})
                 log(f"  {op}: {rows[-1]['error']}")
 
 
+def _force_fla(device, out: dict, log):
+    """Where FLA does not trust the Triton in use (Hopper, Triton < 3.7.1: its gated backward is miscompiled, FLA
+    #640) the models would not run it: for the timing, lift FLA's guard and force its dispatch (HYBRIDLM_FLA=force,
+    for the rest of this process), with a note. The times are what FLA costs once Triton is fixed; its gradients there
+    are wrong (the correctness part shows it)."""
+    from ...ops import fla
+    from .. import kernels as kn
+    if device.type != "cuda" or not fla.available() or fla.trusted(device.index or 0):
+        return
+    if kn.fla_hopper_guard_off():
+        os.environ.setdefault("HYBRIDLM_FLA", "force")
+        out.setdefault("notes", []).append("training: FLA forced where it refuses this Triton (" + kn.FLA_GUARD_NOTE
+                                           + ")")
+        log("  FLA forced for the timing (Hopper with Triton < 3.7.1, FLA #640)")
+
+
 def part_training(s: dict, device, budget: Budget, log, out: dict):
-    """Forward+backward tokens/s and MFU of each preset: eager for every preset first, then per-block
-    torch.compile (tens of seconds of compilation each) for as many as the budget allows."""
+    """Forward+backward tokens/s, its ratio to transformer++'s at the same length and mode, and MFU (FLOPs counted per
+    letter: bench/measure.train_flops_per_token) of each preset at each sequence length: eager for every length
+    first, then per-block torch.compile (tens of seconds of compilation each) as far as the budget allows."""
     from ...train.parallel import apply_block_wrappers
     t = s["training"]
     peak = ms.matmul_peak_gflops(s["matmul"], dtype=torch.bfloat16, device=device, calls=3) * 1e9
     log(f"  bf16 matmul {s['matmul']}³: {peak / 1e12:.1f} TFLOP/s")
-    out.update(matmul_peak_tflops=peak / 1e12, batch=t["batch"], seq_len=t["seq_len"],
-               flops="6 x matmul parameters + causal attention scores (SSD intra-chunk work not counted: MFU is a "
-                     "lower bound for the SSD presets)")
-    ids = torch.randint(0, t["vocab_size"], (t["batch"], t["seq_len"]),
-                        generator=torch.Generator().manual_seed(0)).to(device)
-    rows = out["rows"]
+    out.update(matmul_peak_tflops=peak / 1e12, batch=t["batch"], seq_lens=list(t["seq_lens"]),
+               flops="6 x matmul parameters + causal attention scores + 3 x the linear mixers' chunked recurrence "
+                     "(per letter, ops/flops.py)")
+    rows, base = out["rows"], {}
+    _force_fla(device, out, log)
     for mode in ("eager", "compiled") if t["compile"] else ("eager",):
-        for name in t["presets"]:
-            if not budget.fits(f"training {name} {mode}", 30.0 if mode == "compiled" else 5.0):
-                continue
-            model = None
-            try:
-                model = sized(name, t, device, max_seq_len=t["seq_len"]).train()
-                extra = {}
-                if mode == "compiled":
-                    apply_block_wrappers(model, checkpointing=False, compile=True)
-                    t0 = time.perf_counter()
-                    ms.train_step(model, ids, torch.bfloat16)()
-                    extra["compile_s"] = round(time.perf_counter() - t0, 1)
-                ts = ms.clock({mode: ms.train_step(model, ids, torch.bfloat16)}, t["repeats"], warmup=1)[mode]
-                tok_s = t["batch"] * t["seq_len"] / ms.median(ts)
-                mfu = tok_s * ms.train_flops_per_token(model, t["seq_len"]) / peak
-                rows.append(dict(preset=name, mode=mode, layout=model.config.layout, d_model=model.config.d_model,
-                                 params=model.num_parameters(), tokens_per_s=tok_s, mfu=mfu,
-                                 ms_per_step=1e3 * ms.median(ts), **extra))
-                log(f"  {name:18s} {mode:8s} {rows[-1]['params'] / 1e6:6.1f}M  {tok_s:10.0f} tok/s  MFU {mfu:.3f}")
-            except Exception as e:                 # noqa: BLE001
-                rows.append(dict(preset=name, mode=mode, error=f"{type(e).__name__}: {e}"[:300]))
-                log(f"  {name} {mode}: {rows[-1]['error']}")
-            finally:
+        for T in t["seq_lens"]:
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, t["vocab_size"], (t["batch"], T), generator=gen).to(device)
+            for name in t["presets"]:
+                if not budget.fits(f"training {name} {mode} T {T}", 30.0 if mode == "compiled" else 5.0):
+                    continue
                 model = None
-                free(device)
+                try:
+                    model = sized(name, t, device, max_seq_len=T).train()
+                    extra = {}
+                    if mode == "compiled":
+                        apply_block_wrappers(model, checkpointing=False, compile=True)
+                        t0 = time.perf_counter()
+                        ms.train_step(model, ids, torch.bfloat16)()
+                        extra["compile_s"] = round(time.perf_counter() - t0, 1)
+                    ts = ms.clock({mode: ms.train_step(model, ids, torch.bfloat16)}, t["repeats"], warmup=1)[mode]
+                    tok_s = t["batch"] * T / ms.median(ts)
+                    flops = ms.train_flops_per_token(model, T)
+                    if name == "transformer++":
+                        base[mode, T] = tok_s
+                    rows.append(dict(preset=name, mode=mode, seq_len=T, layout=model.config.layout,
+                                     d_model=model.config.d_model, params=model.num_parameters(), tokens_per_s=tok_s,
+                                     vs_transformer=tok_s / base[mode, T] if (mode, T) in base else None,
+                                     mfu=tok_s * flops / peak, flops_per_token=flops, ms_per_step=1e3 * ms.median(ts),
+                                     **extra))
+                    r = rows[-1]
+                    rel = "" if r["vs_transformer"] is None else f"{r['vs_transformer']:.2f}x transformer++"
+                    log(f"  {name:18s} {mode:8s} T {T:5d} {r['params'] / 1e6:6.1f}M {tok_s:10.0f} tok/s {rel:20s} "
+                        f"MFU {r['mfu']:.3f}")
+                except Exception as e:             # noqa: BLE001
+                    rows.append(dict(preset=name, mode=mode, seq_len=T, error=f"{type(e).__name__}: {e}"[:300]))
+                    log(f"  {name} {mode} T {T}: {rows[-1]['error']}")
+                finally:
+                    model = None
+                    free(device)
 
 
 def part_decode(s: dict, device, budget: Budget, log, out: dict):

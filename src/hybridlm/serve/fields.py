@@ -1,0 +1,169 @@
+"""The request fields the API knows: every field of OpenAI's completions and chat-completions request schemas and
+the common extras of vLLM and llama.cpp's llama-server, each supported or refused (docs/serving.md renders this
+table). A refused field is a 400 naming it unless its value is one that asks for nothing (null, or e.g.
+`"tools": []`, `"typical_p": 1`); a field in none of the tables is a 400 too. Nothing is accepted and dropped."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Field:
+    routes: str                   # "completions", "chat" or "both"
+    supported: bool
+    note: str
+    neutral: tuple = ()           # values of a refused field that ask for nothing (accepted)
+    origin: str = "OpenAI"        # whose schema it comes from
+
+
+def _r(routes, note, *neutral, origin="OpenAI"):
+    return Field(routes, False, note, neutral, origin)
+
+
+def _s(routes, note, origin="OpenAI"):
+    return Field(routes, True, note, (), origin)
+
+
+VLLM, LLAMA, BOTH_ENGINES = "vLLM", "llama-server", "vLLM, llama-server"
+NO_GRAMMAR = "no grammar-constrained decoder"
+
+FIELDS: dict[str, Field] = {
+    # --- OpenAI: both routes
+    "model": _s("both", "must be the served model's id when given"),
+    "max_tokens": _s("both", "tokens to generate (completions: 0 with `echo` scores the prompt only)"),
+    "n": _s("both", "choices per prompt, decoded as rows of the same batch (seeded: seed + choice index)"),
+    "temperature": _s("both", "0..2; 0 is greedy"),
+    "top_p": _s("both", "nucleus sampling, (0, 1]"),
+    "seed": _s("both", "per-request generator; the same seed gives the same sample"),
+    "stop": _s("both", "a string or up to 16 strings; the output ends before the first one"),
+    "stream": _s("both", "server-sent events, one per token, `data: [DONE]` at the end"),
+    "stream_options": _s("both", "`include_usage` only"),
+    "presence_penalty": _s("both", "-2..2, subtracted once from every token already generated"),
+    "frequency_penalty": _s("both", "-2..2, subtracted per occurrence in the generated tokens"),
+    "logprobs": _s("both", "completions: an integer 0..20 (alternatives per token); chat: a boolean"),
+    "user": _s("both", "accepted; an id for the caller's own records, no effect on the output"),
+    "response_format": _s("both", '`{"type": "text"}` only: json_object and json_schema are refused (' + NO_GRAMMAR
+                          + ")"),
+    "logit_bias": _r("both", "no per-token bias", {}),
+    # --- OpenAI: completions
+    "prompt": _s("completions", "a string, an array of token ids, or an array of either (one choice set each)"),
+    "echo": _s("completions", "the prompt before the output, with its log probabilities when `logprobs` is set"),
+    "best_of": _r("completions", "no server-side best-of ranking", 1),
+    "suffix": _r("completions", "no fill-in-the-middle", ""),
+    # --- OpenAI: chat
+    "messages": _s("chat", "text content (strings or text parts), through the tokenizer's chat template"),
+    "max_completion_tokens": _s("chat", "the same as max_tokens"),
+    "top_logprobs": _s("chat", "0..20 alternatives per token (with `logprobs: true`)"),
+    "audio": _r("chat", "text only"),
+    "modalities": _r("chat", "text only", ["text"]),
+    "tools": _r("chat", "no tool calling", []),
+    "tool_choice": _r("chat", "no tool calling", "none"),
+    "parallel_tool_calls": _r("chat", "no tool calling"),
+    "functions": _r("chat", "no function calling", []),
+    "function_call": _r("chat", "no function calling", "none"),
+    "metadata": _r("chat", "completions are not stored", {}),
+    "store": _r("chat", "completions are not stored", False),
+    "prediction": _r("chat", "no predicted outputs"),
+    "prompt_cache_key": _r("chat", "the prefix cache needs no key"),
+    "reasoning_effort": _r("chat", "not a reasoning model"),
+    "verbosity": _r("chat", "not a reasoning model"),
+    "safety_identifier": _r("chat", "no safety monitoring"),
+    "service_tier": _r("chat", "one tier", "auto", "default"),
+    "web_search_options": _r("chat", "no web search"),
+    # --- engine extras
+    "ignore_eos": _s("both", "keep generating past the end-of-text token", BOTH_ENGINES),
+    "top_k": _s("both", "keep the k most likely tokens (0 or -1: off)", BOTH_ENGINES),
+    "min_p": _s("both", "drop tokens below min_p x the top probability, 0..1", BOTH_ENGINES),
+    "repetition_penalty": _s("both", "> 0; logits of tokens in the prompt or output divided (positive) or "
+                             "multiplied (negative) by it, as in CTRL (Keskar et al., 2019)", VLLM),
+    "repeat_penalty": _s("both", "llama-server's name for repetition_penalty", LLAMA),
+    "typical_p": _r("both", "no locally typical sampling", 1, 1.0, origin=BOTH_ENGINES),
+    "grammar": _r("both", NO_GRAMMAR, "", origin=LLAMA),
+    "json_schema": _r("both", NO_GRAMMAR, {}, origin=LLAMA),
+    "guided_json": _r("both", NO_GRAMMAR, origin=VLLM),
+    "guided_regex": _r("both", NO_GRAMMAR, origin=VLLM),
+    "guided_choice": _r("both", NO_GRAMMAR, origin=VLLM),
+    "guided_grammar": _r("both", NO_GRAMMAR, origin=VLLM),
+    "guided_decoding_backend": _r("both", NO_GRAMMAR, origin=VLLM),
+    "structured_outputs": _r("both", NO_GRAMMAR, origin=VLLM),
+    "min_tokens": _r("both", "no minimum length", 0, origin=VLLM),
+    "stop_token_ids": _r("both", "stop strings only", [], origin=VLLM),
+    "include_stop_str_in_output": _r("both", "the stop string is never returned", False, origin=VLLM),
+    "skip_special_tokens": _r("both", "special tokens are always skipped", True, origin=VLLM),
+    "spaces_between_special_tokens": _r("both", "special tokens are always skipped", True, origin=VLLM),
+    "use_beam_search": _r("both", "no beam search", False, origin=VLLM),
+    "length_penalty": _r("both", "no beam search", 1, 1.0, origin=VLLM),
+    "bad_words": _r("both", "no banned words", [], origin=VLLM),
+    "allowed_token_ids": _r("both", "no token whitelist", origin=VLLM),
+    "truncate_prompt_tokens": _r("both", "a prompt too long is refused, never cut", origin=VLLM),
+    "prompt_logprobs": _r("both", "use `echo` with `logprobs` (completions)", origin=VLLM),
+    "add_special_tokens": _r("both", "the tokenizers here add no special tokens", False, origin=VLLM),
+    "return_tokens_as_token_ids": _r("both", "tokens are returned as text", False, origin=VLLM),
+    "logits_processors": _r("both", "no custom logits processors", [], origin=VLLM),
+    "priority": _r("both", "one priority", 0, origin=VLLM),
+    "request_id": _r("both", "the server names requests", origin=VLLM),
+    "cache_salt": _r("both", "one prefix cache for all", origin=VLLM),
+    "add_generation_prompt": _r("chat", "the template always ends where the assistant speaks", True, origin=VLLM),
+    "continue_final_message": _r("chat", "the template always ends where the assistant speaks", False,
+                                 origin=VLLM),
+    "chat_template": _r("chat", "the tokenizer's own template only", origin=VLLM),
+    "chat_template_kwargs": _r("chat", "the tokenizer's own template only", {}, origin=VLLM),
+    "documents": _r("chat", "no retrieval documents", [], origin=VLLM),
+    "mirostat": _r("both", "no Mirostat sampling", 0, origin=LLAMA),
+    "mirostat_tau": _r("both", "no Mirostat sampling", origin=LLAMA),
+    "mirostat_eta": _r("both", "no Mirostat sampling", origin=LLAMA),
+    "tfs_z": _r("both", "no tail-free sampling", 1, 1.0, origin=LLAMA),
+    "repeat_last_n": _r("both", "the penalties see the whole prompt and output", origin=LLAMA),
+    "penalize_nl": _r("both", "no per-token exemptions from the penalties", origin=LLAMA),
+    "presence_penalty_last_n": _r("both", "the penalties see the whole output", origin=LLAMA),
+    "dynatemp_range": _r("both", "no dynamic temperature", 0, 0.0, origin=LLAMA),
+    "dynatemp_exponent": _r("both", "no dynamic temperature", origin=LLAMA),
+    "xtc_probability": _r("both", "no XTC sampling", 0, 0.0, origin=LLAMA),
+    "xtc_threshold": _r("both", "no XTC sampling", origin=LLAMA),
+    "dry_multiplier": _r("both", "no DRY repetition penalty", 0, 0.0, origin=LLAMA),
+    "dry_base": _r("both", "no DRY repetition penalty", origin=LLAMA),
+    "dry_allowed_length": _r("both", "no DRY repetition penalty", origin=LLAMA),
+    "dry_penalty_last_n": _r("both", "no DRY repetition penalty", origin=LLAMA),
+    "dry_sequence_breakers": _r("both", "no DRY repetition penalty", origin=LLAMA),
+    "top_n_sigma": _r("both", "no top-n-sigma sampling", -1, origin=LLAMA),
+    "min_keep": _r("both", "no minimum candidate count", 0, origin=LLAMA),
+    "samplers": _r("both", "a fixed sampler order", origin=LLAMA),
+    "n_predict": _r("both", "use max_tokens", origin=LLAMA),
+    "n_probs": _r("both", "use logprobs", 0, origin=LLAMA),
+    "n_keep": _r("both", "a prompt too long is refused, never cut", origin=LLAMA),
+    "n_indent": _r("both", "no indentation stop", 0, origin=LLAMA),
+    "cache_prompt": _r("both", "the prefix cache is always on", True, origin=LLAMA),
+    "id_slot": _r("both", "slots are assigned by the scheduler", -1, origin=LLAMA),
+    "t_max_predict_ms": _r("both", "no time limit per request", 0, origin=LLAMA),
+    "post_sampling_probs": _r("both", "log probabilities are of the raw logits", False, origin=LLAMA),
+    "return_tokens": _r("both", "tokens are returned as text", False, origin=LLAMA),
+    "timings_per_token": _r("both", "no per-token timings", False, origin=LLAMA),
+    "lora": _r("both", "no adapters", [], origin=LLAMA),
+    "image_data": _r("both", "text only", [], origin=LLAMA),
+}
+
+
+def same(v, x) -> bool:
+    """v == x without True == 1."""
+    return v == x and isinstance(v, bool) == isinstance(x, bool)
+
+
+def check(body: dict, route: str):
+    """None or (message, field) for the first field of `body` that this route does not take."""
+    other = "chat" if route == "completions" else "completions"
+    for name, v in body.items():
+        f = FIELDS.get(name)
+        if f is None:
+            return f"unknown field '{name}'", name
+        if f.routes == other:
+            path = "/v1/chat/completions" if other == "chat" else "/v1/completions"
+            return f"'{name}' is a field of {path}, not of this route", name
+        if not f.supported and v is not None and not any(same(v, x) for x in f.neutral):
+            return f"'{name}' is not supported: {f.note}", name
+    return None
+
+
+def markdown_table() -> str:
+    """The table docs/serving.md shows (tests/test_docs keeps them equal)."""
+    rows = ["| field | route | from | | |", "|---|---|---|---|---|"]
+    for name, f in FIELDS.items():
+        rows.append(f"| `{name}` | {f.routes} | {f.origin} | {'supported' if f.supported else 'refused'} | {f.note} |")
+    return "\n".join(rows)
