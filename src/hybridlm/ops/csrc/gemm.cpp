@@ -174,16 +174,22 @@ struct BF16DotTile {
         for (int i = 0; i < R; i++) for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
         const uint16_t* xr = x + m0 * K;
         const uint16_t* wr = w + n0 * K;
-        auto step = [&](int64_t k, __mmask32 m) {
+        for (int64_t k = 0; k < K32; k += 32) {
             __m512bh xv[R];
-            for (int i = 0; i < R; i++) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, xr + i * K + k);
+            for (int i = 0; i < R; i++) xv[i] = (__m512bh)_mm512_loadu_si512(xr + i * K + k);
             for (int j = 0; j < C; j++) {
-                const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, wr + j * K + k);
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + j * K + k);
                 for (int i = 0; i < R; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
             }
-        };
-        for (int64_t k = 0; k < K32; k += 32) step(k, ~__mmask32(0));
-        if (tail) step(K32, tail);
+        }
+        if (tail) {
+            __m512bh xv[R];
+            for (int i = 0; i < R; i++) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(tail, xr + i * K + K32);
+            for (int j = 0; j < C; j++) {
+                const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + j * K + K32);
+                for (int i = 0; i < R; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+            }
+        }
         for (int i = 0; i < R; i++)
             for (int j = 0; j < C; j++) y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
     }
