@@ -19,6 +19,7 @@ path; `HYBRIDLM_CPU_KERNELS=0` turns the kernels off. Shapes and semantics are o
 level to the float32 reference.
 """
 import ctypes
+import functools
 import glob
 import hashlib
 import os
@@ -46,9 +47,10 @@ LEVELS = {"portable": ([], set()),
           "avx512_bf16": (["-mavx2", "-mfma", "-mf16c", *_512, "-mavx512vnni", "-mavx512bf16"],
                           {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
                            "avx512_bf16"})}
-# rows of x up to which each stored format takes our kernel; more rows go to PyTorch's (F.linear, or the quantized
-# weight dequantized once for F.linear): the faster of the two at each row count measured (docs/performance.md)
-ROWS = {"float32": 64, "bfloat16": 1 << 30, "int8": 64, "int4": 1 << 30}
+# rows of x up to which each stored format takes our kernel (None: any number); more rows go to PyTorch's (F.linear,
+# or the quantized weight dequantized once for F.linear): the faster at each row count measured (docs/performance.md,
+# scripts/gemm_speed.py). bfloat16 only where PyTorch has bf16 instructions to run it on (`torch_bf16()`).
+ROWS = {"float32": 128, "bfloat16": 64, "int8": None, "int4": None}
 DECODE_ROWS = 8    # rows the one-token decode ops (ops/cpu_decode.py) and the routed experts' per-row path take
 _lib = None        # the loaded library, False once it could not be built
 
@@ -79,9 +81,9 @@ def chosen_level() -> str:
     if not want:
         return can[-1]
     if want not in LEVELS:
-        raise RuntimeError(f"HYBRIDLM_CPU_ISA={want!r} is not a level (one of {', '.join(LEVELS)})")
+        raise ValueError(f"HYBRIDLM_CPU_ISA={want!r} is not a level (one of {', '.join(LEVELS)})")
     if want not in can:
-        raise RuntimeError(f"HYBRIDLM_CPU_ISA={want!r} needs CPU flags this CPU lacks (it can run {', '.join(can)})")
+        raise ValueError(f"HYBRIDLM_CPU_ISA={want!r} needs CPU flags this CPU lacks (it can run {', '.join(can)})")
     return want
 
 
@@ -128,7 +130,12 @@ def _load():
                           "instead", stacklevel=3)
             return _lib
         try:
-            _lib = load(chosen_level())
+            level = chosen_level()
+        except ValueError as e:
+            warnings.warn(f"{e}; using PyTorch's matmul instead", stacklevel=3)
+            return _lib
+        try:
+            _lib = load(level)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             warnings.warn(f"hybridlm's CPU kernels could not be compiled with {cxx_compiler()!r} ({e}); using "
                           f"PyTorch's matmul instead (set CXX to a C++ compiler with OpenMP to enable them)",
@@ -189,10 +196,20 @@ def decode_sized(x: Tensor) -> bool:
     return x.numel() <= DECODE_ROWS * x.shape[-1]
 
 
-def serves(x: Tensor, fmt: str) -> bool:
+@functools.cache
+def torch_bf16() -> bool:
+    """True when the CPU has bf16 instructions (AVX512-BF16 or AMX) for PyTorch's bf16 GEMM (oneDNN); without them
+    it converts as it goes and our kernel (bf16 widened by a shift) takes every row count."""
+    from ..dtypes import cpu_flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def serves(x: Tensor, fmt: "str | torch.dtype") -> bool:
     """True when our kernel takes `x` [..., K] (CPU, no gradient, kernels built) against a weight stored as `fmt`
-    ("float32", "bfloat16", "int8", "int4"): at most ROWS[fmt] rows, where it is the faster."""
-    return (x.device.type == "cpu" and not x.requires_grad and x.numel() <= ROWS[fmt] * x.shape[-1]
+    (torch.float32 / torch.bfloat16, or the scheme "int8" / "int4"): at most ROWS[fmt] rows, where it is the faster."""
+    fmt = str(fmt).removeprefix("torch.")
+    limit = ROWS[fmt] if fmt != "bfloat16" or torch_bf16() else None
+    return (x.device.type == "cpu" and not x.requires_grad and (limit is None or x.numel() <= limit * x.shape[-1])
             and available())
 
 
@@ -300,3 +317,4 @@ def int4_linear(x: Tensor, packed: Tensor, N: int, Kp: int, G: int, bias: Tensor
     relative error of 0.4% of the block's largest value) and the weight's scales and mins to float16 at packing
     (Q4_0's): `quant.int4_q8_reference` is this math in float32."""
     return (_ops["int4"] if torch.compiler.is_compiling() else _int4_linear)(x, packed, N, Kp, G, bias)
+
