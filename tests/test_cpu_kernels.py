@@ -190,6 +190,8 @@ def test_kernel_linear_is_a_class_swap():
 def test_decode_equals_forward_with_kernels(name, scheme):
     torch.manual_seed(0)
     m = use_cpu_kernels_(quantize_(tiny(name), scheme, 32))
+    packed = [q._q4 is not None for q in m.modules() if isinstance(q, QuantizedLinear)]
+    assert packed and all(packed) == (scheme == "int4")          # int4 packed at load, by use_cpu_kernels_
     ids = torch.randint(0, 97, (2, 19))
     assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), m(ids).logits, atol=2e-5, msg=name)
 

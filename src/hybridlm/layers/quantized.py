@@ -65,11 +65,20 @@ class QuantizedLinear(nn.Module):
         return tuple((t.data_ptr(), t._version) for t in self.stored()) + extra
 
     def _int4_kernel(self) -> tuple:
-        """(packed, N, K', G): the stored int4 weight in our kernel's layout (packed on first use, kept)."""
-        key = self._key()
-        if self._q4 is None or self._q4[0] != key:
-            self._q4 = (key, cpu_kernels.int4_pack(*self.stored()))
+        """(packed, N, K', G): the stored int4 weight in our kernel's layout (packed at `kernel_layout_` or first
+        use, kept; repacked when a buffer changes; under torch.compile the packed copy as it is)."""
+        if not torch.compiler.is_compiling():
+            key = self._key()
+            if self._q4 is None or self._q4[0] != key:
+                self._q4 = (key, cpu_kernels.int4_pack(*self.stored()))
         return self._q4[1], self.out_features, self.weight_q.shape[1] * 2, self.scale.shape[1]
+
+    def kernel_layout_(self, enable: bool = True):
+        """Pack an int4 weight for the CPU kernel now (`models.quantize.use_cpu_kernels_`: at load), or drop it."""
+        if not enable or self.scheme != "int4":
+            self._q4 = None
+        elif self.weight_q.device.type == "cpu" and cpu_kernels.available():
+            self._int4_kernel()
 
     def _int4_packed(self, dtype: torch.dtype):
         """PyTorch's int4 kernel layout of the stored weight (built on first use, kept; only without our kernel)."""
@@ -82,7 +91,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu":
             return quant.linear_reference(x, self.scheme, self.stored(), self.bias)
-        if cpu_kernels.serves(x, self.scheme):      # the project's GEMM reads the quantized weight
+        if cpu_kernels.serves(x, self.scheme) and (self._q4 is not None or not torch.compiler.is_compiling()
+                                                   or self.scheme == "int8"):     # our GEMM reads the weight
             if self.scheme == "int8":
                 return cpu_kernels.int8_linear(x, self.weight_q, self.scale, self.bias)
             return cpu_kernels.int4_linear(x, *self._int4_kernel(), self.bias)
@@ -151,7 +161,7 @@ class QuantizedExperts(nn.Module):
     def expert(self, e: int, rows: Tensor) -> Tensor:
         """rows [n, d_in] -> [n, d_out] through expert e."""
         stored = tuple(t[e] for t in self.stored())
-        if cpu_kernels.serves(rows, self.scheme):
+        if cpu_kernels.serves(rows, self.scheme) and (self.scheme == "int8" or not torch.compiler.is_compiling()):
             if self.scheme == "int8":
                 return cpu_kernels.int8_linear(rows, *stored)
             key = tuple((t.data_ptr(), t._version) for t in self.stored())
