@@ -14,27 +14,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+import cpu_kernel_speed                        # scripts/ is on the path of a script run from it
 from hybridlm.dtypes import cpu_flags
 from hybridlm.ops import cpu_kernels, quant
 from hybridlm.runtime import cpu_model
 
 SHAPES = [(2048, 2048), (5632, 2048), (2048, 5632)]             # [N, K]
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
-# one thread: the thread's CPU time (time descheduled on a shared machine is not counted); more threads: wall time
-clock = time.perf_counter
-
-
-def interleaved(fns: dict, repeats: int) -> dict:
-    """Best time of each fn, the fns alternated call by call (drift on a shared machine hits all alike)."""
-    t = {k: float("inf") for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(repeats):
-        for k, f in fns.items():
-            s = clock()
-            f()
-            t[k] = min(t[k], clock() - s)
-    return t
+FLAGS = cpu_kernel_speed.FLAGS
 
 
 def candidates(fmt: str, ws: list, xs: dict) -> dict:
@@ -81,8 +67,8 @@ def main():
     if a.level:
         os.environ["HYBRIDLM_CPU_ISA"] = a.level
     torch.set_num_threads(a.threads)
-    global clock
-    clock = time.thread_time if a.threads == 1 else time.perf_counter
+    # one thread: the thread's CPU time (time descheduled on a shared machine is not counted); more: wall time
+    clock = cpu_kernel_speed.clock = time.thread_time if a.threads == 1 else time.perf_counter
     assert cpu_kernels.available(), "the kernels did not build"
     print(f"CPU: {cpu_model()}, flags {' '.join(sorted(set(FLAGS) & cpu_flags()))}; kernel level "
           f"{cpu_kernels.level()}; {a.threads} threads; torch {torch.__version__}; "
@@ -96,7 +82,7 @@ def main():
         for fmt in a.formats:
             for m in a.rows:
                 xs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
-                t = interleaved(candidates(fmt, ws, xs), a.repeats)
+                t = cpu_kernel_speed.interleaved(candidates(fmt, ws, xs), a.repeats)
                 other = min((k for k in t if k != "ours"), key=t.get)
                 print(f"| {fmt} | {m} | {t['ours'] * 1e3:.2f} | {t[other] * 1e3:.2f} | {other} | "
                       f"{t['ours'] / t[other]:.2f} |", flush=True)
