@@ -36,17 +36,21 @@ from torch import Tensor
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = tuple(sorted(glob.glob(os.path.join(CSRC, "*.cpp"))))      # one library: gemm.cpp, decode_ops.cpp, ...
 HEADERS = tuple(sorted(glob.glob(os.path.join(CSRC, "*.h"))))
-_512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-# level -> (compiler flags, the CPU flags (/proc/cpuinfo) it needs), lowest first
-LEVELS = {"portable": ([], set()),
-          "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
-          "avx512": (["-mavx2", "-mfma", "-mf16c", *_512], {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                                                             "avx512dq"}),
-          "avx512_vnni": (["-mavx2", "-mfma", "-mf16c", *_512, "-mavx512vnni"],
-                          {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
-          "avx512_bf16": (["-mavx2", "-mfma", "-mf16c", *_512, "-mavx512vnni", "-mavx512bf16"],
-                          {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-                           "avx512_bf16"})}
+
+
+def _levels() -> dict:
+    """instruction-set level -> (compiler flags, the CPU flags (/proc/cpuinfo) it needs), lowest first; each level
+    adds to the one before it."""
+    out = {"portable": ([], set())}
+    for name, cc, cpu in [("avx2", "avx2 fma f16c", "avx2 fma f16c"),
+                          ("avx512", "avx512f avx512bw avx512vl avx512dq", "avx512f avx512bw avx512vl avx512dq"),
+                          ("avx512_vnni", "avx512vnni", "avx512_vnni"), ("avx512_bf16", "avx512bf16", "avx512_bf16")]:
+        cc_before, cpu_before = list(out.values())[-1]
+        out[name] = (cc_before + [f"-m{f}" for f in cc.split()], cpu_before | set(cpu.split()))
+    return out
+
+
+LEVELS = _levels()
 # rows of x up to which each stored format takes our kernel (None: any number); more rows go to PyTorch's (F.linear,
 # or the quantized weight dequantized once for F.linear): the faster at each row count measured (docs/performance.md,
 # scripts/gemm_speed.py). bfloat16 only where PyTorch has bf16 instructions to run it on (`torch_bf16()`).
