@@ -193,7 +193,12 @@ def test_decode_equals_forward_with_kernels(name, scheme):
     packed = [q._q4 is not None for q in m.modules() if isinstance(q, QuantizedLinear)]
     assert packed and all(packed) == (scheme == "int4")          # int4 packed at load, by use_cpu_kernels_
     ids = torch.randint(0, 97, (2, 19))
-    assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), m(ids).logits, atol=2e-5, msg=name)
+    with torch.no_grad():                                        # (with gradient the layers take PyTorch's path)
+        full = m(ids).logits
+        # int4 rounds x to int8 per block, as llama.cpp's Q8_0: the last-bit differences between a full forward and
+        # the decode steps flip a rounding here and there (a step of x times |W|), as they do in llama.cpp
+        atol = 2e-5 if scheme == "int8" else 0.05 * full.abs().max()
+        assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), full, atol=atol, msg=name)
 
 
 def test_missing_compiler_warns_once_and_falls_back(tmp_path):

@@ -255,6 +255,8 @@ def int4_pack(q: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
     """ops/quant.py's stored int4 weight (q uint8 [N, K'/2], scale, zero [N, G]) repacked for `int4_linear`: uint8
     [bytes] of 8-row tiles, float16 scales and mins beside their groups (csrc/gemm.cpp, q4_pack). Done once per
     weight (at load or first use); the stored form stays the checkpoint's."""
+    if not available():
+        raise RuntimeError("hybridlm's CPU kernels are not available (see the warning given when they were loaded)")
     N, G = scale.shape
     Kp = q.shape[1] * 2
     out = torch.empty(_lib.q4_packed_bytes(N, Kp, G), dtype=torch.uint8)
