@@ -197,7 +197,7 @@ def test_decode_equals_forward_with_kernels(name, scheme):
         full = m(ids).logits
         # int4 rounds x to int8 per block, as llama.cpp's Q8_0: the last-bit differences between a full forward and
         # the decode steps flip a rounding here and there (a step of x times |W|), as they do in llama.cpp
-        atol = 2e-5 if scheme == "int8" else 0.05 * full.abs().max()
+        atol = 1e-4 if scheme == "int8" else 0.05 * full.abs().max()          # int8: x to int16, finer
         assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), full, atol=atol, msg=name)
 
 
