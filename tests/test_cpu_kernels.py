@@ -81,21 +81,22 @@ def test_quantized_formats_equal_the_reference(level):
 
 
 def test_every_level_compiles_and_a_forced_level_loads(tmp_path):
-    """Every level builds on this host (a pool's other CPUs); HYBRIDLM_CPU_ISA forces a lower one at load, and one
-    this CPU cannot run, or no level at all, is refused with a warning that names it (PyTorch's path runs)."""
+    """Every level builds on this host (a pool's other CPUs); HYBRIDLM_CPU_ISA forces each level this CPU runs at
+    load, and one it cannot run, or no level at all, is refused with a warning that names it (PyTorch's path runs)."""
     if X86:
         for name in cpu_kernels.LEVELS:
             assert os.path.exists(cpu_kernels.build(name))
-    lowest = "avx2" if "avx2" in cpu_kernels.cpu_levels() else "portable"
-    code = ("import warnings\nfrom hybridlm.ops import cpu_kernels\nwith warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n    print(cpu_kernels.level(), *[str(m.message) for m in w])")
-    env = dict(os.environ, HYBRIDLM_CPU_ISA=lowest)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.strip() == lowest
-    for bad in ["sse9"] + [name for name in cpu_kernels.LEVELS if name not in cpu_kernels.cpu_levels()][:1]:
-        env = dict(os.environ, HYBRIDLM_CPU_ISA=bad)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-        assert out.startswith(f"None HYBRIDLM_CPU_ISA={bad!r} ") and "PyTorch's" in out, out
+    code = ("import os, warnings\nfrom hybridlm.ops import cpu_kernels\nfor name in os.environ['LEVELS'].split():\n"
+            "    os.environ['HYBRIDLM_CPU_ISA'] = name\n    cpu_kernels._lib = None\n"
+            "    with warnings.catch_warnings(record=True) as w:\n        warnings.simplefilter('always')\n"
+            "        print(cpu_kernels.level(), *[str(m.message) for m in w])")
+    cannot = [name for name in cpu_kernels.LEVELS if name not in cpu_kernels.cpu_levels()][:1]
+    env = dict(os.environ, LEVELS=" ".join(cpu_kernels.cpu_levels() + ["sse9"] + cannot))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    lines = out.stdout.splitlines()
+    assert lines[:len(cpu_kernels.cpu_levels())] == cpu_kernels.cpu_levels()        # each level forced in turn
+    for bad, line in zip(["sse9"] + cannot, lines[len(cpu_kernels.cpu_levels()):]):
+        assert line.startswith(f"None HYBRIDLM_CPU_ISA={bad!r} ") and "PyTorch's" in line, line
 
 
 def test_bf16_dot_products_follow_the_level():
