@@ -82,15 +82,19 @@ def test_doge_moe_converts_every_weight(tmp_path):
 
 
 def test_as_native_refuses_what_is_not_exactly_llama_or_mamba2(tmp_path):
+    """Llama has no q/k norm (LFM2's attention has: auto writes that class); a Mamba-2/attention mix with RoPE is no
+    family's (tests/test_hf_native.py covers every family)."""
     from hybridlm import CausalLM, presets
     from hybridlm.train import save_checkpoint
     m = CausalLM(presets.get("transformer++", n_layers=1, d_model=32, n_heads=2, vocab_size=50, qk_norm=True))
     save_checkpoint(str(tmp_path), m)
     with pytest.raises(ConfigError, match="not exactly a Llama: qk_norm=True"):
-        export_to_hf(str(tmp_path), str(tmp_path / "x"), native=True)
+        export_to_hf(str(tmp_path), str(tmp_path / "x"), native="llama")
+    export_to_hf(str(tmp_path), str(tmp_path / "lfm2"), native=True)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lfm2")).__name__ == "Lfm2ForCausalLM"
     m = CausalLM(presets.get("mamba2-attention", n_layers=2, d_model=32, n_heads=2, vocab_size=50, ssd_headdim=16))
     save_checkpoint(str(tmp_path), m)
-    with pytest.raises(ConfigError, match="neither a Llama"):
+    with pytest.raises(ConfigError, match="layout 'SA' exactly: tie_embeddings=True, pos_embedding='rope' stands in the way; closest: NemotronH"):
         export_to_hf(str(tmp_path), str(tmp_path / "x"), native=True)
 
 

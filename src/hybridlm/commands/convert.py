@@ -1,6 +1,7 @@
 """`hybridlm convert`: a transformers checkpoint directory -> a hybridlm checkpoint (--from-hf), a hybridlm run ->
 a transformers directory that AutoModelForCausalLM and pipeline() load after `import hybridlm` or with
-trust_remote_code=True (--to-hf; with --as-native, transformers' own Llama / Mamba-2 classes, no hybridlm needed),
+trust_remote_code=True (--to-hf; with --as-native, transformers' own class of the family the model is exactly, e.g.
+Llama, Mamba2, GraniteMoeHybrid, NemotronH: no hybridlm needed, and vLLM serves it),
 or a hybridlm run -> a checkpoint with quantized weights (--checkpoint with --quantize; --from-hf takes --quantize
 too) that loads as it is."""
 import os
@@ -34,10 +35,16 @@ def main(args) -> int:
             f": hybridlm generate/eval --checkpoint {args.out})")
     else:
         directory.export_to_hf(args.to_hf, args.out, native=args.as_native)
-        kind = "transformers' own class" if args.as_native else \
+        kind = f"transformers' {_written_class(args.out)}" if args.as_native else \
             "HybridLMForCausalLM: import hybridlm, or trust_remote_code=True"
         out(f"exported {args.to_hf} -> {args.out} ({kind}: AutoModelForCausalLM.from_pretrained({args.out!r}))")
     return 0
+
+
+def _written_class(out_dir: str) -> str:
+    import json
+    with open(os.path.join(out_dir, "config.json")) as f:
+        return json.load(f)["architectures"][0]
 
 
 def _scheme(args) -> str:
@@ -74,6 +81,8 @@ def add_arguments(p):
                                                 "directory (--to-hf)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="--from-hf: cast the weights (default: keep the dtype of the files)")
-    p.add_argument("--as-native", action="store_true",
-                   help="--to-hf: write LlamaForCausalLM / Mamba2ForCausalLM when the model is exactly one")
+    p.add_argument("--as-native", nargs="?", const="auto", default=None, metavar="auto|FAMILY",
+                   help="--to-hf: write transformers' own class when the model is exactly one (auto: the first that "
+                        "is, of Llama, Mamba2, GraniteMoeHybrid, NemotronH, Bamba, FalconH1, Jamba, Zamba2, Qwen3Next, "
+                        "KimiLinear, Lfm2, Doge, DeepseekV3, DeepseekV32; or name one)")
     add_quantize_args(p)

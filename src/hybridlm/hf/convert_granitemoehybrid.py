@@ -16,7 +16,7 @@ from torch import Tensor
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
 from .common import (TWINS, Tensors, decoder_layers, fused_attention, head_tensors, hf_activation, hf_get,
-                     hf_rope_partial, hf_tied, mamba2_fields, mamba2_mixer, register, require, routed_experts, scaled)
+                     hf_rope_base, hf_tied, mamba2_fields, mamba2_mixer, register, require, routed_experts, scaled)
 
 ARCH = "GraniteMoeHybridForCausalLM"
 _MIXERS = {"linear_attention": "S", "mamba": "S", "full_attention": "A", "attention": "A"}
@@ -37,7 +37,8 @@ def granite_config(hf) -> dict:
     experts = int(hf_get(hf, "num_local_experts", 0) or 0)
     n_heads = hf.num_attention_heads
     head_dim = hf_get(hf, "head_dim") or hf.hidden_size // n_heads
-    base, rope_dim = hf_rope_partial(ARCH, hf, head_dim) if pos == "rope" else (10000.0, None)
+    # (its rotary embedding always rotates the whole head, whatever partial_rotary_factor says: refused)
+    base = hf_rope_base(ARCH, hf) if pos == "rope" else 10000.0
     fields = dict(
         layout=fold_layout([_MIXERS[t] + ("O" if experts else "M") for t in types]), vocab_size=hf.vocab_size,
         d_model=hf.hidden_size, max_seq_len=int(hf_get(hf, "max_position_embeddings", 2048)),
@@ -45,7 +46,7 @@ def granite_config(hf) -> dict:
         norm="rms", norm_eps=float(hf.rms_norm_eps), pos_embedding="rope" if pos == "rope" else "none",
         embed_scale=float(hf_get(hf, "embedding_multiplier", 1.0)), n_heads=n_heads,
         n_kv_heads=hf_get(hf, "num_key_value_heads") or n_heads, head_dim=head_dim, rope_base=base,
-        rope_dim=rope_dim if rope_dim != head_dim else None, attn_bias=bool(hf_get(hf, "attention_bias", False)),
+        attn_bias=bool(hf_get(hf, "attention_bias", False)),
         mlp_hidden=hf.shared_intermediate_size, mlp_act=hf_activation(ARCH, hf.hidden_act, "MLP"), mlp_gated=True,
         **mamba2_fields(ARCH, hf, d_model=hf.hidden_size, n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head,
                          n_groups=hf.mamba_n_groups, d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv,

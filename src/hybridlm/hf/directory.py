@@ -151,9 +151,10 @@ def convert_from_hf(src_dir: str, out_dir: str, dtype: str | torch.dtype | None 
     return getattr(importlib.import_module(module), fn)(src_dir, out_dir, dtype=dtype)
 
 
-def export_to_hf(src: str, out_dir: str, native: bool = False) -> str:
+def export_to_hf(src: str, out_dir: str, native: bool | str = False) -> str:
     """A hybridlm run or checkpoint -> a transformers directory (model, config, generation config, tokenizer):
-    HybridLMForCausalLM, or with `native` transformers' own class when the model is exactly one (hf/native.py)."""
+    HybridLMForCausalLM, or with `native` ("auto", a family, or True for "auto") transformers' own class when the
+    model is exactly one (hf/native.py)."""
     from ..data.tokenizer import check_fits, tokenizer_from_dir
     from ..errors import HybridLMError
     from ..checkpoint import load_checkpoint
@@ -167,7 +168,7 @@ def export_to_hf(src: str, out_dir: str, native: bool = False) -> str:
     special = {} if tok is None else dict(eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
     if native:
         from .native import to_native
-        hf_model = to_native(model, **special)
+        hf_model = to_native(model, "auto" if native is True else native, **special)
     else:
         from .modeling import HybridLMForCausalLM
         hf_model = HybridLMForCausalLM.from_model(model.eval(), **special)
