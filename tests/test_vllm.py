@@ -3,7 +3,8 @@
 Greedy tokens of `vllm.LLM(..., dtype="float32", enforce_eager=True, skip_tokenizer_init=True)` equal `hybridlm
 generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sent together, two of which share a long
 prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
-model classes) and through the plugin on run directories (the rodimus++ preset, a layout mixing A, S, R and M).
+model classes) and through the plugin on run directories (the rodimus++ preset, a layout mixing A, S, R and M, one
+with LFM2's gated short convolution C).
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -23,7 +24,7 @@ from hybridlm.train import save_checkpoint  # noqa: E402
 from hybridlm.vllm.config import check_servable  # noqa: E402
 
 V, NEW = 97, 8
-# vLLM's CPU attention takes head dims of 32 and up (16 is refused): heads of 64 throughout
+# vLLM's CPU attention refused a head dim of 16: heads of 64 throughout
 SIZES = dict(vocab_size=V, d_model=128, max_seq_len=256, n_heads=2, n_kv_heads=1, head_dim=64, ssd_headdim=32,
              ssd_d_state=16)
 
@@ -93,6 +94,7 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
                              swa_window=24),
     "mixed": ModelConfig(layout="A M S M R M [RWM] S M", attn_shared_key=False, swa_window=24, rodimus_d_state=16,
                          **SIZES),
+    "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
 }
 
 

@@ -17,6 +17,7 @@ SERVED = {"A": "softmax attention (vLLM's Attention: its backends, sliding windo
           "W": "sliding-window (shared-key) attention (vLLM's Attention)",
           "S": "SSD / Mamba-2 (vLLM's MambaMixer2)",
           "M": "MLP (vLLM's parallel linears)",
+          "C": "gated short convolution (vLLM's ShortConv)",
           "R": "Rodimus (hybridlm's own layer with a vLLM state: vllm/rodimus.py)"}
 # options no served layer has: they must keep their default
 _DEFAULT_ONLY = ("hyper_connections", "residual_scale", "wm_dyn_mask", "wm_ssd_rope", "attn_output_gate",

@@ -5,6 +5,7 @@ has the mixer and from ours where it has none (see config.SERVED; anything else 
            Rodimus++'s SW-SKA, is expanded to the value heads), rotary embedding from get_rope, tensor parallel
            QKV / output projections
     S      vLLM's MambaMixer2 (its SSD kernels and mamba state)
+    C      vLLM's ShortConv (LFM2's gated short convolution, its conv state)
     M      vLLM's merged gate/up and row-parallel down projections
     R      hybridlm's Rodimus with its state in vLLM's cache (rodimus.py)
     [R W M]  Rodimus++'s two-hop block, as layers/residual.py's TwoHopResidual
@@ -17,6 +18,7 @@ prefill, prefix caching (its mamba "align" mode) and tensor parallelism (A, S, M
 import json
 import os
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +30,7 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColum
                                                ReplicatedLinear, RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+from vllm.model_executor.layers.mamba.short_conv import ShortConv
 from vllm.model_executor.layers.mamba.mamba_utils import (MambaStateCopyFuncCalculator, MambaStateDtypeCalculator,
                                                           MambaStateShapeCalculator, get_temporal_copy_spec)
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -129,6 +132,15 @@ class VLLMMamba2(MambaMixer2):
                          prefix=prefix)
 
 
+class VLLMShortConv(ShortConv):
+    """C: vLLM's ShortConv (in_proj -> B, C, x; out_proj(C ⊙ conv(B ⊙ x)), as layers/gated_conv.py)."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__(SimpleNamespace(conv_L_cache=cfg.d_conv, conv_bias=cfg.conv_bias), cfg.d_model, idx,
+                         model_config=vllm_config.model_config, cache_config=vllm_config.cache_config,
+                         quant_config=vllm_config.quant_config, prefix=prefix)
+
+
 def _mixer(letter: str, cfg: ModelConfig, idx: int, prefix: str, vllm_config: VllmConfig) -> nn.Module:
     if letter == "A":
         return VLLMAttention(cfg, cfg.window, prefix, vllm_config)
@@ -138,6 +150,8 @@ def _mixer(letter: str, cfg: ModelConfig, idx: int, prefix: str, vllm_config: Vl
         return VLLMMamba2(cfg, prefix, vllm_config)
     if letter == "M":
         return VLLMMLP(cfg, prefix)
+    if letter == "C":
+        return VLLMShortConv(cfg, idx, prefix, vllm_config)
     if letter == "R":           # our layer, our builder's sizes, a vLLM state
         return LETTERS["R"].builder(cfg, idx, cls=VLLMRodimus, prefix=prefix,
                                     model_dtype=vllm_config.model_config.dtype)
@@ -147,9 +161,9 @@ def _mixer(letter: str, cfg: ModelConfig, idx: int, prefix: str, vllm_config: Vl
 def _call(mixer: nn.Module, h: Tensor, positions: Tensor) -> Tensor:
     if isinstance(mixer, VLLMAttention):
         return mixer(h, positions)
-    if isinstance(mixer, VLLMRodimus):
+    if isinstance(mixer, (VLLMRodimus, VLLMShortConv)):     # they write into `out` (behind a custom op)
         out = torch.empty_like(h)
-        mixer.serve(h, out)
+        (mixer.serve if isinstance(mixer, VLLMRodimus) else mixer)(h, out)
         return out
     return mixer(h)
 
@@ -201,6 +215,11 @@ def _largest_state(vllm_config: VllmConfig):
             num_heads=d_inner // cfg.ssd_headdim, head_dim=cfg.ssd_headdim, state_size=cfg.ssd_d_state,
             conv_kernel=cfg.d_conv, num_spec=vllm_config.num_speculative_tokens),
             MambaStateDtypeCalculator.mamba2_state_dtype(dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)))
+    if "C" in cfg.layout:
+        found.append((MambaStateShapeCalculator.short_conv_state_shape(
+            tp_world_size=tp, intermediate_size=cfg.d_model, conv_kernel=cfg.d_conv,
+            num_spec=vllm_config.num_speculative_tokens),
+            MambaStateDtypeCalculator.short_conv_state_dtype(dtype, cache.mamba_cache_dtype)))
     if "R" in cfg.layout:
         m = cfg.rodimus_d_inner or cfg.rodimus_expand * cfg.d_model
         found.append((state_shapes(cfg.d_conv, m, cfg.rodimus_d_state), (dtype, torch.float32)))
@@ -229,7 +248,8 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):
         """Per kind of state: vLLM's for MambaMixer2's, a whole-snapshot copy for Rodimus's two."""
-        ours = {MambaAttentionBackendEnum[BACKEND]: (get_temporal_copy_spec, get_temporal_copy_spec)}
+        ours = {MambaAttentionBackendEnum[BACKEND]: (get_temporal_copy_spec, get_temporal_copy_spec),
+                MambaAttentionBackendEnum.SHORT_CONV: MambaStateCopyFuncCalculator.short_conv_state_copy_func()}
         return {t: ours.get(t, cls.get_mamba_state_copy_func()) for t in mamba_types}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -276,7 +296,8 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Our state dict's names -> this module's parameters, re-cut where vLLM's layers shape them differently."""
         params = dict(self.named_parameters())
-        recut = {n: m for n, m in self.named_modules() if isinstance(m, (VLLMAttention, VLLMMLP, VLLMMamba2))}
+        recut = {n: m for n, m in self.named_modules()
+                 if isinstance(m, (VLLMAttention, VLLMMLP, VLLMMamba2, VLLMShortConv))}
         loaded = set()
         for name, w in weights:
             if name == "lm_head.weight" and self.config.tie_embeddings:
@@ -305,6 +326,10 @@ def _recut(mod: nn.Module, leaf: str, w: Tensor):
     if isinstance(mod, VLLMMLP) and mod.gated and leaf in ("w_in.weight", "w_in.bias"):
         gate, up = w.chunk(2)
         return [(leaf, 0, gate), (leaf, 1, up)]
+    if isinstance(mod, VLLMShortConv) and leaf in ("conv.weight", "conv.bias"):
+        return [(leaf, None, w.unsqueeze(1) if leaf == "conv.weight" else w)]
+    if isinstance(mod, VLLMShortConv) and leaf in ("in_proj.weight", "in_proj.bias"):
+        return [(leaf, i, part) for i, part in enumerate(w.chunk(3))]
     if isinstance(mod, VLLMMamba2):
         if leaf == "conv.weight":
             return [("conv1d.weight", None, w.unsqueeze(1))]
