@@ -32,11 +32,12 @@ _SERVE = """
 import json, sys
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
-    model, prompts, new, extra = json.loads(sys.argv[1])
+    model, prompts, new, rounds, extra = json.loads(sys.argv[1])
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
               gpu_memory_utilization=0.1, seed=0, **extra)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=new))
-    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    for _ in range(rounds):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=new))
+        print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
@@ -54,13 +55,14 @@ def ours(model: CausalLM, ps: list[list[int]]) -> list[list[int]]:
     return [model.generate(torch.tensor([p]), NEW, temperature=0)[0, len(p):].tolist() for p in ps]
 
 
-def served(directory: str, ps: list[list[int]], **extra) -> list[list[int]]:
+def served(directory: str, ps: list[list[int]], rounds: int = 1, **extra) -> list[list[list[int]]]:
+    """vLLM's greedy tokens for the batch `ps`, sent `rounds` times to one engine: a list per round."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([sys.executable, "-c", _SERVE, json.dumps([directory, ps, NEW, extra])], env=env,
+    r = subprocess.run([sys.executable, "-c", _SERVE, json.dumps([directory, ps, NEW, rounds, extra])], env=env,
                        capture_output=True, text=True, timeout=900)
     lines = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
-    assert r.returncode == 0 and lines, r.stderr[-4000:]
-    return json.loads(lines[-1][len("TOKENS "):])
+    assert r.returncode == 0 and len(lines) == rounds, r.stderr[-4000:]
+    return [json.loads(x[len("TOKENS "):]) for x in lines]
 
 
 def model(cfg: ModelConfig) -> CausalLM:
@@ -86,7 +88,7 @@ def test_native_export_served_by_vllm(case, tmp_path):
     subprocess.run([sys.executable, "-m", "hybridlm", "convert", "--to-hf", run, "--as-native", "--out", out],
                    check=True, capture_output=True)
     ps = prompts()
-    assert served(out, ps) == ours(m, ps)
+    assert served(out, ps) == [ours(m, ps)]
 
 
 PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directory itself
@@ -105,17 +107,18 @@ def test_plugin_serves_run(case, tmp_path):
     run = str(tmp_path / "run")
     save_step_checkpoint(run, 1, m)         # a run directory as training leaves it: weights in step-000001/
     ps = prompts()
-    assert served(run, ps) == ours(m, ps)
+    assert served(run, ps) == [ours(m, ps)]
 
 
 @pytest.mark.slow
 def test_plugin_prefix_caching(tmp_path):
-    """vLLM's prefix caching (mamba "align" mode) on the mixed layout: the shared prefix's states are reused."""
+    """vLLM's prefix caching (mamba "align" mode: block-boundary states of A, S and R layers kept and copied) on the
+    mixed layout: the batch twice, the second time from the states the first left in the cache."""
     m = model(PLUGIN["mixed"])
     run = str(tmp_path / "run")
     save_step_checkpoint(run, 1, m)
     ps = prompts()
-    assert served(run, ps, enable_prefix_caching=True) == ours(m, ps)
+    assert served(run, ps, rounds=2, enable_prefix_caching=True) == [ours(m, ps)] * 2
 
 
 @pytest.mark.parametrize("layout, letter", [("G M A M", "letter G"), ("K M", "letter K"), ("B M", "letter B"),

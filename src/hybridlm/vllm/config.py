@@ -32,6 +32,8 @@ class HybridLMVLLMConfig(PretrainedConfig):
     def __init__(self, hybridlm: dict | None = None, **kwargs):
         self.hybridlm = hybridlm
         cfg = self.model_config
+        if hybridlm is not None:       # refused when vLLM reads config.json, before it starts an engine
+            check_servable(cfg, kwargs.get("quantization_config"))
         self.vocab_size, self.hidden_size = cfg.vocab_size, cfg.d_model
         self.num_hidden_layers = num_layers(cfg)
         self.max_position_embeddings = cfg.max_seq_len
