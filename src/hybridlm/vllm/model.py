@@ -61,7 +61,8 @@ class VLLMAttention(nn.Module):
         self.shared_key = Hk != Hv
         self.H, self.Hv, self.Hk, self.D = H, Hv, Hk, D
         if self.shared_key:     # q and v sharded by head, the shared key replicated
-            self.qv = MergedColumnParallelLinear(cfg.d_model, [H * D, Hv * D], bias=cfg.attn_bias, prefix=f"{prefix}.qv")
+            self.qv = MergedColumnParallelLinear(cfg.d_model, [H * D, Hv * D], bias=cfg.attn_bias,
+                                                 prefix=f"{prefix}.qv")
             self.k = ReplicatedLinear(cfg.d_model, Hk * D, bias=cfg.attn_bias, prefix=f"{prefix}.k")
             hv = Hv // tp
             self.register_buffer("key_of_head", (rank * hv + torch.arange(hv)) // (Hv // Hk), persistent=False)
