@@ -4,7 +4,7 @@ Greedy tokens of `vllm.LLM(..., dtype="float32", enforce_eager=True, skip_tokeni
 generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sent together, two of which share a long
 prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
 model classes) and through the plugin on run directories (the rodimus++ preset, a layout mixing A, S, R and M, one
-with LFM2's gated short convolution C).
+with LFM2's gated short convolution C, one with CDMoE E).
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -97,6 +97,7 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "mixed": ModelConfig(layout="A M S M R M [RWM] S M", attn_shared_key=False, swa_window=24, rodimus_d_state=16,
                          **SIZES),
     "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
+    "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
 }
 
 

@@ -18,7 +18,8 @@ SERVED = {"A": "softmax attention (vLLM's Attention: its backends, sliding windo
           "S": "SSD / Mamba-2 (vLLM's MambaMixer2)",
           "M": "MLP (vLLM's parallel linears)",
           "C": "gated short convolution (vLLM's ShortConv)",
-          "R": "Rodimus (hybridlm's own layer with a vLLM state: vllm/rodimus.py)"}
+          "R": "Rodimus (hybridlm's own layer with a vLLM state: vllm/rodimus.py)",
+          "E": "CDMoE (hybridlm's own layer: a channel mixer, no state)"}
 # options no served layer has: they must keep their default
 _DEFAULT_ONLY = ("hyper_connections", "residual_scale", "wm_dyn_mask", "wm_ssd_rope", "attn_output_gate",
                  "layer_overrides")

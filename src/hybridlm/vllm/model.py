@@ -8,6 +8,7 @@ has the mixer and from ours where it has none (see config.SERVED; anything else 
     C      vLLM's ShortConv (LFM2's gated short convolution, its conv state)
     M      vLLM's merged gate/up and row-parallel down projections
     R      hybridlm's Rodimus with its state in vLLM's cache (rodimus.py)
+    E      hybridlm's CDMoE (a channel mixer: no state; replicated under tensor parallelism)
     [R W M]  Rodimus++'s two-hop block, as layers/residual.py's TwoHopResidual
 
 Module and parameter names follow hybridlm's CausalLM (`embed`, `blocks.i.norm`, `blocks.i.mixer`, ...), so a run's
@@ -153,6 +154,8 @@ def _mixer(letter: str, cfg: ModelConfig, idx: int, prefix: str, vllm_config: Vl
         return VLLMMLP(cfg, prefix)
     if letter == "C":
         return VLLMShortConv(cfg, idx, prefix, vllm_config)
+    if letter == "E":           # no vLLM counterpart and no state: our module as it is
+        return LETTERS["E"].build(cfg, idx)
     if letter == "R":           # our layer, our builder's sizes, a vLLM state
         return LETTERS["R"].builder(cfg, idx, cls=VLLMRodimus, prefix=prefix,
                                     model_dtype=vllm_config.model_config.dtype)
