@@ -3,7 +3,7 @@ matrix-vector kernels, at batch 1 on a ~1B-shaped layer (d_model 2048), bf16 wei
 
 For each letter X (A attention, S SSD, R Rodimus, G Gated DeltaNet, K KDA, C short conv, M gated MLP) a model of
 `layers` X layers (layout "X*layers", the other fields from the family's preset) is prefilled with 64 tokens, then:
-  step    time of one `_decode_step` (best of N; the thread's CPU time, or wall time with --wall);
+  step    time of one `decode_step` (best of N; the thread's CPU time, or wall time with --wall);
   kernel  time of the same matrix-vector kernel calls replayed alone (recorded during one step: the same
           pointers, so the same bytes read);
   fused   time inside the fused one-token C++ ops (ops/cpu_decode.py: state updates, attention over the cache,
@@ -90,7 +90,7 @@ def measure(letter: str, n: int, repeats: int, profile: bool) -> dict:
         # possible for all kinds, so steps simply keep going (64 + a few hundred tokens: attention's read grows
         # by < 1 MB, far below the layer's weights)
         def step():
-            return m._decode_step(tok, cache)
+            return m.decode_step(tok, cache)
         rec = Recorder(m)
         real = cpu_kernels._lib
         cpu_kernels._lib = rec
@@ -160,7 +160,7 @@ def slope(letter: str, repeats: int, layers: int = 9) -> dict:
                     cpu_decode.serves = serves if fused else (lambda *a: False)
                     try:
                         s = clock()
-                        m._decode_step(tok, cache)
+                        m.decode_step(tok, cache)
                         dt = clock() - s
                     finally:
                         cpu_decode.serves = serves

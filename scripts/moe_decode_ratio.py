@@ -40,7 +40,7 @@ def _decode(m, ids, new: int) -> tuple[float, list[int]]:
     out = [int(nxt)]
     t = time.perf_counter()
     for _ in range(new):
-        nxt = m._decode_step(nxt[:, None], cache).argmax(-1)
+        nxt = m.decode_step(nxt[:, None], cache).argmax(-1)
         out.append(int(nxt))
     return new / (time.perf_counter() - t), out
 
@@ -53,7 +53,7 @@ def _step_gap(models: dict, ids) -> float:
         _batched(m, form == "batched")
         cache = m.make_cache(1, max_tokens=ids.shape[1] + 2)
         nxt = m(ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
-        out[form] = m._decode_step(nxt[:, None], cache).float()
+        out[form] = m.decode_step(nxt[:, None], cache).float()
     _batched(models["batched"], False)
     _step_gap.scale = out["batched"].abs().max().item()
     return (out["batched"] - out["selected"]).abs().max().item()

@@ -44,7 +44,7 @@ def test_bf16_prefill_and_decode_read_weights_as_stored(preset):
         with _Copies() as prefill:
             logits = model(ids, cache=cache, logits_to_keep=1).logits
         with _Copies() as decode:
-            step = model._decode_step(ids[:, :1], cache)
+            step = model.decode_step(ids[:, :1], cache)
     assert logits.dtype == step.dtype == torch.bfloat16
     for phase, spy in (("prefill", prefill), ("decode", decode)):
         copied = sorted(matrices[p] for p in spy.read if p in matrices)
@@ -66,6 +66,6 @@ def test_bf16_decode_equals_forward_and_tracks_float32(preset):
         full = model(ids).logits
         cache = model.make_cache(1, max_tokens=80)
         parts = [model(ids[:, :70], cache=cache).logits]
-        parts += [model._decode_step(ids[:, t:t + 1], cache).view(1, 1, -1) for t in range(70, 80)]   # [B, V] each
+        parts += [model.decode_step(ids[:, t:t + 1], cache).view(1, 1, -1) for t in range(70, 80)]   # [B, V] each
     assert rel(torch.cat(parts, 1), full) < 1e-2
     assert rel(full, ref) < 3e-2

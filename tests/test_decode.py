@@ -15,7 +15,7 @@ def test_stream_allocates_kv_once():
     m(ids, cache=cache)
     ptr = cache.layers[0].k.data_ptr()
     for _ in range(20):
-        m._decode_step(torch.randint(0, 97, (2, 1)), cache)
+        m.decode_step(torch.randint(0, 97, (2, 1)), cache)
     assert cache.layers[0].k.data_ptr() == ptr and cache.layers[0].k.shape[1] == 27
     kv = [c for c in cache.layers if c is not None]
     assert cache.nbytes == sum(27 * (c.k[:, :1].nbytes + c.v[:, :1].nbytes) for c in kv)  # held tokens, not capacity
@@ -30,7 +30,7 @@ def test_decode_step_equals_forward_with_padded_prompt():
     m(ids, attention_mask=mask, cache=c1)
     m(ids, attention_mask=mask, cache=c2)
     nxt = torch.randint(0, 97, (2, 1))
-    fast = m._decode_step(nxt, c1)
+    fast = m.decode_step(nxt, c1)
     ref = m(nxt, attention_mask=torch.ones_like(nxt), cache=c2).logits[:, -1]
     torch.testing.assert_close(fast, ref, atol=0, rtol=0)
     assert torch.equal(c1.key_mask, c2.key_mask) and torch.equal(c1.next_pos, c2.next_pos)
@@ -76,5 +76,5 @@ def test_decode_step_traces_as_one_graph(name):
     with torch.inference_mode():
         cache = m.make_cache(2, max_tokens=16)
         m(ids, cache=cache)
-        ex = torch._dynamo.explain(type(m)._decode_step)(m, torch.randint(0, 97, (2, 1)), cache)
+        ex = torch._dynamo.explain(type(m).decode_step)(m, torch.randint(0, 97, (2, 1)), cache)
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons

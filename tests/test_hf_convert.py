@@ -94,7 +94,8 @@ def test_as_native_refuses_what_is_not_exactly_llama_or_mamba2(tmp_path):
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lfm2")).__name__ == "Lfm2ForCausalLM"
     m = CausalLM(presets.get("mamba2-attention", n_layers=2, d_model=32, n_heads=2, vocab_size=50, ssd_headdim=16))
     save_checkpoint(str(tmp_path), m)
-    with pytest.raises(ConfigError, match="layout 'SA' exactly: tie_embeddings=True, pos_embedding='rope' stands in the way; closest: NemotronH"):
+    with pytest.raises(ConfigError, match="layout 'SA' exactly: the closest, NemotronH, stops at "
+                                          "tie_embeddings=True, pos_embedding='rope'"):
         export_to_hf(str(tmp_path), str(tmp_path / "x"), native=True)
 
 

@@ -5,6 +5,7 @@ of the export gives our weights bit for bit; a layout no class expresses gets on
 way."""
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,6 +19,7 @@ from hybridlm import CausalLM, presets  # noqa: E402
 from hybridlm.cli import main as cli  # noqa: E402
 from hybridlm.errors import ConfigError  # noqa: E402
 from hybridlm.hf.directory import convert_from_hf, export_to_hf  # noqa: E402
+from hybridlm.hf.native import native_config  # noqa: E402
 from hybridlm.train import load_checkpoint, save_checkpoint  # noqa: E402
 
 V = 61
@@ -39,7 +41,11 @@ CASES = {
                        "NemotronHForCausalLM"),
     "bamba": ("bamba", dict(n_layers=3, n_heads=2, n_kv_heads=1, ssd_headdim=16), "BambaForCausalLM"),
     "falcon-h1": ("falcon-h1", dict(n_layers=2, n_heads=2, n_kv_heads=1, ssd_headdim=16), "FalconH1ForCausalLM"),
-    "jamba": ("jamba", dict(n_layers=1, n_heads=2, n_kv_heads=1, moe_experts=4), "JambaForCausalLM"),
+    "jamba": ("jamba", dict(n_layers=1, layout="BM AO BM BO", n_heads=2, n_kv_heads=1, moe_experts=4),
+              "JambaForCausalLM"),
+    "mamba": ("mamba", dict(n_layers=2), "MambaForCausalLM"),
+    "falcon-mamba": ("mamba", dict(n_layers=2, mamba1_bcdt_norm="plain", mamba1_norm_eps=1e-5),
+                     "FalconMambaForCausalLM"),
     "zamba2": ("zamba2", dict(n_layers=4, n_heads=2, ssd_headdim=16), "Zamba2ForCausalLM"),
     "qwen3-next": ("qwen3-next", dict(n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, rope_dim=8, moe_experts=4),
                    "Qwen3NextForCausalLM"),
@@ -132,6 +138,20 @@ def test_as_native_names_a_family(tmp_path):
         export_to_hf(str(tmp_path / "run"), str(tmp_path / "x"), native="mistral")
 
 
+@pytest.mark.parametrize("layout, family, why", [
+    ("SM AO", "granitemoehybrid", "letter 'O' at layer 3 (its layers are all dense or all MoE)"),
+    ("SM S", "bamba", "the end of the layout (a layer's S is followed by M)"),
+    ("SM AM", "jamba", "letter 'S' at layer 0"),
+    ("SM Z S", "zamba2", "letter 'M' at layer 1 (its layers are S or Z S)"),
+])
+def test_as_native_family_names_where_it_stops(layout, family, why):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                   # (fields the short layouts do not read)
+        cfg = presets.get("granite-hybrid", n_layers=2, layout=layout, d_model=64, n_heads=2, ssd_headdim=16)
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        native_config(cfg, family)
+
+
 def test_as_native_refuses_with_the_obstacle_and_the_closest_families(tmp_path, capsys):
     """A letter no family has: named with its layer, and the families that get furthest; an option no class has:
     named with its value. On the command line: one line, no stack trace."""
@@ -139,8 +159,8 @@ def test_as_native_refuses_with_the_obstacle_and_the_closest_families(tmp_path, 
                                                ssd_headdim=16))
     assert cli(["convert", "--to-hf", str(tmp_path / "r"), "--out", str(tmp_path / "x"), "--as-native"]) != 0
     err = capsys.readouterr().err
-    assert "letter 'R' at layer 2 stands in the way; closest: GraniteMoeHybrid, NemotronH, Bamba" in err
+    assert "the closest, GraniteMoeHybrid, NemotronH, Bamba, stop at letter 'R' at layer 2." in err
     assert "Traceback" not in err and not (tmp_path / "x").exists()
     save_checkpoint(str(tmp_path / "w"), small("llama", n_layers=2, n_heads=4, window=8))
-    with pytest.raises(ConfigError, match=r"layout '\(AM\)\*2' exactly: window=8 stands in the way; closest: Llama"):
+    with pytest.raises(ConfigError, match=r"layout '\(AM\)\*2' exactly: the closest, Llama, .*stop at window=8\."):
         export_to_hf(str(tmp_path / "w"), str(tmp_path / "x"), native=True)

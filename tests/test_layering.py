@@ -117,3 +117,33 @@ def test_no_private_name_crosses_a_package(path):
     """What another package imports is public: an underscore says "this package's own"."""
     bad = [f"line {line}: {name} from {module}" for line, module, name in _private_imports(path)]
     assert not bad, f"{path.relative_to(SRC)} imports private names of another package: " + "; ".join(bad)
+
+
+def _private_definitions() -> dict[str, set[str]]:
+    """Package -> the underscore names it defines: functions, classes, module globals, attributes it assigns
+    (`self._x = ...`, class-level `_x = ...`)."""
+    out: dict[str, set[str]] = {}
+    for path in _modules():
+        names = out.setdefault(_package(path.relative_to(SRC).parts), set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {p: {n for n in names if n.startswith("_") and not n.startswith("__")} for p, names in out.items()}
+
+
+PRIVATE = _private_definitions()
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_private_attribute_crosses_a_package(path):
+    """`x._name` where `_name` belongs to another package (a method or attribute only another package defines)
+    reaches into that package's internals: it needs a public name there."""
+    own = _package(path.relative_to(SRC).parts)
+    theirs = set().union(*(names for p, names in PRIVATE.items() if p != own)) - PRIVATE.get(own, set())
+    bad = [f"line {node.lineno}: .{node.attr}" for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.Attribute) and node.attr in theirs]
+    assert not bad, f"{path.relative_to(SRC)} uses private attributes of another package: " + "; ".join(bad)

@@ -70,16 +70,16 @@ def test_gather_rows_decode_like_their_own_caches(name):
             caches.append(c)
             ids.append(torch.randint(0, 256, (1, 1), generator=g))
         batch = gather([(c, [0]) for c in caches], extra=4)
-        own = torch.cat([m._decode_step(i, gather([(c, [0])])) for i, c in zip(ids, caches)])
-        assert_close(m._decode_step(torch.cat(ids), batch), own, atol=1e-5, msg=name)
+        own = torch.cat([m.decode_step(i, gather([(c, [0])])) for i, c in zip(ids, caches)])
+        assert_close(m.decode_step(torch.cat(ids), batch), own, atol=1e-5, msg=name)
         sub = gather([(batch, [2, 0])])         # drop a row (its padding columns go with it)
         assert sub.seen == 7
         nxt = torch.randint(0, 256, (2, 1), generator=g)
-        ref = torch.cat([m._decode_step(nxt[j:j + 1], gather([(caches[k], [0])])) for j, k in enumerate((2, 0))])
+        ref = torch.cat([m.decode_step(nxt[j:j + 1], gather([(caches[k], [0])])) for j, k in enumerate((2, 0))])
         for c, i in zip(caches, ids):          # advance the own caches by the token the batch saw
-            m._decode_step(i, c)
-        ref = torch.cat([m._decode_step(nxt[j:j + 1], caches[k]) for j, k in enumerate((2, 0))])
-        assert_close(m._decode_step(nxt, sub), ref, atol=1e-5, msg=name)
+            m.decode_step(i, c)
+        ref = torch.cat([m.decode_step(nxt[j:j + 1], caches[k]) for j, k in enumerate((2, 0))])
+        assert_close(m.decode_step(nxt, sub), ref, atol=1e-5, msg=name)
 
 
 def test_seeded_sampling_matches_generate():
@@ -137,8 +137,7 @@ def test_validation_queue_abort_and_budget():
     assert b.finish_reason == "length"
     # a memory budget: attention K/V grows with the tokens, so two long requests do not fit where two short ones do
     eng = Engine(m, eos_id=None, block=8, max_slots=8, memory_bytes=None)
-    per = eng.slot_bytes(64)
-    eng.memory_bytes = int(per * 1.5)
+    eng.memory_bytes = int(eng.peak_bytes([64], 32) * 1.5)
     sch = Scheduler(eng)
     for _ in range(2):
         sch.submit(Request([1] * 32, SamplingParams(max_tokens=32, temperature=0)))
@@ -167,7 +166,7 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
             for n in (9, 14, 4, 6, 30)]
     for r in reqs:
         eng.start(r)
-        eng.prefill(r)
+        eng.prefill([r])
     own = {id(r): gather([(r.cache, [0])]) for r in reqs}
     eng.set_rows(reqs[:3])
     batch = eng.batch
@@ -176,7 +175,7 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
     eng.decode()
     with torch.inference_mode():
         for r in (reqs[0], reqs[3], reqs[2]):
-            t = m._decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
+            t = m.decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
             assert r.output[1] == t, name
     eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens: longer than the batch, so a rebuild
     assert eng.batch is not batch and eng.batch.batch_size == 4
@@ -210,3 +209,206 @@ def test_an_engine_fault_fails_the_requests_in_flight_not_the_server():
         assert r2.finish_reason == "length"
     finally:
         sch.stop()
+
+
+def _run(m, reqs, **kw):
+    eng = Engine(m, eos_id=None, **{"block": 8, **kw})
+    sch = Scheduler(eng)
+    for r in reqs:
+        sch.submit(r)
+    with torch.inference_mode():
+        sch.run_until_idle()
+    return eng
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logprobs_are_the_raw_model_distribution(name):
+    """Each new token's logprob (and its top-k) and every prompt token's are log_softmax of one full forward pass
+    over prompt + output; asking for prompt logprobs skips the prefix cache (the positions must all be run)."""
+    m = tiny(name)
+    g = torch.Generator().manual_seed(2)
+    p = torch.randint(0, 256, (19,), generator=g).tolist()
+    warm = Request(p, SamplingParams(max_tokens=1, temperature=0))
+    r = Request(p, SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=3, prompt_logprobs=2))
+    score = Request(p, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    eng = _run(m, [warm], prefix_cache_bytes=1 << 24)
+    sch = Scheduler(eng)
+    for q in (r, score):
+        sch.submit(q)
+    with torch.inference_mode():
+        sch.run_until_idle()
+        full = torch.log_softmax(m(torch.tensor([p + r.output])).logits[0].float(), -1)
+    assert r.cached_tokens == 0 and eng.prefix.hits == 0
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(p)
+    for j, e in enumerate(r.prompt_logprobs[1:], 1):
+        assert e.token == p[j] and abs(e.logprob - full[j - 1, p[j]].item()) < 1e-4
+        assert [t for t, _ in e.top] == full[j - 1].topk(2).indices.tolist()
+    assert [e.token for e in r.logprobs] == r.output
+    for j, e in enumerate(r.logprobs):
+        row = full[len(p) - 1 + j]
+        assert abs(e.logprob - row[e.token].item()) < 1e-4 and len(e.top) == 3
+        assert_close(torch.tensor([v for _, v in e.top]), row.topk(3).values, atol=1e-4)
+    assert score.finish_reason == "length" and score.output == [] and len(score.prompt_logprobs) == len(p)
+    assert all(e.top == [] for e in score.prompt_logprobs[1:])
+    assert [e.logprob for e in score.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in r.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_penalties_and_min_p():
+    """Greedy with penalties is the argmax of the penalised logits (checked step by step against a plain loop);
+    min_p 1 keeps only the most likely token, so sampling with it is greedy."""
+    m = tiny("mamba2")
+    p = [5, 6, 7, 5, 5]
+    sp = dict(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.7)
+    r = Request(p, SamplingParams(max_tokens=8, temperature=0, **sp))
+    mp = Request(p, SamplingParams(max_tokens=8, temperature=1.5, min_p=1.0, seed=4))
+    plain = Request(p, SamplingParams(max_tokens=8, temperature=0))
+    _run(m, [r, mp, plain])
+    out = []
+    with torch.inference_mode():
+        for _ in range(8):
+            x = m(torch.tensor([p + out])).logits[0, -1].float()
+            seen = torch.zeros_like(x, dtype=torch.bool)
+            seen[p + out] = True
+            x = torch.where(seen, torch.where(x > 0, x / 1.7, x * 1.7), x)
+            for t in set(out):
+                x[t] -= 0.5 + 0.7 * out.count(t)
+            out.append(int(x.argmax()))
+    assert r.output == out and r.output != plain.output
+    assert mp.output == plain.output
+
+
+def test_sampling_rows_of_one_batch_keep_their_seeds():
+    """Requests with different settings sampled as rows of one batch give what each gives alone."""
+    m = tiny("transformer++")
+    kinds = [dict(temperature=0.9, top_k=20, seed=1), dict(temperature=1.2, top_p=0.8, seed=2),
+             dict(temperature=0.7, min_p=0.1, seed=3), dict(temperature=0, repetition_penalty=1.3)]
+    together = [Request([1, 2, 3, 4], SamplingParams(max_tokens=6, **k)) for k in kinds]
+    _run(m, together)
+    for r, k in zip(together, kinds):
+        alone = Request([1, 2, 3, 4], SamplingParams(max_tokens=6, **k))
+        _run(m, [alone])
+        assert alone.output == r.output, k
+
+
+def test_sampling_validation():
+    eng = Engine(tiny("mamba2"), block=8)
+    for kw, msg in ((dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
+                    (dict(presence_penalty=3), "presence_penalty"), (dict(logprobs=21), "logprobs"),
+                    (dict(max_tokens=0), "max_tokens")):
+        with pytest.raises(InputError, match=msg):
+            eng.validate(Request([1, 2], SamplingParams(**kw)))
+    eng.validate(Request([1, 2], SamplingParams(max_tokens=0, prompt_logprobs=1)))
+
+
+LAYOUTS = ["SM RM", "AM WM", "GM CM", "KM BM", "LM IM", "FM AO AE", "ZM SM"]
+
+
+def tiny_layout(layout: str):
+    import warnings
+
+    from hybridlm import CausalLM
+    from serve_helpers import TINY
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # fields of letters this layout leaves out
+        return CausalLM(presets.get("transformer++", **{**TINY, "layout": layout})).eval()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batched_prefill_of_mixed_lengths_equals_generate(layout):
+    """Prompts of mixed lengths arriving together are prefilled several per forward pass (fresh ones left-padded
+    together, later chunks grouped by length) and greedy output still equals `generate`, with and without a
+    prefix hit."""
+    m = tiny_layout(layout)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 30, 9, 17, 12, 1, 24)]
+    late = prompts[1][:16] + [7, 8, 9]
+    eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=8, step_tokens=40)
+    sch = Scheduler(eng)
+    sizes = []
+    plan = eng.plan_prefill
+    eng.plan_prefill = lambda reqs: [sizes.append(len(grp)) or grp for grp in plan(reqs)]
+    reqs = [Request(p, SamplingParams(max_tokens=5, temperature=0)) for p in prompts]
+    with torch.inference_mode():
+        for r in reqs:
+            sch.submit(r)
+        while reqs[1].prefilled < 16:
+            sch.step()
+        hit = Request(late, SamplingParams(max_tokens=5, temperature=0))
+        sch.submit(hit)
+        sch.run_until_idle()
+    assert max(sizes) >= 4                                   # several prompts in one forward pass
+    assert hit.cached_tokens == 16
+    for r in reqs + [hit]:
+        assert r.output == m.generate(torch.tensor([r.prompt]), 5, temperature=0)[0, len(r.prompt):].tolist(), \
+            (layout, len(r.prompt))
+
+
+def test_a_short_prompt_is_not_left_behind_a_long_one():
+    """A short prompt that arrives just after a long one gets its first token long before the long one
+    finishes its prefill (fewest tokens left first), and the long one still progresses (aging)."""
+    m = tiny("transformer++")
+    eng = Engine(m, eos_id=None, block=8, max_slots=4, step_tokens=8)
+    sch = Scheduler(eng)
+    long = Request(list(range(1, 100)), SamplingParams(max_tokens=20, temperature=0))
+    short = Request([5, 6, 7], SamplingParams(max_tokens=20, temperature=0))
+    with torch.inference_mode():
+        sch.submit(long)
+        sch.step()
+        sch.submit(short)
+        for i in range(3):
+            sch.step()
+        assert short.output and not long.output and long.prefilled > 8
+        sch.run_until_idle()
+    assert long.finish_reason == short.finish_reason == "length"
+
+
+def test_memory_counts_what_is_allocated():
+    """The engine's memory figures are the bytes of the storage held (capacity and padding included); the batch
+    stays within the bound the budget admits by; a prefix snapshot stores only its own block of K/V."""
+    m = tiny("mamba2-attention")
+    eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=4)
+    sch = Scheduler(eng)
+    base = eng.memory()["state_bytes"]
+    assert base == 0
+    p = list(range(1, 41))
+    reqs = [Request(p[:n], SamplingParams(max_tokens=6, temperature=0)) for n in (40, 11, 25)]
+    seen = []
+    with torch.inference_mode():
+        for r in reqs:
+            sch.submit(r)
+        while sch.busy():
+            sch.step()
+            mem = eng.memory()
+            seen.append(mem)
+            lengths = [len(r.prompt) + r.params.max_tokens for r in reqs]
+            assert mem["batch_bytes"] + mem["prefill_bytes"] <= eng.peak_bytes(lengths, 6)
+    assert max(s["batch_bytes"] for s in seen) > eng.slot_bytes(46)   # several rows at their capacity
+    # 40 tokens at block 8: five snapshots, chained; each holds one block of attention K/V plus the fixed states
+    assert len(eng.prefix.entries) == 5
+    attn = [i for i, (f, t) in enumerate(eng.layers) if t]
+    for part in eng.prefix.parts():
+        assert all(part.layers[i].k.shape[1] == 8 for i in attn)
+    assert eng.memory()["prefix_cache_bytes"] == eng.prefix.nbytes
+    assert eng.memory()["state_bytes"] == eng.prefix.nbytes       # the requests' state is all freed
+    eng.prefix.clear()
+    assert eng.memory()["state_bytes"] == 0
+
+
+def test_snapshots_give_way_to_the_memory_budget():
+    """With a budget that the requests in flight fill, no snapshot is made (and none is copied)."""
+    m = tiny("transformer++")
+    eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=4)
+    eng.memory_bytes = eng.peak_bytes([40 + 4], 4)
+    r = Request(list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0))
+    sch = Scheduler(eng)
+    sch.submit(r)
+    with torch.inference_mode():
+        sch.run_until_idle()
+    assert r.finish_reason == "length" and len(eng.prefix.entries) == 0
+    eng.memory_bytes = None
+    sch.submit(Request(list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0)))
+    with torch.inference_mode():
+        sch.run_until_idle()
+    assert len(eng.prefix.entries) == 5

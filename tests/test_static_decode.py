@@ -30,7 +30,7 @@ def _decode_both(m, ids, mask, n):
         cache = m.make_cache(ids.shape[0], max_tokens=ids.shape[1] + n)
         with torch.inference_mode():
             m(ids, attention_mask=mask, cache=cache)
-            step = m.static_decode_step() if static else m._decode_step
+            step = m.static_decode_step() if static else m.decode_step
             out.append(torch.stack([step(s, cache) for s in steps]))
         assert cache.seen == ids.shape[1] + n
     return out
@@ -69,10 +69,10 @@ def test_static_step_keeps_shapes_and_addresses(name):
         m(ids, attention_mask=mask, cache=cache)
         step = m.static_decode_step()
         step(torch.randint(0, 97, (3, 1)), cache)
-        before = [(t.shape, t.data_ptr()) for t in cache._static_tensors()]
+        before = [(t.shape, t.data_ptr()) for t in cache.static_tensors()]
         for _ in range(4):
             step(torch.randint(0, 97, (3, 1)), cache)
-        assert [(t.shape, t.data_ptr()) for t in cache._static_tensors()] == before
+        assert [(t.shape, t.data_ptr()) for t in cache.static_tensors()] == before
         ex = torch._dynamo.explain(type(m)._static_decode_step)(m, torch.randint(0, 97, (3, 1)), cache)
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
 

@@ -251,10 +251,10 @@ class InferenceCache:
         self.static_mask = torch.zeros(self.batch_size, self.max_tokens, dtype=torch.bool, device=dev)
         self.static_mask[:, : self.seen] = True if self.key_mask is None else self.key_mask
         if dev.type == "cuda":   # buffers mutated in place by a captured graph must keep their address
-            for t in self._static_tensors():
+            for t in self.static_tensors():
                 torch._dynamo.mark_static_address(t)
 
-    def _static_tensors(self):
+    def static_tensors(self):
         yield from (self.static_pos, self.static_mask, self.next_pos)
         for slot in self._slots():
             for name in ("k", "v", "conv", "state"):

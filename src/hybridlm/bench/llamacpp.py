@@ -178,7 +178,7 @@ def llamacpp_job(gguf: str, vocab: int, prompt: int, new: int, threads: int) -> 
 
 
 def hybridlm_job(checkpoint: str, weights: str, vocab: int, prompt: int, new: int) -> dict:
-    """hybridlm: the same ids and greedy loop (`_decode_step`, the CPU kernels of ops/cpu_kernels.py)."""
+    """hybridlm: the same ids and greedy loop (`decode_step`, the CPU kernels of ops/cpu_kernels.py)."""
     from ..checkpoint import load_checkpoint
     from ..models.quantize import quantize_, use_cpu_kernels_
     model = load_checkpoint(checkpoint)[0].eval()
@@ -198,7 +198,7 @@ def hybridlm_job(checkpoint: str, weights: str, vocab: int, prompt: int, new: in
         t2 = time.perf_counter()
         for _ in range(new):
             out.append(tok)
-            tok = model._decode_step(tok, cache).argmax(-1, keepdim=True)
+            tok = model.decode_step(tok, cache).argmax(-1, keepdim=True)
         t3 = time.perf_counter()
     return {"prefill_tokens_per_s": prompt / (t1 - t0), "decode_tokens_per_s": new / (t3 - t2),
             "tokens": [int(t) for t in out], "last_logits": last[:vocab].tolist()}

@@ -75,7 +75,7 @@ def quantize_suite(s: dict, log=print) -> dict:
 
         def decode(m):
             def setup():
-                return ms.prefilled(m, s["context"], max_tokens=s["context"] + n + 1, step_fn=m._decode_step)[0]
+                return ms.prefilled(m, s["context"], max_tokens=s["context"] + n + 1, step_fn=m.decode_step)[0]
             return setup, lambda step: [step() for _ in range(n)]
         pre = ms.clock({k: prefill(m) for k, m in models.items()}, s["repeats"], warmup=1)
         dec = ms.clock({k: decode(m) for k, m in models.items()}, s["repeats"], warmup=1)
@@ -91,7 +91,7 @@ def quantize_suite(s: dict, log=print) -> dict:
             log(f"{name:>10} {k:>5}: prefill {row['prefill_tokens_per_s']:8.1f} tok/s ({row['prefill_vs_float']:.2f}x)"
                 f", decode {row['decode_tokens_per_s']:7.2f} tok/s ({row['decode_vs_float']:.2f}x float)")
         for k, m in models.items():
-            step = ms.prefilled(m, s["context"], max_tokens=s["context"] + 8, step_fn=m._decode_step)[0]
+            step = ms.prefilled(m, s["context"], max_tokens=s["context"] + 8, step_fn=m.decode_step)[0]
             prof = out["profiles"][f"{name} {k}"] = profile_step(step)
             log(f"  one {k} decode step: " + ", ".join(f"{p['op']} {p['share']:.0%}" for p in prof[:5]))
         del models, model

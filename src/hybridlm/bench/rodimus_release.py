@@ -122,7 +122,7 @@ def _decode(which: str, ckpt: str, context: int, steps: int, size: dict, weights
     model.config.max_seq_len = max(model.config.max_seq_len, context + steps + 1)
     built = {}
     prefill = ms.clock({"prefill": lambda: built.update(d=ms.prefilled(
-        model, context, chunk=512, max_tokens=context + steps + 1, step_fn=model._decode_step))}, 1, 0)["prefill"][0]
+        model, context, chunk=512, max_tokens=context + steps + 1, step_fn=model.decode_step))}, 1, 0)["prefill"][0]
     step, cache = built["d"]
     dt = sum(ms.clock({"decode": step}, steps, warmup=1)["decode"])
     return {"model": which, "weights": weights, "dtype": dtype, "layout": model.config.layout,

@@ -341,7 +341,7 @@ def decode_suite(s: dict, log=print) -> dict:
     for name in s["presets"].split(","):
         model = _model(name, n_layers=s["n_layers"], d_model=s["d_model"], vocab_size=s["vocab_size"],
                        max_seq_len=max(2048, s["context"] + s["steps"] + 1)).to(device=device, dtype=dtype)
-        steps = {m: model._decode_step if m == "growing" else model.static_decode_step(compile=m == "static+graph")
+        steps = {m: model.decode_step if m == "growing" else model.static_decode_step(compile=m == "static+graph")
                  for m in modes}
 
         def setup(mode, n=s["steps"]):          # prefill (untimed) -> the timed run decodes n tokens

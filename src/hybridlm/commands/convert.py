@@ -83,6 +83,6 @@ def add_arguments(p):
                    help="--from-hf: cast the weights (default: keep the dtype of the files)")
     p.add_argument("--as-native", nargs="?", const="auto", default=None, metavar="auto|FAMILY",
                    help="--to-hf: write transformers' own class when the model is exactly one (auto: the first that "
-                        "is, of Llama, Mamba2, GraniteMoeHybrid, NemotronH, Bamba, FalconH1, Jamba, Zamba2, Qwen3Next, "
-                        "KimiLinear, Lfm2, Doge, DeepseekV3, DeepseekV32; or name one)")
+                        "is, of Llama, Mamba2, GraniteMoeHybrid, NemotronH, Bamba, FalconH1, Jamba, Mamba, "
+                        "FalconMamba, Zamba2, Qwen3Next, KimiLinear, Lfm2, Doge, DeepseekV3, DeepseekV32; or name one)")
     add_quantize_args(p)

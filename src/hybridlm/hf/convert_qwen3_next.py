@@ -64,8 +64,9 @@ def qwen3_next_config(hf) -> dict:
 
 
 def _plus_one(w: Tensor) -> Tensor:
-    """Zero-centred RMSNorm weight w (x·(1 + w)) -> our gain 1 + w, in float32 as transformers computes it."""
-    return 1.0 + w.float()
+    """Zero-centred RMSNorm weight w (x·(1 + w)) -> our gain 1 + w, in float32 as transformers computes it (float64
+    stays float64: native export numbers weights in it)."""
+    return 1.0 + w.to(torch.promote_types(w.dtype, torch.float32))
 
 
 def _moe(out: dict[str, Tensor], prefix: str, s: Tensors, cfg: ModelConfig):

@@ -12,7 +12,7 @@ number for number. Weight sharing (`X@k`): every occurrence is its own module (o
 `to_empty` or `load_state_dict(assign=True)`; `init_weights` draws a shared tensor once. The state dict keeps every
 name (safetensors stores the shared tensor once; the transformers wrapper reports the names as tied).
 
-Decoding: `stream` prefills a cache sized for prompt + new tokens, then `_decode_step` runs one token with no checks
+Decoding: `stream` prefills a cache sized for prompt + new tokens, then `decode_step` runs one token with no checks
 and no host syncs (one graph under torch.compile). On CUDA with `compile=True`, `static_decode_step` instead: fixed
 shapes over the whole preallocated cache, compiled once as a CUDA graph. CPUs keep the growing step: it reads only
 the tokens seen, and the static step measured 1.03-1.3x slower per token there.
@@ -381,14 +381,14 @@ class CausalLM(nn.Module):
             loss = loss + self.config.dsa_kl_weight * kl
         return CausalLMOutput(logits=logits, loss=loss, cache=cache, aux_loss=aux, indexer_kl=kl)
 
-    def _decode_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
+    def decode_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
         """One generated token per row, ids [B, 1] -> next-token logits [B, V]. No input checks (the ids come
         from our own sampler and `stream` checked the length up front) and no host syncs, so that
         `torch.compile` sees one graph. Generated tokens are real: a padded prompt's key mask just grows."""
         return self.lm_head(self._hidden(ids, self._context(ids, None, cache, None), cache)[:, -1])
 
     def compiled_decode_step(self):
-        """`_decode_step` under torch.compile (dynamic shapes: the cache grows every step). The first calls
+        """`decode_step` under torch.compile (dynamic shapes: the cache grows every step). The first calls
         compile (seconds to tens of seconds on a CPU); later ones run the fused graph. One compiled function is
         shared by all models (a module global, so models stay picklable and collectable); dynamo keeps a graph
         per model structure."""
@@ -396,11 +396,11 @@ class CausalLM(nn.Module):
             raise ConfigError("compile=True needs a C++ compiler on a CPU (torch.compile generates C++ kernels): "
                               "install g++ or clang++, or decode without compiling")
         if "decode" not in _COMPILED:
-            _COMPILED["decode"] = torch.compile(CausalLM._decode_step, dynamic=True)
+            _COMPILED["decode"] = torch.compile(CausalLM.decode_step, dynamic=True)
         return partial(_COMPILED["decode"], self)
 
     def _static_decode_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
-        """`_decode_step` with fixed shapes and buffer addresses (after `cache.make_static()`): the token is written
+        """`decode_step` with fixed shapes and buffer addresses (after `cache.make_static()`): the token is written
         at slot `cache.static_pos` of the preallocated buffers, attention reads all max_tokens slots with the
         static key mask hiding the unwritten tail, and the position, slot and mask advance in place. Host-side
         counters are left to `cache.advance()`, so the graph is the same at every step. ids [B, 1] -> [B, V]."""
@@ -454,7 +454,7 @@ class CausalLM(nn.Module):
         """fn(ids, cache) captured as a CUDA graph over a static ids buffer -> replay(ids) -> logits buffer.
         Capture needs warm-up runs on a side stream, which write into the cache: its static tensors are saved
         before and restored after, so capturing leaves the cache as it found it."""
-        saved = [t.clone() for t in cache._static_tensors()]
+        saved = [t.clone() for t in cache.static_tensors()]
         ids_buf = ids.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -466,7 +466,7 @@ class CausalLM(nn.Module):
         with torch.cuda.graph(g), torch.inference_mode():
             out = fn(ids_buf, cache)
         with torch.inference_mode():
-            for t, v in zip(cache._static_tensors(), saved):
+            for t, v in zip(cache.static_tensors(), saved):
                 t.copy_(v)
 
         def replay(x: Tensor) -> Tensor:
@@ -516,7 +516,7 @@ class CausalLM(nn.Module):
         if static:
             step = self.static_decode_step(compile)
         else:
-            step = self.compiled_decode_step() if compile else self._decode_step
+            step = self.compiled_decode_step() if compile else self.decode_step
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for i in range(max_new_tokens):
             nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)

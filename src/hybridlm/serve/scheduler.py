@@ -1,13 +1,18 @@
 """Continuous batching: which requests run, in what order, between the engine's steps.
 
 One iteration (`step`):
-  1. retire: rows finished or aborted (a client that went away) leave at once, their slots free for step 2
-  2. admit: waiting requests start, first come first served, while a slot is free and their state fits the budget
-  3. prefill: chunks of the requests being prefilled, up to one block of tokens per iteration, so a long prompt is
-     interleaved with decode steps and running streams keep flowing
-  4. decode: the prefilled requests join the batch and every running row gets one token
-The engine runs in one thread (`start`); other threads only `submit` and `abort`, and hear back through each
-request's `on_token` callback.
+  1. `_retire`: rows finished or aborted (a client that went away) leave at once, their slots free for step 2
+  2. `_admit`: waiting requests start, first come first served, while a slot is free and their state fits the
+     memory budget
+  3. `_prefill`: chunks of the requests being prefilled within a token budget per iteration shared with decode
+     (`engine.step_tokens` minus one token per running row, at least one chunk), as vLLM's chunked prefill; the
+     chunks with the fewest prompt tokens left go first, and a request passed over gains a block of credit per
+     iteration (aging), so a short prompt is not left behind a long one and a long one is not starved. Chunks of
+     fresh prompts run as one left-padded forward pass, chunks of prompts under way grouped by length
+  4. `_decode`: the prefilled requests join the batch and every running row gets one token
+A fault in any of these fails exactly the requests it touched (finish reason "error", `error` set), frees their
+state, and the next iteration goes on. The engine runs in one thread (`start`); other threads only `submit` and
+`abort`, and hear back through each request's `on_token` callback.
 """
 import logging
 import threading
@@ -74,15 +79,53 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.prefilling or any(not r.finished for r in self.engine.running))
 
+    def gauges(self) -> dict:
+        """The engine's gauges for /metrics: name -> (help, value), read consistently under the engine's lock."""
+        eng, c = self.engine, self.counts()
+        mem = eng.memory()
+        return {
+            "requests_running": ("Requests in the decode batch", c["running"]),
+            "requests_prefilling": ("Requests being prefilled", c["prefilling"]),
+            "requests_waiting": ("Requests in the queue", c["waiting"]),
+            "slots": ("Cache slots (requests decoded together at most)", eng.max_slots),
+            "slot_occupancy": ("Fraction of the slots in use", (c["running"] + c["prefilling"]) / eng.max_slots),
+            "state_bytes": ("Bytes of inference state allocated: batch, prefill caches and prefix cache",
+                            mem["state_bytes"]),
+            "batch_bytes": ("Bytes allocated by the running batch (capacity and padding included)",
+                            mem["batch_bytes"]),
+            "prefill_bytes": ("Bytes allocated by the caches of requests being prefilled", mem["prefill_bytes"]),
+            "memory_budget_bytes": ("The memory budget of inference state (0: none)", eng.memory_bytes or 0),
+            "slot_fixed_bytes": ("Fixed state bytes of one request (recurrent states, rings)", eng.fixed_bytes),
+            "slot_token_bytes": ("State bytes per token of one request (attention K/V)", eng.token_bytes),
+            "prefix_cache_hits_total": ("Requests that resumed from the prefix cache", eng.prefix.hits),
+            "prefix_cache_misses_total": ("Requests with full blocks and no cached prefix", eng.prefix.misses),
+            "prefix_cache_hit_tokens_total": ("Prompt tokens resumed from the prefix cache", eng.prefix.hit_tokens),
+            "prefix_cache_bytes": ("Bytes allocated by the prefix cache", mem["prefix_cache_bytes"]),
+        }
+
     # ------------------------------------------------------------ the engine's thread
     def _finish(self, req: Request, reason: str | None = None, error: str | None = None):
-        if reason is not None and req.finish_reason is None:
+        if error is not None:
+            req.finish_reason = "error"
+        elif reason is not None and req.finish_reason is None:
             req.finish_reason = reason
         req.error = error
         req.finished_at = time.perf_counter()
-        req.cache = None
+        self.engine.release(req)
         self.metrics.finished(req)
         self._emit(req, None)
+
+    def _fail(self, reqs: list[Request], e: Exception, what: str):
+        """A fault of one operation: the requests it touched end with an error, their state freed."""
+        log.error("%s failed", what, exc_info=e)
+        why = f"{what} failed: {type(e).__name__}: {e}"
+        with self.cv:
+            for r in reqs:
+                if r in self.prefilling:
+                    self.prefilling.remove(r)
+        for r in reqs:
+            if r.finished_at is None:
+                self._finish(r, error=why)
 
     def _emit(self, req: Request, token):
         if req.on_token is not None:
@@ -91,69 +134,99 @@ class Scheduler:
             except Exception:          # a listener's failure is its own: the engine goes on
                 log.exception("on_token callback failed")
 
-    def _in_flight_bytes(self) -> int:
-        eng = self.engine
-        return sum(eng.request_bytes(r) for r in self.prefilling + [r for r in eng.running if not r.finished])
-
     def step(self) -> bool:
         """One iteration; returns whether anything ran."""
-        eng = self.engine
-        # 1. retire
-        for r in eng.running:
+        self._retire()
+        self._admit()
+        joined = self._prefill()
+        return self._decode(joined) or bool(joined)
+
+    def _retire(self):
+        for r in self.engine.running:
             if r.aborted and not r.finished:
                 self._finish(r, r.abort_reason)
         with self.cv:
-            for r in [r for r in self.waiting if r.aborted]:
-                self.waiting.remove(r)
-                self._finish(r, r.abort_reason)
-            for r in [r for r in self.prefilling if r.aborted]:
-                self.prefilling.remove(r)
-                self._finish(r, r.abort_reason)
-            # 2. admit
+            gone = [r for r in self.waiting if r.aborted] + [r for r in self.prefilling if r.aborted]
+            for r in gone:
+                (self.waiting if r in self.waiting else self.prefilling).remove(r)
+        for r in gone:
+            self._finish(r, r.abort_reason)
+
+    def _admit(self):
+        eng = self.engine
+        started = []
+        with self.cv:
             live = [r for r in eng.running if not r.finished]
-            used = self._in_flight_bytes()
-            while self.waiting and len(live) + len(self.prefilling) < eng.max_slots:
-                need = eng.request_bytes(self.waiting[0])
-                if eng.memory_bytes is not None and used + need > eng.memory_bytes:
-                    break
-                self.prefilling.append(self.waiting.popleft())
-                used += need
-        # 3. prefill, one block of tokens per iteration (at least one chunk)
-        joined, budget = [], eng.block
-        for r in list(self.prefilling):
-            if budget <= 0:
-                break
+            while self.waiting and len(live) + len(self.prefilling) < eng.max_slots \
+                    and eng.fits(self.waiting[0], started):
+                r = self.waiting.popleft()
+                self.prefilling.append(r)
+                started.append(r)
+        for r in started:
             try:
-                if r.cache is None:
+                with eng.lock:
                     eng.start(r)
-                budget -= eng.prefill(r)
-            except Exception as e:          # this request alone fails
-                log.exception("prefill failed")
-                with self.cv:
-                    self.prefilling.remove(r)
-                self._finish(r, "error", error=str(e))
+            except Exception as e:
+                self._fail([r], e, "start")
+
+    def _pick_chunks(self) -> list[Request]:
+        """The prefill chunks of this iteration within the token budget left by the decode rows (at least one):
+        fewest prompt tokens left first, less a block per iteration a request was passed over."""
+        eng = self.engine
+        budget = eng.step_tokens - sum(not r.finished for r in eng.running)
+        order = sorted(self.prefilling, key=lambda r: len(r.prompt) - r.prefilled - eng.block * r.passed_over)
+        chosen = []
+        for r in order:
+            c = eng.chunk(r)
+            if chosen and c > budget:
+                r.passed_over += 1
                 continue
-            if r.prefilled == len(r.prompt):
+            chosen.append(r)
+            budget -= c
+            r.passed_over = 0
+        return chosen
+
+    def _prefill(self) -> list[Request]:
+        """Run this iteration's chunks; returns the requests whose prefill ended and which go on to decode."""
+        eng, joined = self.engine, []
+        for group in eng.plan_prefill(self._pick_chunks()):
+            try:
+                with eng.lock:
+                    eng.prefill(group)
+            except Exception as e:
+                self._fail(group, e, "prefill")
+                continue
+            for r in group:
+                if r.prefilled < len(r.prompt):
+                    continue
                 with self.cv:
                     self.prefilling.remove(r)
-                self._emit(r, r.output[-1])
+                if r.output:                  # none when only the prompt is scored (max_tokens 0)
+                    self._emit(r, r.output[-1])
                 if r.finished:
                     self._finish(r)
                 else:
                     joined.append(r)
-        # 4. decode
+        return joined
+
+    def _decode(self, joined: list[Request]) -> bool:
+        """The prefilled requests join the batch; every running row gets one token."""
+        eng = self.engine
         rows = [r for r in eng.running if not r.finished] + joined
         with eng.lock:
-            eng.set_rows(rows)
+            try:
+                eng.set_rows(rows)
+            except Exception as e:
+                eng.clear()
+                self._fail(rows, e, "joining the batch")
+                return True
             if not rows:
-                return bool(joined)
+                return False
             try:
                 eng.decode()
             except Exception as e:
-                log.exception("decode step failed")
-                for r in rows:
-                    self._finish(r, "error", error=str(e))
-                eng.set_rows([])
+                eng.clear()
+                self._fail(rows, e, "decode")
                 return True
         for r in rows:
             self._emit(r, r.output[-1])
@@ -161,7 +234,7 @@ class Scheduler:
                 self._finish(r)
         if all(r.finished for r in rows):         # nothing left running: free the batch's state now
             with eng.lock:
-                eng.set_rows([])
+                eng.clear()
         return True
 
     def run_until_idle(self):
@@ -182,7 +255,7 @@ class Scheduler:
                 except Exception as e:           # a bug of ours: fail what is in flight, keep serving
                     log.exception("engine step failed")
                     self._fail_all(str(e))
-        self.engine.set_rows([])
+        self.engine.clear()
 
     def _fail_all(self, why: str):
         with self.cv:
@@ -190,10 +263,10 @@ class Scheduler:
             self.waiting.clear()
             self.prefilling.clear()
         for r in reqs:
-            if not r.finished:
-                self._finish(r, "error", error=why)
+            if r.finished_at is None:
+                self._finish(r, error=why)
         with self.engine.lock:
-            self.engine.set_rows([])
+            self.engine.clear()
 
     def start(self):
         """Run the engine in a daemon thread."""

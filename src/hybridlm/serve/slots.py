@@ -72,9 +72,11 @@ def first_real(cache: InferenceCache) -> Tensor:
     return cache.key_mask.long().argmax(1)
 
 
-def gather(sources: list[tuple[InferenceCache, list[int]]], extra: int = 0) -> InferenceCache:
+def gather(sources: list[tuple[InferenceCache, list[int]]], extra: int = 0, consume: bool = False) -> InferenceCache:
     """A new cache of the given rows of each source, in order, aligned at their last token, with `extra` free
-    time steps in every growing K/V buffer. The sources are left untouched (every tensor is copied)."""
+    time steps in every growing K/V buffer. The sources are left untouched (every tensor is copied), unless
+    `consume`: then each source layer is dropped as soon as it is copied, so old and new state coexist for one
+    layer at a time (a rebuild of the running batch), not for the whole model."""
     sources = [(c, rows) for c, rows in sources if rows]
     if not sources:
         raise ValueError("gather needs at least one row")
@@ -102,6 +104,9 @@ def gather(sources: list[tuple[InferenceCache, list[int]]], extra: int = 0) -> I
         if any(s is None for s in slots):
             raise ValueError(f"layer {i} has state in some caches and not in others")
         out.layers[i] = _gather_slot(slots, shifts, S, cap)
+        if consume:
+            for c, _ in sources:
+                c.layers[i] = None
     return out
 
 
@@ -143,3 +148,113 @@ def place(batch: InferenceCache, i: int, src: InferenceCache):
     for dst_slot, src_slot in zip(batch.layers, src.layers):
         if dst_slot is not None:
             _place_slot(dst_slot, i, src_slot, d, s)
+
+
+def _tensors(slot):
+    """Every tensor a slot holds."""
+    if isinstance(slot, IndexerCache):
+        yield from _tensors(slot.keys)
+        slot = slot.main
+    for name in ("k", "v", "conv", "state"):
+        t = getattr(slot, name, None)
+        if isinstance(t, Tensor):
+            yield t
+
+
+def allocated_bytes(caches) -> int:
+    """Bytes of the storage the caches hold, each storage counted once: capacity, padding and bookkeeping
+    included (what is allocated, not the tokens seen), shared storage once."""
+    seen, total = set(), 0
+    for c in caches:
+        ts = [c.next_pos] + ([c.key_mask] if c.key_mask is not None else [])
+        ts += [t for slot in c.layers if slot is not None for t in _tensors(slot)]
+        for t in ts:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def _cut_slot(slot, lo: int):
+    if isinstance(slot, KVCache):
+        new = type(slot)()
+        new.k, new.v = slot.k[:, lo:slot.length].clone(), slot.v[:, lo:slot.length].clone()
+        new.length = new.capacity = slot.length - lo
+        return new
+    if isinstance(slot, IndexerCache):
+        new = IndexerCache()
+        new.keys = _cut_slot(slot.keys, lo)
+        new.main = _cut_slot(slot.main, lo) if slot.main is not None else None
+        return new
+    new = type(slot)(slot.window) if isinstance(slot, WindowKVCache) else type(slot)()
+    for name in ("k", "v", "conv", "state", "length"):
+        if hasattr(slot, name):
+            t = getattr(slot, name)
+            setattr(new, name, t.clone() if isinstance(t, Tensor) else t)
+    return new
+
+
+def cut(cache: InferenceCache, lo: int) -> InferenceCache:
+    """What a prefix snapshot of the unpadded batch-1 `cache` adds to the snapshot at token `lo`: the K/V of
+    tokens [lo, seen) and a copy of every fixed-size state. `stitch` joins a chain of these back into a cache."""
+    if cache.key_mask is not None or cache.batch_size != 1:
+        raise ValueError("a snapshot is cut from an unpadded batch-1 cache")
+    out = InferenceCache(1, len(cache.layers), device=cache.next_pos.device)
+    out.seen, out.next_pos = cache.seen, cache.next_pos.clone()
+    out.layers = [_cut_slot(s, lo) if s is not None else None for s in cache.layers]
+    return out
+
+
+def cut_bytes(cache: InferenceCache, lo: int) -> int:
+    """The bytes `cut(cache, lo)` will hold (checked against the budget before anything is copied)."""
+    total = cache.next_pos.nbytes
+    for slot in cache.layers:
+        for sl in ([slot.keys, slot.main] if isinstance(slot, IndexerCache) else [slot]):
+            if isinstance(sl, KVCache):
+                total += (sl.length - lo) * (sl.k[:, :1].nbytes + sl.v[:, :1].nbytes)
+            elif sl is not None:
+                total += sum(t.nbytes for t in _tensors(sl))
+    return total
+
+
+def _stitch_slot(parts: list, extra: int):
+    last = parts[-1]
+    if isinstance(last, KVCache):
+        new = type(last)()
+        S = sum(p.length for p in parts)
+        new.k, new.v = time_buffer(last.k, S + extra), time_buffer(last.v, S + extra)
+        at = 0
+        for p in parts:
+            new.k[:, at:at + p.length], new.v[:, at:at + p.length] = p.k, p.v
+            at += p.length
+        new.length, new.capacity = S, S + extra
+        return new
+    if isinstance(last, IndexerCache):
+        new = IndexerCache()
+        new.keys = _stitch_slot([p.keys for p in parts], extra)
+        new.main = _stitch_slot([p.main for p in parts], extra) if last.main is not None else None
+        return new
+    return _cut_slot(last, 0)                      # fixed-size state: the last part's, copied
+
+
+def stitch(parts: list[InferenceCache], extra: int = 0) -> InferenceCache:
+    """A batch-1 cache from a chain of `cut`s (oldest first): K/V joined in order with `extra` free steps, the
+    fixed-size state of the last part. The parts are left untouched."""
+    last = parts[-1]
+    out = InferenceCache(1, len(last.layers), device=last.next_pos.device)
+    out.seen, out.next_pos = last.seen, last.next_pos.clone()
+    out.layers = [_stitch_slot([p.layers[i] for p in parts], extra) if s is not None else None
+                  for i, s in enumerate(last.layers)]
+    return out
+
+
+def room(cache: InferenceCache) -> int | None:
+    """Tokens every growing K/V buffer of `cache` can still take without reallocating (None: it has none)."""
+    left = None
+    for slot in cache.layers:
+        for sl in ([slot.keys, slot.main] if isinstance(slot, IndexerCache) else [slot]):
+            if isinstance(sl, KVCache) and sl.k is not None:
+                n = sl.k.shape[1] - sl.length
+                left = n if left is None else min(left, n)
+    return left
