@@ -14,7 +14,7 @@ has the mixer and from ours where it has none (see config.SERVED; anything else 
 Module and parameter names follow hybridlm's CausalLM (`embed`, `blocks.i.norm`, `blocks.i.mixer`, ...), so a run's
 weights load by name; only the tensors vLLM's layers shape differently are re-cut in `load_weights` (fused QKV into
 vLLM's shards, the conv kernel's [C, K] into [C, 1, K], A_log into vLLM's A). vLLM gives continuous batching, chunked
-prefill, prefix caching (its mamba "align" mode) and tensor parallelism (A, S, M; R is replicated).
+prefill, prefix caching (its mamba "align" mode) and tensor parallelism (A, S, C, M shard; R and E are replicated).
 """
 import json
 import os
