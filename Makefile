@@ -1,5 +1,5 @@
 PY ?= python3
-.PHONY: setup demo test test-slow bench
+.PHONY: setup demo test test-slow bench vllm
 setup: .setup-done
 .setup-done: pyproject.toml scripts/setup.sh
 	PYTHON=$(PY) bash scripts/setup.sh
@@ -12,3 +12,5 @@ test-slow: setup
 	$(PY) -m pytest -m slow
 bench: setup
 	$(PY) -m hybridlm bench --compare-hf
+vllm:
+	PYTHON=$(PY) bash scripts/setup-vllm.sh

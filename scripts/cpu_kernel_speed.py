@@ -107,7 +107,9 @@ def main():
     qs8 = [quant.quantize(w.float(), "int8") for w in ws]
     b4 = sum(q.numel() + s.numel() * 4 + z.numel() * 4 for q, s, z in qs4)
     b8 = sum(q.numel() + s.numel() * 4 for q, s in qs8)
-    fns = {"int4 g32": lambda: [cpu_kernels.int4_linear(xs[w.shape[1]], *q) for w, q in zip(ws, qs4)],
+    packed = [(cpu_kernels.int4_pack(*q), q[0].shape[0], q[0].shape[1] * 2, q[1].shape[1]) for q in qs4]
+    b4 = sum(p[0].numel() for p in packed)                   # what the kernel reads: the repacked form
+    fns = {"int4 g32": lambda: [cpu_kernels.int4_linear(xs[w.shape[1]], *p) for w, p in zip(ws, packed)],
            "int8": lambda: [cpu_kernels.int8_linear(xs[w.shape[1]], *q) for w, q in zip(ws, qs8)]}
     t = interleaved(fns, a.repeats)
     for k, v in t.items():

@@ -18,6 +18,7 @@ LAYERS = [
     {"context", "cache"},
     {"layers"},
     {"models"},
+    {"vllm"},                     # the vLLM plugin: models and below only; nothing imports it (below)
     {"data"},
     {"checkpoint"},
     {"eval"},
@@ -78,6 +79,13 @@ def test_imports_go_down(path):
             if t != own and RANK.get(t, -1) > RANK[own]:
                 bad.append(f"line {line}: {own} imports {t}, a package above it")
     assert not bad, f"{path.relative_to(SRC)}: " + "; ".join(bad)
+
+
+def test_nothing_imports_the_vllm_plugin():
+    """hybridlm.vllm imports vLLM: only vLLM's plugin loader (the entry point) may import it."""
+    bad = [f"{p.relative_to(SRC)}:{line}" for p in _modules() if p.relative_to(SRC).parts[0] != "vllm"
+           for line, target, names in _imports(p) if target == "vllm" or (target is None and "vllm" in names)]
+    assert not bad, "imports hybridlm.vllm: " + ", ".join(bad)
 
 
 def _package(parts: tuple) -> str:

@@ -186,7 +186,10 @@ def test_quantize_swaps_experts_decode_equals_forward_and_round_trip(scheme, tmp
     assert "blocks.1.mixer.w_gate" in quantization_of(m)["modules"]
     with torch.no_grad():
         full = m(ids).logits
-        assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), full, atol=1e-4, msg=scheme)
+        # int4: x rounded to int8 per block in the CPU kernel (Q8_0), so last-bit differences flip a rounding here
+        # and there (tests/test_cpu_kernels.py, test_decode_equals_forward_with_kernels)
+        atol = 1e-4 if scheme == "int8" else 0.05 * full.abs().max()
+        assert_close(decode_logits(m, ids, 7, cache=m.make_cache(2)), full, atol=atol, msg=scheme)
     assert 0 < (full - ref).abs().max() < (0.05 if scheme == "int8" else 0.3) * ref.abs().max()
     loaded, _ = load_checkpoint(save_checkpoint(str(tmp_path), m))
     assert torch.equal(loaded.blocks[1].mixer.w_up.weight_q, layer.w_up.weight_q)

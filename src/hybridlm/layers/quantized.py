@@ -4,11 +4,11 @@ routed experts' weights; `KernelLinear`, an `nn.Linear` whose decode calls run t
 
 Buffers (what the state dict and a checkpoint hold): int8: `weight_q` int8 [N, K], `scale` [N]; int4: `weight_q`
 uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if
-any. The float buffers follow `model.to(dtype)` like any parameter. On a CPU, decode (at most
-`cpu_kernels.MAX_ROWS` rows of input) reads the stored weight with the project's matrix-vector kernels
-(ops/cpu_kernels.py), or PyTorch's int8 / int4 kernels where those cannot be compiled; prefill dequantizes the
-weight once into the activations' dtype and runs one matmul. Other devices run the reference form (dequantize, then
-F.linear).
+any. The float buffers follow `model.to(dtype)` like any parameter. On a CPU every call (decode, a serving batch,
+a prompt: `cpu_kernels.ROWS`) reads the weight with the project's GEMM (ops/cpu_kernels.py): int8 as stored, int4
+repacked once in memory on first use (`cpu_kernels.int4_pack`; the buffers stay the checkpoint's form). Without
+the kernels, decode-sized inputs run PyTorch's int8 / int4 kernels and longer ones dequantize the weight once into
+the activations' dtype for one matmul. Other devices run the reference form (dequantize, then F.linear).
 """
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
         self._packed = None    # int4 without our kernel: (key, weight, scales and zeros) in PyTorch's layout
+        self._q4 = None        # int4 with our kernel: (key, the packed weight)
 
     @classmethod
     @torch.no_grad()
@@ -59,9 +60,29 @@ class QuantizedLinear(nn.Module):
         """The float32 weight [N, K] the quantized one stands for."""
         return quant.dequantize(self.scheme, self.stored())[:, :self.in_features]
 
+    def _key(self, *extra):
+        """What a packed copy of the stored weight depends on: the buffers' storage and in-place versions."""
+        return tuple((t.data_ptr(), t._version) for t in self.stored()) + extra
+
+    def _int4_kernel(self) -> tuple:
+        """(packed, N, K', G): the stored int4 weight in our kernel's layout (packed at `kernel_layout_` or first
+        use, kept; repacked when a buffer changes; under torch.compile the packed copy as it is)."""
+        if not torch.compiler.is_compiling():
+            key = self._key()
+            if self._q4 is None or self._q4[0] != key:
+                self._q4 = (key, cpu_kernels.int4_pack(*self.stored()))
+        return self._q4[1], self.out_features, self.weight_q.shape[1] * 2, self.scale.shape[1]
+
+    def kernel_layout_(self, enable: bool = True):
+        """Pack an int4 weight for the CPU kernel now (`models.quantize.use_cpu_kernels_`: at load), or drop it."""
+        if not enable or self.scheme != "int4":
+            self._q4 = None
+        elif self.weight_q.device.type == "cpu" and cpu_kernels.available():
+            self._int4_kernel()
+
     def _int4_packed(self, dtype: torch.dtype):
         """PyTorch's int4 kernel layout of the stored weight (built on first use, kept; only without our kernel)."""
-        key = (self.weight_q.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(), dtype)
+        key = self._key(dtype)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, quant.int4_kernel_weight(self.weight_q),
                             quant.int4_scales_and_zeros(self.scale, self.zero, dtype))
@@ -70,16 +91,18 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu":
             return quant.linear_reference(x, self.scheme, self.stored(), self.bias)
-        if cpu_kernels.serves(x):           # decode: the project's kernel reads the stored weight once
-            fn = cpu_kernels.int8_linear if self.scheme == "int8" else cpu_kernels.int4_linear
-            return fn(x, *self.stored(), self.bias)
+        if cpu_kernels.serves(x, self.scheme) and (self._q4 is not None or not torch.compiler.is_compiling()
+                                                   or self.scheme == "int8"):     # our GEMM reads the weight
+            if self.scheme == "int8":
+                return cpu_kernels.int8_linear(x, self.weight_q, self.scale, self.bias)
+            return cpu_kernels.int4_linear(x, *self._int4_kernel(), self.bias)
         if cpu_kernels.decode_sized(x):     # decode without a compiler: PyTorch's kernels
             xs = x.to(self.scale.dtype)
             if self.scheme == "int8":
                 return quant.int8_linear(xs, self.weight_q, self.scale, self.bias).to(x.dtype)
             return quant.int4_linear(xs, *self._int4_packed(xs.dtype), self.group_size, self.out_features,
                                      self.bias).to(x.dtype)
-        # prefill (many rows): the weight dequantized once into x's dtype (one C++ pass where built), one matmul
+        # many rows (past cpu_kernels.ROWS, or no kernels): the weight dequantized once into x's dtype, one matmul
         if cpu_kernels.available() and not torch.compiler.is_compiling():
             w = cpu_kernels.dequantize(self.scheme, self.stored(), x.dtype)[:, :self.in_features]
         else:
@@ -115,6 +138,7 @@ class QuantizedExperts(nn.Module):
             self.register_buffer("weight_q", torch.empty(E, N, G * group_size // 2, dtype=torch.uint8, device=device))
             self.register_buffer("scale", torch.empty(E, N, G, dtype=dtype, device=device))
             self.register_buffer("zero", torch.empty(E, N, G, dtype=dtype, device=device))
+        self._q4 = {}          # int4 with our kernel: expert -> (key, its packed weight), packed on first use
 
     @classmethod
     @torch.no_grad()
@@ -137,9 +161,14 @@ class QuantizedExperts(nn.Module):
     def expert(self, e: int, rows: Tensor) -> Tensor:
         """rows [n, d_in] -> [n, d_out] through expert e."""
         stored = tuple(t[e] for t in self.stored())
-        if rows.device.type == "cpu" and cpu_kernels.serves(rows):
-            fn = cpu_kernels.int8_linear if self.scheme == "int8" else cpu_kernels.int4_linear
-            return fn(rows, *stored)
+        if cpu_kernels.serves(rows, self.scheme) and (self.scheme == "int8" or not torch.compiler.is_compiling()):
+            if self.scheme == "int8":
+                return cpu_kernels.int8_linear(rows, *stored)
+            key = tuple((t.data_ptr(), t._version) for t in self.stored())
+            if self._q4.get(e, (None,))[0] != key:
+                self._q4[e] = (key, cpu_kernels.int4_pack(*stored))
+            return cpu_kernels.int4_linear(rows, self._q4[e][1], self.out_features, stored[0].shape[1] * 2,
+                                           stored[1].shape[1])
         if rows.device.type == "cpu" and cpu_kernels.decode_sized(rows) and self.scheme == "int8":
             return quant.int8_linear(rows.to(self.scale.dtype), *stored).to(rows.dtype)   # no compiler: PyTorch's
         return F.linear(rows, quant.dequantize(self.scheme, stored)[:, :self.in_features].to(rows.dtype))
@@ -151,13 +180,14 @@ class QuantizedExperts(nn.Module):
 
 
 class KernelLinear(nn.Linear):
-    """An `nn.Linear` whose decode-sized CPU calls (no gradient) run the project's matrix-vector kernel
-    (ops/cpu_kernels.py) on the float32 / bfloat16 weight as stored; every other call is nn.Linear's. Set by
+    """An `nn.Linear` whose CPU calls without gradient run the project's GEMM (ops/cpu_kernels.py) on the float32 /
+    bfloat16 weight as stored, for the row counts where it is the faster (`cpu_kernels.ROWS`); every other call is
+    nn.Linear's. Set by
     `models.quantize.use_cpu_kernels_` as a class swap: the same parameters, the same state dict."""
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         if (w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and w.requires_grad) and cpu_kernels.serves(x)):
+                and not (torch.is_grad_enabled() and w.requires_grad) and cpu_kernels.serves(x, w.dtype)):
             return cpu_kernels.linear(x, w, self.bias)
         return super().forward(x)

@@ -3,7 +3,7 @@ expert (MoE-SEI, as compared in the Wonderful Matrices paper, table 3), and a lo
 
 Dropless: every (token, expert) pair is computed, so a token's output depends on that token only. Training (and any
 call with many rows) runs all experts as one batched matmul over expert-sorted rows (hybridlm.ops.moe.routed_experts);
-a CPU decode step (at most `cpu_kernels.MAX_ROWS` rows, no gradient) and quantized experts compute only the experts
+a CPU decode step (at most `cpu_kernels.DECODE_ROWS` rows, no gradient) and quantized experts compute only the experts
 the tokens chose, one at a time (ops.moe.routed_experts_selected): a token reads k of the E experts' weights, through
 the project's CPU matrix-vector kernels. The router is a softmax or sigmoid one (`ops.moe.route_topk`: correction
 bias, group-limited choice, renormalisation, scaling), which covers the public MoE hybrids (Jamba, Granite-4.0,

@@ -34,13 +34,14 @@ def _validate_window_attention(cfg):
          f"swa_window must be >= 1 (keys each W query sees, itself included), got {cfg.swa_window}")
 
 
-def _rodimus(cfg, idx):
+def _rodimus(cfg, idx, cls=None, **extra):
+    """The Rodimus of layer `idx`; `cls` a subclass to build instead (with `extra` arguments: the vLLM plugin's)."""
     from ..layers.rodimus import Rodimus
-    return Rodimus(cfg.d_model, layer_idx=idx, d_state=cfg.rodimus_d_state, expand=cfg.rodimus_expand,
+    return (cls or Rodimus)(cfg.d_model, layer_idx=idx, d_state=cfg.rodimus_d_state, expand=cfg.rodimus_expand,
                    d_inner=cfg.rodimus_d_inner, d_conv=cfg.d_conv, rank=cfg.rodimus_rank,
                    chunk_size=cfg.rodimus_chunk_size,
                    use_g=cfg.rodimus_use_g, use_tau=cfg.rodimus_use_tau, use_beta_hat=cfg.rodimus_use_beta_hat,
-                   product_decay=cfg.rodimus_product_decay, norm_eps=cfg.norm_eps)
+                   product_decay=cfg.rodimus_product_decay, norm_eps=cfg.norm_eps, **extra)
 
 
 def _window_attention(cfg, idx):

@@ -36,7 +36,7 @@ def serves(*ts: Tensor | None) -> bool:
 
 
 def one_token(x: Tensor) -> bool:
-    """True when x [..., d] is a decode step's few rows (cpu_kernels.MAX_ROWS at most)."""
+    """True when x [..., d] is a decode step's few rows (cpu_kernels.DECODE_ROWS at most)."""
     return cpu_kernels.decode_sized(x)
 
 

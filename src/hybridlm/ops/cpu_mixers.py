@@ -55,19 +55,26 @@ def _f32(t: Tensor | None) -> Tensor | None:
 def describe(m) -> tuple[Lin, list[Tensor]] | None:
     """The `Lin` of a linear module (nn.Linear and its kernel class, layers.quantized.QuantizedLinear) or of a stack
     of experts (a float [E, d_in, d_out] weight in the kernels' layout, layers.quantized.QuantizedExperts), and the
-    tensors it points into (kept alive with it); None when the kernels cannot read the weight as stored."""
+    tensors it points into (kept alive with it: an int4 weight's repacked copy among them); None when the kernels
+    cannot read the weight as stored."""
     scheme = getattr(m, "scheme", None)
-    if scheme is not None:                           # quantized: weight_q with float32 copies of its scales
+    if scheme is not None:
         q, *scales = m.stored()
-        scales = [_f32(s) for s in scales]
-        N, G = scales[0].shape[-2:] if scheme == "int4" else (scales[0].shape[-1], 1)
-        K = q.shape[-1] * (2 if scheme == "int4" else 1)
         stack = q.dim() == 3
         bias = _f32(getattr(m, "bias", None))
-        lin = Lin(_FORMATS[scheme], N, K, G, q.data_ptr(), scales[0].data_ptr(),
-                  scales[1].data_ptr() if scheme == "int4" else None, bias.data_ptr() if bias is not None else None,
-                  q.stride(0) * q.element_size() if stack else 0, N * G if stack else 0)
-        return lin, [q, *scales, bias]
+        b = bias.data_ptr() if bias is not None else None
+        if scheme == "int8":                         # weight_q as stored, a float32 copy of its scales
+            s = _f32(scales[0])
+            N = s.shape[-1]
+            return Lin(2, N, q.shape[-1], 1, q.data_ptr(), s.data_ptr(), None, b, q.stride(0) if stack else 0,
+                       N if stack else 0), [q, s, bias]
+        # int4: repacked as the layers' own kernel reads it (cpu_kernels.int4_pack: Q4 x Q8_0 tiles), per expert
+        N, G = scales[0].shape[-2:]
+        Kp = q.shape[-1] * 2
+        packed = (torch.stack([cpu_kernels.int4_pack(*(t[e] for t in (q, *scales))) for e in range(q.shape[0])])
+                  if stack else cpu_kernels.int4_pack(q, *scales))
+        return Lin(3, N, Kp, G, packed.data_ptr(), None, None, b, packed.stride(0) if stack else 0, 0), \
+            [packed, bias]
     if isinstance(m, Tensor):                        # float experts [E, d_in, d_out], each [d_out, d_in] in memory
         E, K, N = m.shape
         if m.dtype not in _FORMATS or m.stride(1) != 1 or m.stride(2) != K:

@@ -407,12 +407,13 @@ def routed_experts_selected(
 
 def float_experts(w: Tensor) -> ExpertProduct:
     """The expert product of float weights w [E, d_in, d_out]: f(e, rows [n, d_in]) = rows @ w[e], through the
-    project's CPU matrix-vector kernel (ops/cpu_kernels.py) for decode-sized rows when w[e] is stored transposed
+    project's CPU GEMM (ops/cpu_kernels.py, the row counts it takes) when w[e] is stored transposed
     ([d_out, d_in] contiguous, the kernel's layout: see layers.routed_moe.RoutedMoE.kernel_layout_)."""
     def product(e: int, rows: Tensor) -> Tensor:
         we = w[e]
         if (we.dtype in (torch.float32, torch.bfloat16) and we.mT.is_contiguous()
-                and not (torch.is_grad_enabled() and we.requires_grad) and cpu_kernels.serves(rows)):
+                and not (torch.is_grad_enabled() and we.requires_grad)
+                and cpu_kernels.serves(rows, we.dtype)):
             return cpu_kernels.linear(rows, we.mT)
         return rows @ we
     return product

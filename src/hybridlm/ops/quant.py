@@ -106,6 +106,27 @@ def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group_size: int
     return y if bias is None else y + bias.to(y.dtype)
 
 
+def int4_q8_reference(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The math of the CPU kernel's int4 product (ops/cpu_kernels.int4_linear; llama.cpp's Q4 x Q8_0), in float32:
+    x [..., K] rounded per block of 32 columns to int8 (d = max |x| / 127, xq = round(x / d)), the weight as
+    v · scale + min (min = zero - 8 scale) with scale and min rounded to float16, so
+    y = sum over blocks of scale · d · (v · xq summed) + sum over groups of min · (x summed over the group)."""
+    N, G = scale.shape
+    Kp = q.shape[1] * 2
+    x2 = F.pad(x.reshape(-1, x.shape[-1]).float(), (0, Kp - x.shape[-1]))
+    xb = x2.reshape(-1, Kp // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(d > 0, torch.round(xb / d), 0.0)
+    s16, mn16 = scale.float().half().float(), (zero.float() - 8 * scale.float()).half().float()
+    v = unpack_int4(q).float().reshape(N, Kp // 32, 32)
+    dots = torch.einsum("mbk,nbk->mnb", xq, v)                                  # exact integers
+    sb = s16.repeat_interleave(Kp // G // 32, 1)                                # [N, blocks]
+    y = (dots * (sb[None] * d[..., 0][:, None])).sum(-1)
+    y = y + x2.reshape(-1, G, Kp // G).sum(-1) @ mn16.T
+    y = y.reshape(*x.shape[:-1], N)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 # --- both ----------------------------------------------------------------------------------------------------
 def quantize(w: Tensor, scheme: str, group_size: int | None = None) -> tuple[Tensor, ...]:
     """w [N, K] -> the stored tensors of `scheme`: (q, scale) for int8, (q, scale, zero) for int4."""

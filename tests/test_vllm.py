@@ -1,0 +1,129 @@
+"""vLLM serves hybridlm models (where `hybridlm[vllm]` is installed: `make vllm`; skipped elsewhere).
+
+Greedy tokens of `vllm.LLM(..., dtype="float32", enforce_eager=True, skip_tokenizer_init=True)` equal `hybridlm
+generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sent together, two of which share a long
+prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
+model classes) and through the plugin on run directories (the rodimus++ preset, a layout mixing A, S, R and M, one
+with LFM2's gated short convolution C, one with CDMoE E).
+vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from hybridlm import CausalLM, ModelConfig, presets  # noqa: E402
+from hybridlm.errors import ConfigError  # noqa: E402
+from hybridlm.checkpoint.files import save_step_checkpoint  # noqa: E402
+from hybridlm.train import save_checkpoint  # noqa: E402
+from hybridlm.vllm.config import check_servable  # noqa: E402
+
+V, NEW = 97, 8
+# vLLM's CPU attention refused a head dim of 16: heads of 64 throughout
+SIZES = dict(vocab_size=V, d_model=128, max_seq_len=256, n_heads=2, n_kv_heads=1, head_dim=64, ssd_headdim=32,
+             ssd_d_state=16)
+
+_SERVE = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    model, prompts, new, rounds, extra = json.loads(sys.argv[1])
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+              gpu_memory_utilization=0.1, seed=0, **extra)
+    for _ in range(rounds):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=new))
+        print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, V, (100,), generator=g).tolist()
+    return [torch.randint(0, V, (9,), generator=g).tolist(),
+            prefix + torch.randint(0, V, (7,), generator=g).tolist(),       # these two share a 100-token prefix
+            prefix + torch.randint(0, V, (12,), generator=g).tolist(),
+            torch.randint(0, V, (41,), generator=g).tolist()]
+
+
+def ours(model: CausalLM, ps: list[list[int]]) -> list[list[int]]:
+    """hybridlm generate's greedy continuation of each prompt alone."""
+    return [model.generate(torch.tensor([p]), NEW, temperature=0)[0, len(p):].tolist() for p in ps]
+
+
+def served(directory: str, ps: list[list[int]], rounds: int = 1, **extra) -> list[list[list[int]]]:
+    """vLLM's greedy tokens for the batch `ps`, sent `rounds` times to one engine: a list per round."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run([sys.executable, "-c", _SERVE, json.dumps([directory, ps, NEW, rounds, extra])], env=env,
+                       capture_output=True, text=True, timeout=900)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
+    assert r.returncode == 0 and len(lines) == rounds, r.stderr[-4000:]
+    return [json.loads(x[len("TOKENS "):]) for x in lines]
+
+
+def model(cfg: ModelConfig) -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(cfg).eval()
+
+
+NATIVE = {   # case -> (preset, sizes)
+    "llama": ("llama", dict(n_layers=2)),
+    "mamba2": ("mamba2", dict(n_layers=2, ssd_ngroups=2)),
+    "granite-4.0-h": ("granite-hybrid", dict(n_layers=3)),
+    "nemotron-h": ("nemotron-h", dict(n_layers=4)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", NATIVE)
+def test_native_export_served_by_vllm(case, tmp_path):
+    name, kw = NATIVE[case]
+    m = model(presets.get(name, **{**SIZES, **kw}))
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    save_checkpoint(run, m)
+    subprocess.run([sys.executable, "-m", "hybridlm", "convert", "--to-hf", run, "--as-native", "--out", out],
+                   check=True, capture_output=True)
+    ps = prompts()
+    assert served(out, ps) == [ours(m, ps)]
+
+
+PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directory itself
+    "rodimus++": presets.get("rodimus++", n_layers=2, **{**SIZES, "n_kv_heads": None, "head_dim": None},
+                             swa_window=24),
+    "mixed": ModelConfig(layout="A M S M R M [RWM] S M", attn_shared_key=False, swa_window=24, rodimus_d_state=16,
+                         **SIZES),
+    "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
+    "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PLUGIN)
+def test_plugin_serves_run(case, tmp_path):
+    m = model(PLUGIN[case])
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m)         # a run directory as training leaves it: weights in step-000001/
+    ps = prompts()
+    assert served(run, ps) == [ours(m, ps)]
+
+
+@pytest.mark.slow
+def test_plugin_prefix_caching(tmp_path):
+    """vLLM's prefix caching (mamba "align" mode: block-boundary states of A, S and R layers kept and copied) on the
+    mixed layout: the batch twice, the second time from the states the first left in the cache."""
+    m = model(PLUGIN["mixed"])
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m)
+    ps = prompts()
+    assert served(run, ps, rounds=2, enable_prefix_caching=True) == [ours(m, ps)] * 2
+
+
+@pytest.mark.parametrize("layout, letter", [("G M A M", "letter G"), ("K M", "letter K"), ("B M", "letter B"),
+                                            ("{AS} M", "parallel blocks")])
+def test_refused_at_load_with_the_letter_named(layout, letter):
+    with pytest.raises(ConfigError, match=f"cannot serve {letter}"):
+        check_servable(ModelConfig(layout=layout, vocab_size=V, d_model=64, n_heads=1))
