@@ -230,8 +230,8 @@ SIMD_FLAGS = ("sse4", "avx", "fma", "f16c", "amx", "asimd", "neon", "sve")
 
 def cpu_kernel_path() -> str:
     """Which path hybridlm's CPU linears and decode steps take on this machine: the project's C++ kernels at the
-    instruction-set level they were built or chosen for (`ops.cpu_kernels.level()`, the run-time dispatch; before
-    it, the -march=native build, bf16 dot products or not), or PyTorch's where the kernels are off or unbuilt."""
+    instruction-set level the run-time dispatch chose (`ops.cpu_kernels.level()`), or PyTorch's where the kernels
+    are off or could not be built."""
     import warnings
 
     from ..ops import cpu_kernels
@@ -239,10 +239,7 @@ def cpu_kernel_path() -> str:
         warnings.simplefilter("ignore")             # (the reason is printed by the run that uses them)
         if not cpu_kernels.available():
             return "PyTorch (the project's CPU kernels are off or could not be built)"
-    level = getattr(cpu_kernels, "level", None)
-    if level is not None:
-        return f"hybridlm C++ kernels, level {level()}"
-    return "hybridlm C++ kernels, -march=native build" + (", bf16 dot products" if cpu_kernels.bf16_dot() else "")
+    return f"hybridlm C++ kernels, level {cpu_kernels.level()}"
 
 
 def cpu_host() -> dict:
