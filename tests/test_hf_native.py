@@ -61,6 +61,7 @@ if hasattr(transformers, "DeepseekV32ForCausalLM"):
 _LOAD = """
 import json, sys, torch
 sys.modules["hybridlm"] = None
+sys.modules["fla"] = None      # FLA's Triton kernels need a GPU: transformers takes its torch path, as without FLA
 from transformers import AutoModelForCausalLM
 for case, d in json.loads(sys.argv[1]).items():
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
