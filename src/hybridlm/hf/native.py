@@ -68,7 +68,8 @@ def _relevant(name: str, letters: set[str], cfg: ModelConfig) -> bool:
     if name in _NO_EFFECT or name == "layer_overrides" and not cfg.layer_overrides:
         return False
     if name == "mlp_hidden":                   # for O and E only the default of their own widths (resolved)
-        return bool(letters & {"M", "Z"})
+        own = ("moe_hidden", "wm_cdmoe_hidden")
+        return any(not any(LETTERS[x].reads_field(w) for w in own) for x in letters & set(readers(name)))
     if name in ("rope_base", "rope_dim", "rope_interleaved") and cfg.pos_embedding != "rope":
         return False
     who = readers(name)
