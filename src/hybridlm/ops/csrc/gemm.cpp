@@ -308,12 +308,47 @@ struct Int8Tile {
     }
 };
 
+// Fewer rows than a tile (decode): one weight row at a time with a prefetch far ahead, so more rows are in flight
+// from memory than the tile's 4 streams give (measured: the 1.1B Llama's int8 decode 21 against 15 tok/s with tiles).
+static void int8_rows(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* q, const float* scale,
+                      int64_t N, float* y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* row = q + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t* xm = xq + m * K;
+            float out = 0.f;
+            int64_t k = 0;
+#if defined(__AVX2__)
+            for (; k + 16 <= K;) {                   // blocks of <= 256: |sum| <= 16 · 2 · 32767 · 127 per lane
+                __m256i acc = _mm256_setzero_si256();
+                for (const int64_t end = k + 256 <= K ? k + 256 : K & ~int64_t(15); k < end; k += 16) {
+                    _mm_prefetch((const char*)(row + k + 2048), _MM_HINT_T0);
+                    __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + k)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(xm + k)), w));
+                }
+                out += hsum((f8)_mm256_cvtepi32_ps(acc));
+            }
+#endif
+            int32_t rest = 0;
+            for (int64_t j = k; j < K; j++) {
+                rest += int32_t(xm[j]) * int32_t(row[j]);
+                if (((j - k) & 255) == 255) { out += float(rest); rest = 0; }
+            }
+            y[m * N + n] = (out + float(rest)) * xs[m] * scale[n];
+        }
+    }
+}
+
 extern "C" void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
                         float* y) {
     std::vector<int16_t> xq(M * K);
     std::vector<float> xs(M);
     round_rows(x, M, K, xq.data(), xs.data());
-    tiles<Int8Tile, IM, IN>(M, N, (const int16_t*)xq.data(), (const float*)xs.data(), K, q, scale, N, y);
+    if (M < IM)
+        int8_rows(xq.data(), xs.data(), M, K, q, scale, N, y);
+    else
+        tiles<Int8Tile, IM, IN>(M, N, (const int16_t*)xq.data(), (const float*)xs.data(), K, q, scale, N, y);
 }
 
 // ---- int4 W repacked (llama.cpp's Q4_0 x Q8_0 form, ggml-cpu/repack.cpp) ---------------------------------------
