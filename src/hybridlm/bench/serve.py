@@ -121,6 +121,8 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
             choice = (ev.get("choices") or [None])[0]
             if choice is not None and (choice.get("text") or not choice.get("finish_reason")):
                 stamps.append(now)                # a token's event (a finish-only event carries none)
+    if not stamps:                                # e.g. a server whose engine died: no figure from this request
+        raise RuntimeError(f"{url} streamed no token for a {len(prompt)}-token prompt (see the server's log)")
     tokens = tokens or len(stamps)                # a server without usage in its stream: one event per token
     first, last = stamps[0], stamps[-1]
     return {"ttft": first - t0, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
