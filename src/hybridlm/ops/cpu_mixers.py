@@ -177,16 +177,22 @@ def _io(x: Tensor) -> tuple[Tensor, Tensor, int, int, int]:
     return x.contiguous(), torch.empty(B, 1, d, dtype=x.dtype), B, d, int(x.dtype == torch.bfloat16)
 
 
-def gated_deltanet(layer, x: Tensor, slot) -> Tensor | None:
-    """layers/gated_deltanet.GatedDeltaNet's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (RecurrentCache: conv
-    [B, W-1, C], state [B, hv, dk, dv]) updated in place."""
+def _delta_build(layer, *linears):
+    """The plan builder of a delta-rule layer (G, K): its linears, then its conv weight, A_log, dt_bias and norm
+    weight; None where the step does not cover it (a conv bias)."""
     def build(dtype):
-        lins = _lins(layer.in_proj_qkvz, layer.in_proj_ba, layer.out_proj)
+        lins = _lins(*linears)
         if lins is None or layer.conv.bias is not None:
             return None
         small = _floats(_conv_weight(layer.conv, dtype), layer.A_log, layer.dt_bias, layer.norm_weight)
         return (*lins[0], *small[0]), (lins[1], small[1])
-    plan = _plan(layer, x.dtype, build)
+    return build
+
+
+def gated_deltanet(layer, x: Tensor, slot) -> Tensor | None:
+    """layers/gated_deltanet.GatedDeltaNet's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (RecurrentCache: conv
+    [B, W-1, C], state [B, hv, dk, dv]) updated in place."""
+    plan = _plan(layer, x.dtype, _delta_build(layer, layer.in_proj_qkvz, layer.in_proj_ba, layer.out_proj))
     if plan is None:
         return None
     qkvz, ba, out, cw, A_log, dt_bias, norm_w = plan[0]
@@ -202,13 +208,8 @@ def gated_deltanet(layer, x: Tensor, slot) -> Tensor | None:
 def kda(layer, x: Tensor, slot) -> Tensor | None:
     """layers/kda.KimiDeltaAttention's decode step: x [B, 1, d] -> [B, 1, d]; `slot` (conv [B, W-1, 3 H D], state
     [B, H, D, D]) updated in place."""
-    def build(dtype):
-        lins = _lins(layer.qkv, layer.f_a, layer.f_b, layer.b_proj, layer.g_a, layer.g_b, layer.o_proj)
-        if lins is None or layer.conv.bias is not None:
-            return None
-        small = _floats(_conv_weight(layer.conv, dtype), layer.A_log, layer.dt_bias, layer.norm_weight)
-        return (*lins[0], *small[0]), (lins[1], small[1])
-    plan = _plan(layer, x.dtype, build)
+    plan = _plan(layer, x.dtype, _delta_build(layer, layer.qkv, layer.f_a, layer.f_b, layer.b_proj, layer.g_a,
+                                              layer.g_b, layer.o_proj))
     if plan is None:
         return None
     qkv, f_a, f_b, b_proj, g_a, g_b, o_proj, cw, A_log, dt_bias, norm_w = plan[0]
