@@ -153,12 +153,38 @@ struct FloatTile {
 template <int R, int C> using F32Tile = FloatTile<float>::At<R, C>;
 template <int R, int C> using BF16Tile = FloatTile<uint16_t>::At<R, C>;
 
+// One row of x (decode): each thread streams its share of W's rows one row after another, 8 vectors a step into 8
+// sums. A single stream per thread reads faster than a tile's 6 (whose rows, 4 KB apart at K = 2048 in bf16, share
+// L1 sets) and needs no software prefetch (which slowed it: the hardware's stream prefetcher keeps ahead); measured
+// on a Zen 4 at one thread, 0.85 against 0.72 of the read limit for the tile. `out(n, s)` stores row n's sum.
+template <typename T, typename Out>
+static void rows(const float* x, int64_t K, const T* w, int64_t N, Out out) {
+    constexpr int U = 8;
+    const int64_t Ku = K - K % (U * W), Kv = K - K % W;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const T* r = w + n * K;
+        V acc[U];
+        for (int u = 0; u < U; u++) acc[u] = vzero();
+        int64_t k = 0;
+        for (; k < Ku; k += U * W)
+            for (int u = 0; u < U; u++) acc[u] = vfma(vload(x + k + u * W), vload(r + k + u * W), acc[u]);
+        for (; k < Kv; k += W) acc[0] = vfma(vload(x + k), vload(r + k), acc[0]);
+        for (int u = 1; u < U; u++) acc[0] = acc[0] + acc[u];
+        float s = vsum(acc[0]);
+        for (; k < K; k++) s += x[k] * wone(r[k]);
+        out(n, s);
+    }
+}
+
 extern "C" void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+    if (M == 1) return rows(x, K, w, N, [y](int64_t n, float s) { y[n] = s; });
     tiles<F32Tile, RM, RN>(M, N, x, K, w, N, y);
 }
 
 // the bf16 weights widened to float32 by a shift whatever the level (the loop the bf16 dot products are tested on)
 extern "C" void mv_bf16_f32(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+    if (M == 1) return rows(x, K, w, N, [y](int64_t n, float s) { y[n] = s; });
     tiles<BF16Tile, RM, RN>(M, N, x, K, w, N, y);
 }
 
@@ -194,6 +220,32 @@ struct BF16DotTile {
             for (int j = 0; j < C; j++) y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
     }
 };
+
+// one row of bf16 x (decode), as `rows` above: 8 vectors of 32 bf16 pairs a step, then 32 a step, then a masked tail
+template <typename Out>
+static void bf16_dot_rows(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, Out out) {
+    constexpr int U = 8;
+    const int64_t Ku = K - K % (U * 32), K32 = K & ~int64_t(31);
+    const __mmask32 tail = K > K32 ? __mmask32((1ull << (K - K32)) - 1) : 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t* r = w + n * K;
+        __m512 acc[U];
+        for (int u = 0; u < U; u++) acc[u] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k < Ku; k += U * 32)
+            for (int u = 0; u < U; u++)
+                acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(x + k + u * 32),
+                                          (__m512bh)_mm512_loadu_si512(r + k + u * 32));
+        for (; k < K32; k += 32)
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(r + k));
+        if (tail)
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(tail, x + K32),
+                                      (__m512bh)_mm512_maskz_loadu_epi16(tail, r + K32));
+        for (int u = 1; u < U; u++) acc[0] = _mm512_add_ps(acc[0], acc[u]);
+        out(n, _mm512_reduce_add_ps(acc[0]));
+    }
+}
 #endif
 
 extern "C" int mv_bf16_dot() {
@@ -208,6 +260,7 @@ extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
 #if defined(L512) && defined(__AVX512BF16__)
     std::vector<uint16_t> xb(M * K);                 // x rounded to bf16 once (llama.cpp does the same)
     for (int64_t i = 0; i < M * K; i++) xb[i] = f_bf(x[i]);
+    if (M == 1) return bf16_dot_rows(xb.data(), K, w, N, [y](int64_t n, float s) { y[n] = s; });
     tiles<BF16DotTile, RM, RN>(M, N, (const uint16_t*)xb.data(), K, w, N, y);
 #else
     mv_bf16_f32(x, M, K, w, N, y);
@@ -218,16 +271,22 @@ extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
 // (what y.float() + bias.float() -> .to(bf16) gives), so the caller converts nothing
 extern "C" void mv_bf16_io(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                            const uint16_t* bias, uint16_t* y) {
-    std::vector<float> yf(M * N);
+    auto store = [bias](uint16_t* yr) {
+        return [yr, bias](int64_t n, float s) { yr[n] = f_bf(s + (bias ? bf_f(bias[n]) : 0.f)); };
+    };
 #if defined(L512) && defined(__AVX512BF16__)
+    if (M == 1) return bf16_dot_rows(x, K, w, N, store(y));
+    std::vector<float> yf(M * N);
     tiles<BF16DotTile, RM, RN>(M, N, x, K, w, N, yf.data());
 #else
     std::vector<float> xf(M * K);
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf_f(x[i]);
+    if (M == 1) return rows(xf.data(), K, w, N, store(y));
+    std::vector<float> yf(M * N);
     mv_bf16_f32(xf.data(), M, K, w, N, yf.data());
 #endif
     for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) y[m * N + n] = f_bf(yf[m * N + n] + (bias ? bf_f(bias[n]) : 0.f));
+        for (int64_t n = 0; n < N; n++) store(y + m * N)(n, yf[m * N + n]);
 }
 
 // ---- int8 W per channel: x rounded to int16 per row ---------------------------------------------------------------
