@@ -152,10 +152,9 @@ def bind(lib):
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.mv_f32.argtypes = lib.mv_bf16.argtypes = lib.mv_bf16_f32.argtypes = [p, i64, i64, p, i64, p]
     lib.mv_int8.argtypes = [p, i64, i64, p, p, i64, p]
-    lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
     lib.q4_linear.argtypes = [p, i64, i64, p, i64, i64, i64, p]
     lib.q4_pack.argtypes = [p, p, p, i64, i64, i64, p]
-    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.mv_int4, lib.q4_linear, lib.q4_pack):
+    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.q4_linear, lib.q4_pack):
         fn.restype = None
     lib.q4_packed_bytes.argtypes, lib.q4_packed_bytes.restype = [i64, i64, i64], i64
     lib.cpu_level.argtypes, lib.cpu_level.restype = [], ctypes.c_char_p
