@@ -178,7 +178,7 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
                "decode_attention", "rms_norm"):
         real = getattr(cpu_decode, fn)
         monkeypatch.setattr(cpu_decode, fn, lambda *a, _f=real, _n=fn, **k: used.add(_n) or _f(*a, **k))
-    for fn in ("gated_deltanet", "kda", "routed_moe", "attention", "mamba2", "gated_conv", "rodimus"):
+    for fn in ("gated_deltanet", "kda", "routed_moe", "mlp", "attention", "mamba2", "gated_conv", "rodimus"):
         real = getattr(cpu_mixers, fn)
         monkeypatch.setattr(cpu_mixers, fn, lambda *a, _f=real, _n=fn: used.add(_n) or _f(*a))
     with torch.no_grad():
@@ -187,7 +187,7 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
         dec = decode_logits(m, ids, 7, cache=m.make_cache(2)).float()
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
     assert_close(dec, full, **tol, msg=name)
-    want = {"llama": {"attention"}, "mamba2": {"mamba2"}, "nemotron-h": {"mamba2", "attention"},
+    want = {"llama": {"attention", "mlp"}, "mamba2": {"mamba2"}, "nemotron-h": {"mamba2", "attention", "mlp"},
             "falcon-h1": {"mamba2"},
             "rodimus": {"rodimus"},
             "qwen3-next": {"gated_deltanet", "routed_moe", "attention"}, "kimi-linear": {"kda", "routed_moe"},
@@ -196,10 +196,10 @@ def test_decode_equals_forward_on_the_fast_ops(name, dtype, monkeypatch):
 
 
 # whole-mixer steps (ops/cpu_mixers.py): each letter's step against the layer's own PyTorch decode, step by step
-MIXER_STEPS = {"qwen3-next": {"gated_deltanet", "routed_moe", "attention"}, "kimi-linear": {"kda", "routed_moe"},
-               "llama": {"attention"}, "mamba2": {"mamba2"}, "nemotron-h": {"mamba2", "attention"},
-               "falcon-h1": {"mamba2", "attention"}, "lfm2": {"gated_conv", "attention"}, "rodimus": {"rodimus"},
-               "rodimus++": {"rodimus"}}
+MIXER_STEPS = {"qwen3-next": {"gated_deltanet", "routed_moe", "attention"}, "kimi-linear": {"kda", "routed_moe", "mlp"},
+               "llama": {"attention", "mlp"}, "mamba2": {"mamba2"}, "nemotron-h": {"mamba2", "attention", "mlp"},
+               "falcon-h1": {"mamba2", "attention", "mlp"}, "lfm2": {"gated_conv", "attention", "mlp"},
+               "rodimus": {"rodimus"}, "rodimus++": {"rodimus", "mlp"}}
 
 
 def _counted(used: list, name: str, y):

@@ -7,8 +7,9 @@ on the weights as stored: float32, bf16, int8 or int4 (`describe`).
     gated_deltanet(layer, x, slot)   layers/gated_deltanet.GatedDeltaNet (G): projections, conv, gates, delta rule,
                                      gated norm, out_proj
     kda(layer, x, slot)              layers/kda.KDA (K): the same with KDA's low-rank gates and sigmoid output gate
-    routed_moe(layer, x)             layers/routed_moe.RoutedMoE (the experts of O): router, the k chosen experts,
-                                     the shared expert and its gate
+    routed_moe(layer, x)             layers/routed_moe.RoutedMoE (the experts of O): router, the k chosen experts
+                                     (each once, on every row that chose it), the shared expert and its gate
+    mlp(layer, x)                    layers/mlp.MLP (M): w_in, the activation (gated or not), w_out
     attention(layer, x, ctx, slot)   layers/attention.Attention (A): qkv, q/k norms, RoPE, the KV append, GQA /
                                      shared-key attention over the cache, the output gate, out
     mamba2(layer, x, slot)           layers/mamba2.Mamba2 (S): in_proj, conv, dt / A / D, the SSD update, the
@@ -143,11 +144,12 @@ def _bind():
         lib.mix_gated_deltanet.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, p, f, p, p, i, i, i, i]
         lib.mix_kda.argtypes = [p, p, i, i, b, p, p, p, i, p, p, p, p, p, p, p, p, f, p, p, i, i]
         lib.mix_moe.argtypes = [p, p, i, i, b, b, p, p, b, b, f, i, p, p, p, p, p, b, p, p, b, p]
+        lib.mix_mlp.argtypes = [p, p, i, i, b, p, p, b, b]
         lib.mix_attention.argtypes = [p, p, i, i, b, p, p, i, i, i, i, b, p, p, f, i, b, p, p, p, p, *[i] * 7, f]
         lib.mix_mamba2.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, p, f, f, b, p, f, p, p, i, i, i, i]
         lib.mix_gated_conv.argtypes = [p, p, i, i, b, p, p, p, p, i, p]
         lib.mix_rodimus.argtypes = [p, p, i, i, b, p, p, p, p, i, p, p, b, p, p, p, p, p, p, f, p, p, i, i]
-        for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe, lib.mix_attention, lib.mix_mamba2,
+        for fn in (lib.mix_gated_deltanet, lib.mix_kda, lib.mix_moe, lib.mix_mlp, lib.mix_attention, lib.mix_mamba2,
                    lib.mix_gated_conv, lib.mix_rodimus):
             fn.restype = None
         lib._mixers_bound = True
@@ -257,6 +259,24 @@ def routed_moe(layer, x: Tensor) -> Tensor | None:
     _bind().mix_moe(xc.data_ptr(), y.data_ptr(), B, d, bf, int(here), router, rbias, int(route["score"] == "sigmoid"),
                     int(route["norm_topk"]), route["scale"], k, ids.data_ptr(), weights.data_ptr(), gate, up, down,
                     code, sh_in, sh_out, int(shared is not None and shared.gated), sh_gate)
+    return y
+
+
+def mlp(layer, x: Tensor) -> Tensor | None:
+    """layers/mlp.MLP's step: x [B, 1, d] -> [B, 1, d] (None for an activation the step lacks, or dropout in
+    training)."""
+    if layer.training and isinstance(layer.drop, nn.Dropout):
+        return None
+
+    def build(dtype):
+        code, lins = _ACTS.get(layer.act_name), _lins(layer.w_in, layer.w_out)
+        return None if code is None or lins is None else ((*lins[0], code), lins[1])
+    plan = _plan(layer, x.dtype, build)
+    if plan is None:
+        return None
+    w_in, w_out, code = plan[0]
+    xc, y, B, d, bf = _io(x)
+    _bind().mix_mlp(xc.data_ptr(), y.data_ptr(), B, d, bf, w_in, w_out, int(layer.gated), code)
     return y
 
 

@@ -168,6 +168,29 @@ static void mlp(const Lin* gate, const Lin* up, const Lin* down, int64_t e, cons
     linear(*down, e, h, M, f, out, bf);
 }
 
+// layers/mlp.MLP on rows x [M, d] -> out [M, d]: w_in [(2) f, d] (holding [gate | up] when `gated`), the activation,
+// w_out; h [M, w_in.N] is scratch
+static void dense_mlp(const Lin& w_in, const Lin& w_out, int gated, int kind, const float* x, int64_t M, int64_t d,
+                      float* h, float* out, int bf) {
+    const int64_t n = w_in.N, f = gated ? n / 2 : n;
+    linear(w_in, 0, x, M, d, h, bf);
+    for (int64_t b = 0; b < M; b++) {
+        float* hb = h + b * n;
+        for (int64_t i = 0; i < f; i++) hb[i] = gated ? rb(act(hb[i], kind, bf) * hb[f + i], bf) : act(hb[i], kind, bf);
+        if (f != n) std::memmove(h + b * f, hb, f * 4);         // rows of f, in place (row b lands at or before it)
+    }
+    linear(w_out, 0, h, M, f, out, bf);
+}
+
+// MLP (layers/mlp.py: letter M, the channel mixer of most presets): x [B, d] -> y [B, d] in one call
+extern "C" void mix_mlp(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* w_in, const Lin* w_out,
+                        int gated, int kind) {
+    std::vector<float> xf(Bn * d), h(Bn * w_in->N), out(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    dense_mlp(*w_in, *w_out, gated, kind, xf.data(), Bn, d, h.data(), out.data(), bf);
+    store(out.data(), Bn * d, y, bf);
+}
+
 // Routed experts (layers/routed_moe.py, letter O's experts): x [B, d] -> y [B, d]. The router (`route` 1: softmax or
 // sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, the top k, renormalised (`norm_topk`), times `scale`);
 // or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
@@ -228,14 +251,7 @@ extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, i
             for (int64_t c = 0; c < d; c++) acc[b * d + c] += outs[(b * k + i) * d + c] * weights[b * k + i];
     for (auto& v : acc) v = rb(v, bf);
     if (sh_in) {                                     // the shared expert: all rows in one product
-        linear(*sh_in, 0, xf.data(), Bn, d, h.data(), bf);
-        for (int64_t b = 0; b < Bn; b++) {
-            float* hb = h.data() + b * sh_in->N;
-            for (int64_t i = 0; i < sf; i++) hb[i] = sh_gated ? rb(act(hb[i], kind, bf) * hb[sf + i], bf)
-                                                              : act(hb[i], kind, bf);
-            if (sf != sh_in->N) std::memmove(h.data() + b * sf, hb, sf * 4);    // rows of sf, in place
-        }
-        linear(*sh_out, 0, h.data(), Bn, sf, s.data(), bf);
+        dense_mlp(*sh_in, *sh_out, sh_gated, kind, xf.data(), Bn, d, h.data(), s.data(), bf);
         if (sh_gate) linear(*sh_gate, 0, xf.data(), Bn, d, gl.data(), bf);
         for (int64_t b = 0; b < Bn; b++) {
             const float g = sh_gate ? rb(sigm(gl[b]), bf) : 1.f;
