@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 DEFAULTS = dict(families="llama,qwen3-next,kimi-linear,lfm2", formats="bf16,int8,int4", run="", context=128,
-                steps=16, group_size=32, check=False)
-QUICK = dict(steps=3)
+                steps=16, group_size=32, check=False, read_mb=512)
+QUICK = dict(steps=3, read_mb=64)
 FORMAT_DTYPE = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -256,10 +256,10 @@ def check_matrix(bw: float, n: int = 8192, k: int = 8192, repeats: int = 10) -> 
 
 def decode_profile_suite(s: dict, log=print) -> dict:
     """Settings: families, formats, run (a checkpoint instead of the families), context, steps, group_size (int4),
-    check (the one-matrix known answer)."""
+    check (the one-matrix known answer), read_mb (the read limit's sum)."""
     from . import registry
     threads = torch.get_num_threads()
-    bw = read_bandwidth()
+    bw = read_bandwidth(mb=s["read_mb"])
     host = registry.cpu_host()
     out = dict(settings=s, threads=threads, read_gb_per_s=bw, host=host, lscpu=_lscpu(), rows=[])
     log(f"read limit {bw:.1f} GB/s with {threads} threads; {host['cpu_kernels']}")
@@ -295,7 +295,7 @@ def format_tables(res: dict) -> str:
     kernels."""
     bw = res["read_gb_per_s"]
     lines = [f"CPU: {res['host']['cpu']}; {res['threads']} threads; read limit {bw:.1f} GB/s (float32 sum of "
-             f"512 MB, same process and threads); {res['host']['cpu_kernels']}; torch {torch.__version__}", "",
+             f"{res['settings']['read_mb']} MB, same process and threads); {res['host']['cpu_kernels']}; torch {torch.__version__}", "",
              "```", res["lscpu"], "```", ""]
     if "check" in res:
         c = res["check"]
