@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cache import InferenceCache
 from ..context import SeqContext
 from ..errors import ConfigError, InputError
+from ..layers import cpu_steps
 from ..layers.init import normal_, reset_
 from ..layers.norm import make_norm
 from ..layers.residual import Fed, ParallelResidual, Residual
@@ -334,6 +335,8 @@ class CausalLM(nn.Module):
             x = x + self.pos_embed(ctx.positions)
         x = self.drop(x)
         ctx.embeddings = x                        # what Zamba2's shared blocks concatenate to their input
+        # a CPU decode step: the blocks hand each mixer to its whole C++ step (layers/cpu_steps.py), decided once here
+        ctx.cpu_steps = ctx.cache_pos is None and cpu_steps.serves(x, cache)
         if self.hc_head is not None:
             x = self.hc_head.expand(x)            # [B, T, n, d]: n residual streams
         for blk in self.blocks:
