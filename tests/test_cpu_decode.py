@@ -12,7 +12,7 @@ from test_models import tiny
 
 from hybridlm.models.quantize import quantize_, use_cpu_kernels_
 from hybridlm.layers import cpu_steps
-from hybridlm.ops import cpu_decode
+from hybridlm.ops import cpu_decode, cpu_kernels
 from hybridlm.ops.attention import decode_attention
 from hybridlm.ops.conv import causal_conv1d_step
 from hybridlm.ops.delta_rule import delta_rule_step
@@ -331,3 +331,21 @@ def test_attention_steps_read_per_row_lengths(name, monkeypatch):
     assert_close(got, torch.cat(alone), atol=2e-5, rtol=1e-4)
     assert [int(x) for x in batch.layers[next(i for i, s in enumerate(batch.layers) if hasattr(s, "lengths"))]
             .lengths] == [5, 12, 8]
+
+
+@pytest.mark.parametrize("level", [name for name in cpu_kernels.LEVELS if name in cpu_kernels.cpu_levels()])
+def test_mixer_steps_at_every_level(level, monkeypatch):
+    """The steps at each instruction-set level this CPU runs (its library loaded in place of the chosen one) equal
+    the layers' PyTorch decode: every letter with a step, float32, left padding and a wrapped window included."""
+    monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels.load(level))
+    ids = torch.randint(0, 97, (3, 13))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :2] = 0
+    for name in ("qwen3-next", "kimi-linear", "rodimus++", "nemotron-h", "lfm2"):
+        m = _model(name, torch.float32, None)
+        with torch.no_grad():
+            monkeypatch.setattr(cpu_steps, "enabled", True)
+            fast = _steps(m, ids, 9, mask)
+            monkeypatch.setattr(cpu_steps, "enabled", False)
+            ref = _steps(m, ids, 9, mask)
+        assert_close(fast, ref, **_tol(torch.float32, None), msg=f"{name} at {level}")
