@@ -1,6 +1,7 @@
 """One-token decode ops on a CPU as single C++ calls (csrc/decode_ops.cpp, built into the kernels' library by
-ops/cpu_kernels.py, whose public functions they call with the tensors' pointers): at batch 1 the reference forms below cost a few microseconds of dispatch per small PyTorch op,
-30-80 ops a layer, more than the layer's matrix-vector kernels on small models. Each function has its reference's
+ops/cpu_kernels.py, whose public functions they call with the tensors' pointers): at batch 1 the reference forms
+below cost a few microseconds of dispatch per small PyTorch op, 30-80 ops a layer, more than the layer's
+matrix-vector kernels on small models. The whole-mixer steps (layers/cpu_steps.py) run the same C++ inside one call. Each function has its reference's
 signature and semantics (the reference named in its docstring; tests/test_cpu_decode.py holds them together):
 
     ssd_step            ops/ssd.ssd_step (inplace)           state float32 [B, H, P, N], updated in place
