@@ -11,6 +11,7 @@ from conftest import assert_close, decode_logits
 from test_models import tiny
 
 from hybridlm.models.quantize import quantize_, use_cpu_kernels_
+from hybridlm.cache import InferenceCache
 from hybridlm.layers import cpu_steps
 from hybridlm.ops import cpu_decode, cpu_kernels
 from hybridlm.ops.attention import decode_attention
@@ -290,47 +291,32 @@ def test_mixer_steps_equal_the_layers_decode(name, dtype, scheme, monkeypatch):
     assert_close(fast, ref, **_tol(dtype, scheme), msg=name)
 
 
-@pytest.mark.parametrize("name", ["llama", "kimi-linear"])
-def test_attention_steps_read_per_row_lengths(name, monkeypatch):
-    """Rows at their own lengths in one cache (the serving layout: row b's keys at [0, lengths[b]), `slot.lengths`)
-    decode through the attention and MLA steps as each row alone through the layers' PyTorch decode."""
-    m = _model(name, torch.float32, None)
+@pytest.mark.parametrize("name", ["llama", "rodimus++", "kimi-linear"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_steps_read_rows_at_their_own_lengths(name, dtype, monkeypatch):
+    """Rows at their own lengths in one cache (the serving layout: `InferenceCache.concat` of three prompts of 4, 11
+    and 7 tokens; the window of 8 wrapped in one row) decode through the steps (attention, its window, MLA) as each
+    row alone through the layers' PyTorch decode."""
+    m = _model(name, dtype, None)
     prompts = [torch.randint(0, 97, (1, n)) for n in (4, 11, 7)]
-    nxt = torch.randint(0, 97, (3, 1))
+    nxt = torch.randint(0, 97, (3, 3))
+
+    def prefilled(p):
+        cache = m.make_cache(1)
+        m(p, cache=cache)
+        return cache
     with torch.no_grad():
-        monkeypatch.setattr(cpu_steps, "enabled", False)
-        caches, alone = [m.make_cache(1) for _ in prompts], []
-        for b, p in enumerate(prompts):                 # each row alone: a prefill, then its next token
-            m(p, cache=caches[b])
-            one = m.make_cache(1)
-            m(p, cache=one)
-            alone.append(m(nxt[b:b + 1], cache=one).logits[:, -1])
-        monkeypatch.setattr(cpu_steps, "enabled", True)
-        batch = m.make_cache(3)
-        lengths = torch.tensor([p.shape[1] for p in prompts])
-        for i, slot in enumerate(caches[0].layers):
-            if slot is None:                         # a channel mixer's layer
-                continue
-            if hasattr(slot, "k"):                   # an attention slot: each row's keys left-aligned
-                rows = [c.layers[i] for c in caches]
-                k = torch.zeros(3, 16, *slot.k.shape[2:])
-                v = torch.zeros(3, 16, *slot.v.shape[2:])
-                for b, s in enumerate(rows):
-                    k[b, :s.length], v[b, :s.length] = s.k[0, :s.length], s.v[0, :s.length]
-                merged = type(slot)()
-                merged.k, merged.v, merged.length, merged.lengths = k, v, int(lengths.max()), lengths.clone()
-                batch.layers[i] = merged
-            else:                                    # a recurrent slot: the rows' states stacked
-                rows = [c.layers[i] for c in caches]
-                batch.layers[i] = type(slot)(conv=torch.cat([s.conv for s in rows]),
-                                             state=torch.cat([s.state for s in rows]))
-        batch.seen, batch.next_pos = int(lengths.max()), lengths.clone()
+        batch = InferenceCache.concat([(prefilled(p), [0]) for p in prompts])
+        assert batch.lengths is not None
         used = _spy(monkeypatch)
-        got = m(nxt, cache=batch).logits[:, -1]
-    assert {n for n, ok in used if ok} >= {"MLA" if name == "kimi-linear" else "Attention"}, used
-    assert_close(got, torch.cat(alone), atol=2e-5, rtol=1e-4)
-    assert [int(x) for x in batch.layers[next(i for i, s in enumerate(batch.layers) if hasattr(s, "lengths"))]
-            .lengths] == [5, 12, 8]
+        fast = torch.cat([m(nxt[:, t:t + 1], cache=batch).logits for t in range(3)], 1).float()
+        assert used and all(ok for n, ok in used if n != "MLP"), used
+        monkeypatch.setattr(cpu_steps, "enabled", False)
+        alone = []
+        for b, p in enumerate(prompts):
+            cache = prefilled(p)
+            alone.append(torch.cat([m(nxt[b:b + 1, t:t + 1], cache=cache).logits for t in range(3)], 1).float())
+    assert_close(fast, torch.cat(alone), **_tol(dtype, None), msg=name)
 
 
 @pytest.mark.parametrize("level", [name for name in cpu_kernels.LEVELS if name in cpu_kernels.cpu_levels()])

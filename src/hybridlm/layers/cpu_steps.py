@@ -177,36 +177,46 @@ def _recurrent(layer, cache, ctx, dtype: torch.dtype, conv: bool = True):
 
 # ---- attention: each row at its own length ---------------------------------------------------------------------
 
-def _rows(slot, B: int) -> Tensor:
-    """Each row's tokens in `slot` before this step, int64 [B]: the slot's per-row `lengths` where it keeps them,
-    else its one length."""
-    lengths = getattr(slot, "lengths", None)
-    if lengths is not None:
-        return lengths.to(torch.int64).contiguous().clone()
-    return torch.full((B,), slot.length, dtype=torch.int64)
+def _rows(slot) -> Tensor:
+    """Each row's tokens in an attention slot before this step, int64 [B] (a copy): its own lengths where the rows
+    hold them (the serving batch, cache.py), else the one length of every row."""
+    return slot.lengths.to(torch.int64).contiguous().clone()
 
 
 def _advance(slot):
-    """One token appended to every row of `slot`."""
-    if getattr(slot, "lengths", None) is not None:
-        slot.lengths += 1
+    """One token appended to every row of `slot`, as its own `update` / `step` count it."""
+    if slot.ragged:
+        slot.lengths.add_(1)
     slot.length += 1
+
+
+def _left_pads(ctx) -> Tensor | None:
+    """[B] int64: each row's first real token when the key mask is a left padding (None: no padding, or rows at
+    their own lengths, whose key mask only hides what lies past a row's length)."""
+    return None if ctx.lengths is not None else ctx.left_pads()
 
 
 def _attends(layer, ctx) -> bool:
     """True when the attention step covers this call: no static cache, no packed documents, no dropout, and a key
-    mask (if any) that is a left padding (`SeqContext.left_pads`)."""
-    return (ctx.cache_pos is None and ctx.segment_ids is None and ctx.left_pads() is not False
+    mask (if any) that is a left padding (`SeqContext.left_pads`) or rows at their own lengths."""
+    return (ctx.cache_pos is None and ctx.segment_ids is None
+            and (ctx.lengths is not None or ctx.left_pads() is not False)
             and not (layer.training and isinstance(layer.drop, nn.Dropout)))
 
 
-def _kv_slot(slot, pos: Tensor, x: Tensor) -> bool:
-    """Make a growing KV slot hold one more token per row (one reallocation at most); False if it cannot be read."""
-    if slot.k is None or slot.k.dtype != x.dtype or slot.k.stride(-1) != 1 or slot.v.stride(-1) != 1:
+def _readable(slot, x: Tensor) -> bool:
+    """True when the step can write and read `slot`'s buffers: filled by a prefill, in x's dtype, each head's row
+    contiguous."""
+    return slot.k is not None and slot.k.dtype == x.dtype and slot.k.stride(-1) == 1 and slot.v.stride(-1) == 1
+
+
+def _kv_slot(slot, x: Tensor) -> bool:
+    """A growing K/V slot made to hold one more token in every row (one reallocation at most: row b writes column
+    lengths[b] <= length); False if it cannot be read."""
+    if not _readable(slot, x):
         return False
-    need = int(pos.max()) + 1
-    if need > slot.k.shape[1]:
-        slot.reserve(max(need, 2 * slot.k.shape[1]))
+    if slot.length + 1 > slot.k.shape[1]:
+        slot.reserve(max(slot.length + 1, 2 * slot.k.shape[1]))
     return True
 
 
@@ -217,12 +227,9 @@ def attention(layer: Attention, x: Tensor, ctx, cache) -> Tensor | None:
         return None
     window = layer.window
     slot = cache.layer(layer.layer_idx, KVCache if window is None else partial(WindowKVCache, window))
-    B = x.shape[0]
-    pos = _rows(slot, B)
-    if window is None and not _kv_slot(slot, pos, x):
+    if not (_kv_slot(slot, x) if window is None else _readable(slot, x)):
         return None
-    if window is not None and (slot.k is None or slot.k.dtype != x.dtype or slot.k.stride(-1) != 1):
-        return None
+    pos = _rows(slot)
     H, Hk, Hv, D = layer.n_heads, layer.n_k_heads, layer.n_kv_heads, layer.head_dim
     norms = (layer.q_norm.weight, layer.k_norm.weight) if layer.q_norm is not None else (None, None)
     plan = _plan(layer, x.dtype, _with(lambda dt: (layer.qkv, layer.out), lambda dt: norms))
@@ -231,7 +238,7 @@ def attention(layer: Attention, x: Tensor, ctx, cache) -> Tensor | None:
     qkv, out, qn, kn = plan[0]
     r = layer.rope_dim
     cos, sin = (t.float().contiguous() for t in ctx.rope(r, layer.rope_base)) if r else (None, None)
-    lo = ctx.left_pads()
+    lo = _left_pads(ctx)
     xc, y, B, d, bf = _io(x)
     k, v = slot.k, slot.v
     cpu_kernels.mix_attention(xc.data_ptr(), y.data_ptr(), B, d, bf, qkv, out, H, Hk, Hv, D, int(layer.output_gate),
@@ -250,12 +257,11 @@ def mla(layer: MLA, x: Tensor, ctx, cache) -> Tensor | None:
     if layer.mode == "expanded" or not _attends(layer, ctx):
         return None
     slot = cache.layer(layer.layer_idx, LatentCache)
-    B = x.shape[0]
-    pos = _rows(slot, B)
     wkv = layer.kv_b.weight if isinstance(getattr(layer.kv_b, "weight", None), Tensor) else None
     if wkv is None or wkv.dtype not in (torch.float32, torch.bfloat16) or not wkv.is_contiguous() \
-            or not _kv_slot(slot, pos, x):
+            or not _kv_slot(slot, x):
         return None
+    pos = _rows(slot)
     q_a = getattr(layer, "q_a", None)
     if q_a is not None and layer.q_norm.eps != layer.kv_norm.eps:
         return None
@@ -267,7 +273,7 @@ def mla(layer: MLA, x: Tensor, ctx, cache) -> Tensor | None:
     q_a_l, q_b_l, kv_a_l, out_l, qn, kvn = plan[0]
     r = layer.rope
     cos, sin = (t.float().contiguous() for t in ctx.rope(r, layer.rope_base))
-    lo = ctx.left_pads()
+    lo = _left_pads(ctx)
     xc, y, B, d, bf = _io(x)
     k = slot.k
     cpu_kernels.mix_mla(xc.data_ptr(), y.data_ptr(), B, d, bf, q_a_l, qn, q_b_l, kv_a_l, kvn, layer.kv_norm.eps,
