@@ -196,9 +196,12 @@ _STEPS = {"dec_ssd_step": [_p] * 7 + [_i] * 5,
 
 def _step(name: str):
     def call(*args) -> None:
+        if not available():
+            raise RuntimeError("hybridlm's CPU kernels are not available (see the warning given when they were "
+                               "loaded)")
         getattr(_lib, name)(*args)
     call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"csrc's `{name}` (its arguments: `_STEPS`, the C comment above it); needs `available()`."
+    call.__doc__ = f"csrc's `{name}` (its arguments: `_STEPS`, the C comment above it), on the tensors' pointers."
     return call
 
 

@@ -222,6 +222,7 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
     const int64_t want = std::max<int64_t>(1, (2 * threads + heads - 1) / heads);
     const int64_t run = std::max<int64_t>(256, (span + want - 1) / want), runs = std::max<int64_t>(1, (span + run - 1) / run);
     const int64_t part = 2 + Dv;                           // per query head of an item: max, sum, Σ p v
+    const bool wide = gk >= 8;                             // scores as vectors across the query heads of a key head
     std::vector<float> parts(heads * runs * gk * part);
 #pragma omp parallel for schedule(dynamic)
     for (int64_t it = 0; it < heads * runs; it++) {
@@ -229,29 +230,60 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
         const int64_t first = ring ? 0 : (lo ? lo[b] : 0), last = ring ? std::min(len[b], ring) : len[b];
         const int64_t s0 = first + c * run, s1 = std::min(last, s0 + run);
         float* mine = parts.data() + it * gk * part;
-        std::vector<float> qf(gk * D), kf(D), vf(Dv), sc(gk * TILE), m(gk, -INFINITY), l(gk, 0.f), acc(gk * Dv, 0.f);
-        std::vector<uint32_t> bits(std::max(D, Dv));
+        std::vector<float> qf(gk * D), qt(wide ? D * gk : 0), dots(4 * gk), sc(gk * TILE), m(gk, -INFINITY), l(gk, 0.f),
+            acc(gk * Dv, 0.f), kf(4 * D), vf(Dv);
         for (int64_t j = 0; j < gk; j++)
             for (int64_t d = 0; d < D; d++) qf[j * D + d] = ld(q, (b * Hq + hk * gk + j) * D + d) * scale;
+        if (wide)
+            for (int64_t j = 0; j < gk; j++)
+                for (int64_t d = 0; d < D; d++) qt[d * gk + j] = qf[j * D + d];
         const int64_t hv0 = hk * gk / gv, hv1 = (hk * gk + gk - 1) / gv;      // the value heads these queries read
         for (int64_t t0 = s0; t0 < s1; t0 += TILE) {
             const int64_t nt = std::min(TILE, s1 - t0);
-            for (int64_t i = 0; i < nt; i++) {
-                const int64_t s = t0 + i;
-                bool keep = true;
-                if (ring && lo && lo[b] > 0) keep = len[b] - 1 - (len[b] - 1 - s) % ring >= lo[b];
-                if (!keep) {
-                    for (int64_t j = 0; j < gk; j++) sc[j * TILE + i] = -INFINITY;
-                    continue;
+            for (int64_t i0 = 0; i0 < nt; i0 += 4) {            // scores of 4 keys at a time: independent sums
+                const int64_t nu = std::min<int64_t>(4, nt - i0);
+                const T* kr[4];
+                for (int64_t u = 0; u < 4; u++) kr[u] = k + b * ksb + (t0 + i0 + std::min(u, nu - 1)) * kss + hk * ksh;
+                if (wide) {                                    // many query heads: vectors across the heads
+                    std::fill(dots.begin(), dots.end(), 0.f);
+                    for (int64_t d = 0; d < D; d++) {
+                        const float k0 = ld(kr[0], d), k1 = ld(kr[1], d), k2 = ld(kr[2], d), k3 = ld(kr[3], d);
+                        const float* qd = qt.data() + d * gk;
+                        float *s0 = dots.data(), *s1 = s0 + gk, *s2 = s1 + gk, *s3 = s2 + gk;
+#pragma omp simd
+                        for (int64_t j = 0; j < gk; j++) {
+                            s0[j] += qd[j] * k0;
+                            s1[j] += qd[j] * k1;
+                            s2[j] += qd[j] * k2;
+                            s3[j] += qd[j] * k3;
+                        }
+                    }
+                    for (int64_t u = 0; u < nu; u++)
+                        for (int64_t j = 0; j < gk; j++) sc[j * TILE + i0 + u] = dots[u * gk + j];
+                } else {                                       // few: along the channels, each row converted once
+                    for (int64_t u = 0; u < 4; u++)
+                        for (int64_t d = 0; d < D; d++) kf[u * D + d] = ld(kr[u], d);
+                    const float *f0 = kf.data(), *f1 = f0 + D, *f2 = f1 + D, *f3 = f2 + D;
+                    for (int64_t j = 0; j < gk; j++) {
+                        const float* qj = qf.data() + j * D;
+                        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+                        for (int64_t d = 0; d < D; d++) {
+                            a0 += qj[d] * f0[d];
+                            a1 += qj[d] * f1[d];
+                            a2 += qj[d] * f2[d];
+                            a3 += qj[d] * f3[d];
+                        }
+                        const float got[4] = {a0, a1, a2, a3};
+                        for (int64_t u = 0; u < nu; u++) sc[j * TILE + i0 + u] = got[u];
+                    }
                 }
-                row_f32(k + b * ksb + s * kss + hk * ksh, D, kf.data(), bits.data());
-                for (int64_t j = 0; j < gk; j++) {
-                    const float* qj = qf.data() + j * D;
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qj[d] * kf[d];
-                    sc[j * TILE + i] = dot;
-                }
+                if (ring && lo && lo[b] > 0)                   // a padded row's ring: its pads' slots skipped
+                    for (int64_t u = 0; u < nu; u++) {
+                        const int64_t s = t0 + i0 + u;
+                        if (len[b] - 1 - (len[b] - 1 - s) % ring < lo[b])
+                            for (int64_t j = 0; j < gk; j++) sc[j * TILE + i0 + u] = -INFINITY;
+                    }
             }
             for (int64_t j = 0; j < gk; j++) {                 // the online softmax: new max, rescale, weights
                 float* p = sc.data() + j * TILE;
@@ -270,16 +302,26 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
                 if (r != 1.f)
                     for (int64_t d = 0; d < Dv; d++) acc[j * Dv + d] *= r;
             }
-            for (int64_t i = 0; i < nt; i++)
-                for (int64_t hv = hv0; hv <= hv1; hv++) {
-                    row_f32(v + b * vsb + (t0 + i) * vss + hv * vsh, Dv, vf.data(), bits.data());
-                    for (int64_t j = std::max<int64_t>(0, hv * gv - hk * gk); j < gk && (hk * gk + j) / gv == hv; j++) {
+            for (int64_t hv = hv0; hv <= hv1; hv++) {             // Σ p v, each value row read once
+                const int64_t j0 = std::max<int64_t>(0, hv * gv - hk * gk), j1 = std::min(gk, (hv + 1) * gv - hk * gk);
+                for (int64_t i = 0; i < nt; i++) {
+                    const T* vr = v + b * vsb + (t0 + i) * vss + hv * vsh;
+                    if (j1 - j0 == 1) {                        // one query head reads this value head
+                        const float w = sc[j0 * TILE + i];
+                        float* a = acc.data() + j0 * Dv;
+#pragma omp simd
+                        for (int64_t d = 0; d < Dv; d++) a[d] += w * ld(vr, d);
+                        continue;
+                    }
+                    for (int64_t d = 0; d < Dv; d++) vf[d] = ld(vr, d);    // converted once for its query heads
+                    for (int64_t j = j0; j < j1; j++) {
                         const float w = sc[j * TILE + i];
                         float* a = acc.data() + j * Dv;
 #pragma omp simd
                         for (int64_t d = 0; d < Dv; d++) a[d] += w * vf[d];
                     }
                 }
+            }
         }
         for (int64_t j = 0; j < gk; j++) {
             mine[j * part] = m[j];
