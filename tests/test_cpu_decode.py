@@ -335,3 +335,19 @@ def test_mixer_steps_at_every_level(level, monkeypatch):
             monkeypatch.setattr(cpu_steps, "enabled", False)
             ref = _steps(m, ids, 9, mask)
         assert_close(fast, ref, **_tol(torch.float32, None), msg=f"{name} at {level}")
+
+
+def test_long_grouped_query_caches_go_to_the_layers_decode(monkeypatch):
+    """Past `LONG_PAIRS` query-head x key pairs a grouped-query cache (few query heads per key head) declines the
+    step (the layer's PyTorch decode reads it faster) and the output is the same; below it the step runs."""
+    m = _model("llama", torch.float32, None)
+    ids = torch.randint(0, 97, (2, 12))
+    used = _spy(monkeypatch)
+    with torch.no_grad():
+        fast = _steps(m, ids, 9)
+        assert {ok for n, ok in used if n == "Attention"} == {True}
+        monkeypatch.setattr(cpu_steps, "LONG_PAIRS", 4 * 9)
+        used.clear()
+        slow = _steps(m, ids, 9)
+        assert {ok for n, ok in used if n == "Attention"} == {False}
+    assert_close(fast, slow, **_tol(torch.float32, None))

@@ -306,13 +306,6 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
                 const int64_t j0 = std::max<int64_t>(0, hv * gv - hk * gk), j1 = std::min(gk, (hv + 1) * gv - hk * gk);
                 for (int64_t i = 0; i < nt; i++) {
                     const T* vr = v + b * vsb + (t0 + i) * vss + hv * vsh;
-                    if (j1 - j0 == 1) {                        // one query head reads this value head
-                        const float w = sc[j0 * TILE + i];
-                        float* a = acc.data() + j0 * Dv;
-#pragma omp simd
-                        for (int64_t d = 0; d < Dv; d++) a[d] += w * ld(vr, d);
-                        continue;
-                    }
                     for (int64_t d = 0; d < Dv; d++) vf[d] = ld(vr, d);    // converted once for its query heads
                     for (int64_t j = j0; j < j1; j++) {
                         const float w = sc[j * TILE + i];
