@@ -2,7 +2,6 @@
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops import cpu_mixers
 from .init import normal_
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -27,10 +26,6 @@ class MLP(nn.Module):
         normal_(out_std, self.w_out)
 
     def forward(self, x: Tensor) -> Tensor:
-        if cpu_mixers.serves(x):
-            y = cpu_mixers.mlp(self, x)                      # a CPU decode step: the whole MLP in one C++ call
-            if y is not None:
-                return y
         h = self.w_in(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)

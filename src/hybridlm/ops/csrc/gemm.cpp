@@ -492,11 +492,11 @@ static void q8_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t G,
             const int64_t k0 = b * 32;
             float mx = 0.f, s = 0.f;
             int8_t* q = xq + m * Kp + k0;
-#if defined(L512)                                  // a whole block in x: vector max, sum and rounding
+#if defined(L512)                                  // a whole block in x: vector max and rounding
             if (k0 + 32 <= K) {
                 const __m512 v0 = _mm512_loadu_ps(x + m * K + k0), v1 = _mm512_loadu_ps(x + m * K + k0 + 16);
                 mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-                s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+                for (int j = 0; j < 32; j++) s += x[m * K + k0 + j];     // in column order, as the scalar loop
                 const float db = mx / 127.f;
                 if (db > 0.f) {
                     const __m512 dv = _mm512_set1_ps(db);

@@ -1,4 +1,4 @@
-// The linear products of gemm.cpp for the other C++ files of the library (decode_ops.cpp and its neighbours):
+// The linear products of gemm.cpp for the other C++ files of the library (mixers.cpp):
 // y[m, n] = sum_k x[m, k] W[n, k] for any number of rows M (1 for decode, a serving batch, a prompt), W read in the
 // form it is stored in. x [M, K] float32 (row-major, contiguous), y [M, N] float32 unless said; every function
 // splits its work over OpenMP threads itself (call it from outside a parallel region).
