@@ -1,7 +1,8 @@
 """`hybridlm bench --suite decode-profile`: where one CPU decode step's time goes, for a model shape (the llama.cpp
 families' ~1B shapes, bench/llamacpp_families.py) or a run, in each stored format (bf16, f32, int8, int4).
 
-One step splits into parts, each timed by forward hooks: the embedding, each block's norm and mixer (grouped by the
+One step splits into parts, each timed by forward hooks (and around the CPU decode seam's `step`, which runs a mixer
+without calling it, where the tree has one): the embedding, each block's norm and mixer (grouped by the
 mixer's class over the layers), the block's own lines (the residual add), the final norm, the lm head, and what is
 left of the step (`decode_step`'s own Python); sampling is timed apart on the step's logits. Inside a part, every
 call into the kernels' library (a proxy in place of `ops.cpu_kernels._lib`) is timed as native time; the rest of
@@ -168,11 +169,34 @@ class Recorder:
         if self.stack:
             self.stack[-1][3] += wall
 
+    def _seam(self, real):
+        """The CPU decode seam's `step` (layers/cpu_steps.py, where the tree has one: it runs a mixer's step without
+        calling the module), timed as the mixer's part when it takes the mixer."""
+        def step(mixer, *a):
+            if mixer not in self.names:
+                return real(mixer, *a)
+            self._pre(mixer)
+            y = real(mixer, *a)
+            if y is not None:
+                self._post(mixer)
+            else:                           # declined: the mixer runs itself next (its hooks time it)
+                nat = self.stack.pop()[2]
+                if self.stack:
+                    self.stack[-1][2] += nat
+            return y
+        return step
+
     def __enter__(self):
+        import importlib.util
         from ..ops import cpu_kernels
         self._lib = cpu_kernels._lib
         if self._lib:
             cpu_kernels._lib = _Lib(self._lib, self)
+        self._steps = None
+        if importlib.util.find_spec(f"{__package__.rpartition('.')[0]}.layers.cpu_steps"):
+            from ..layers import cpu_steps
+            self._steps = cpu_steps
+            self._step, cpu_steps.step = cpu_steps.step, self._seam(cpu_steps.step)
         self._hooks = [h for m in self.names for h in (m.register_forward_pre_hook(self._pre),
                                                        m.register_forward_hook(self._post))]
         return self
@@ -180,6 +204,8 @@ class Recorder:
     def __exit__(self, *exc):
         from ..ops import cpu_kernels
         cpu_kernels._lib = self._lib
+        if self._steps is not None:
+            self._steps.step = self._step
         for h in self._hooks:
             h.remove()
 
