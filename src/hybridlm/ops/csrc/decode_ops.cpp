@@ -302,11 +302,16 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
                 if (r != 1.f)
                     for (int64_t d = 0; d < Dv; d++) acc[j * Dv + d] *= r;
             }
-            for (int64_t hv = hv0; hv <= hv1; hv++) {             // Σ p v, each value row read once
-                const int64_t j0 = std::max<int64_t>(0, hv * gv - hk * gk), j1 = std::min(gk, (hv + 1) * gv - hk * gk);
-                for (int64_t i = 0; i < nt; i++) {
+            // Σ p v, each value row read once, in the order the cache lies in: by head over a head-major buffer
+            // (a KV cache), by key over a time-major one (a window's ring)
+            const bool by_key = vss < vsh;
+            for (int64_t outer = 0; outer < (by_key ? nt : hv1 - hv0 + 1); outer++)
+                for (int64_t inner = 0; inner < (by_key ? hv1 - hv0 + 1 : nt); inner++) {
+                    const int64_t i = by_key ? outer : inner, hv = hv0 + (by_key ? inner : outer);
+                    const int64_t j0 = std::max<int64_t>(0, hv * gv - hk * gk);
+                    const int64_t j1 = std::min(gk, (hv + 1) * gv - hk * gk);     // its query heads
                     const T* vr = v + b * vsb + (t0 + i) * vss + hv * vsh;
-                    for (int64_t d = 0; d < Dv; d++) vf[d] = ld(vr, d);    // converted once for its query heads
+                    for (int64_t d = 0; d < Dv; d++) vf[d] = ld(vr, d);
                     for (int64_t j = j0; j < j1; j++) {
                         const float w = sc[j * TILE + i];
                         float* a = acc.data() + j * Dv;
@@ -314,7 +319,6 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
                         for (int64_t d = 0; d < Dv; d++) a[d] += w * vf[d];
                     }
                 }
-            }
         }
         for (int64_t j = 0; j < gk; j++) {
             mine[j * part] = m[j];
