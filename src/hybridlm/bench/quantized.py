@@ -2,7 +2,8 @@
 one run: prefill tokens/s and greedy decode tokens/s at batch 1, plus a profile of one decode step per scheme
 (bench/decode_profile.py: each part's ms, native and other, and bytes), which says where a step's time goes.
 Default: a Llama in TinyLlama's shape (d 2048, 22 layers, 32 heads / 4 KV heads, SwiGLU 5632, vocab 32000: 1.1B)
-and a Rodimus+ of the same width; the dtype of `--dtype auto` (float32 where the CPU has no bf16 units). The three models share every float tensor the quantized ones keep.
+and a Rodimus+ of the same width; the dtype of `--dtype auto` (float32 where the CPU has no bf16 units). The three
+models share every float tensor the quantized ones keep.
 
     hybridlm bench --suite quantize [--quick] --out runs/bench/quantize.json
     hybridlm bench --suite quantize --presets llama --n-layers 4 --context 128 --steps 32
