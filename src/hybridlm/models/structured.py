@@ -173,6 +173,33 @@ class Constraint:
         return self.matcher.is_terminated()
 
 
+_SHARED: dict = {}          # (id(tokenizer), vocab_size) -> (tokenizer, Grammars): one compile cache per vocabulary
+
+
+def grammars_for(tok, vocab_size: int) -> Grammars:
+    """The shared Grammars of a tokenizer and model vocabulary (generate's; a server holds its own)."""
+    key = (id(tok), vocab_size)
+    if key not in _SHARED or _SHARED[key][0] is not tok:
+        _SHARED[key] = (tok, Grammars(tok, vocab_size))
+    return _SHARED[key][1]
+
+
+def constraints_for(tok, vocab_size: int, rows: int, *, json_schema=None, regex=None, grammar=None):
+    """One Constraint per row for generate's json_schema / regex / grammar (at most one of them), or None."""
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InputError(f"give one of json_schema, regex and grammar, not {' and '.join(given)}")
+    if tok is None:
+        raise InputError(f"{next(iter(given))} needs the tokenizer (tokenizer=...)")
+    spec = Spec.json_schema(json_schema) if json_schema is not None else Spec("regex", regex) if regex is not None \
+        else Spec("grammar", grammar)
+    g = grammars_for(tok, vocab_size)
+    g.compile(spec)
+    return [g.constraint(spec) for _ in range(rows)]
+
+
 def mask_logits(logits: Tensor, constraints: list, rows: list[int] | None = None) -> Tensor:
     """Set to -inf, in place, the tokens each constraint forbids: logits [B, V] (float); constraints[j] masks row
     rows[j] (default: row j). Returns logits."""
