@@ -71,7 +71,7 @@ def _s(routes, note, check=None, origin="OpenAI"):
 
 VLLM, LLAMA, BOTH_ENGINES = "vLLM", "llama-server", "vLLM, llama-server"
 PENALTY = Check(NUM, lambda v: 0 < v <= 100, "must be > 0 (1: off)")
-GRAMMAR = "compiled by xgrammar against the vocabulary (once per distinct text), applied as a token mask"
+GRAMMAR = "an xgrammar token mask (docs/serving.md, Structured output)"
 
 FIELDS: dict[str, Field] = {
     # --- OpenAI: both routes
