@@ -249,10 +249,14 @@ def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     client.completions.create(model="tiny", prompt="hello", max_tokens=3)
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    for name in ("requests_total", "generation_tokens_total", "requests_running", "requests_waiting",
-                 "slot_occupancy", "prefix_cache_hits_total", "time_to_first_token_seconds_bucket",
-                 "time_per_output_token_seconds_count"):
-        assert f"hybridlm_{name}" in text, name
+    for name in ('request_success_total{finished_reason="length"}', "generation_tokens_total",
+                 "num_requests_running", "num_requests_waiting", "slot_occupancy", "prefix_cache_hits_total",
+                 "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_sum"):
+        assert f"hybridlm:{name}" in text, name
+    from prometheus_client.parser import text_string_to_metric_families
+    assert {f.name for f in text_string_to_metric_families(text)} >= {"hybridlm:num_requests_running",
+                                                                      "hybridlm:request_success"}
 
 
 def test_disconnect_frees_the_slot(model):

@@ -89,7 +89,7 @@ class ServerProcess:
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
             if line and not line.startswith("#") and "{" not in line:
                 name, value = line.split()
-                vals[name.removeprefix("hybridlm_")] = float(value)
+                vals[name.removeprefix("hybridlm:")] = float(value)
         return vals
 
     def stop(self):
