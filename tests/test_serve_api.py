@@ -274,6 +274,23 @@ def test_disconnect_frees_the_slot(model):
         assert sch.metrics.requests.get("abort") == 1
 
 
+def test_model_names():
+    from hybridlm.commands.serve import model_names
+    assert model_names("runs/m2a/", None) == ["runs/m2a/", "m2a"]
+    assert model_names("runs/m2a", ["prod", "m2a"]) == ["prod", "m2a", "runs/m2a"]
+    from hybridlm.serve import Engine, Scheduler
+    from hybridlm.serve.api import create_app
+    app = create_app(Scheduler(Engine(tiny("mamba2"), eos_id=256, block=8)), ChatBytes(), ["runs/m2a", "m2a"])
+    from starlette.testclient import TestClient
+    with TestClient(app) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["runs/m2a", "m2a"]
+        for name in ("runs/m2a", "m2a"):
+            r = c.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == name
+        r = c.post("/v1/completions", json={"model": "m2", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404 and "'runs/m2a', 'm2a'" in r.json()["error"]["message"]
+
+
 def _checkpoint(tmp_path, name="mamba2"):
     from hybridlm.checkpoint import save_checkpoint
     from hybridlm.data.tokenizer import ByteTokenizer
