@@ -62,8 +62,10 @@ class Spec:
 
     @staticmethod
     def tools(functions: list[dict]) -> "Spec":
-        """functions: [{"name": str, "parameters": JSON schema}] (one of them is called)."""
-        return Spec("tools", json.dumps([{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}}
+        """functions: [{"name": str, "parameters": JSON schema}] (one of them is called; no parameters: an empty
+        parameter list, as OpenAI reads a function without them)."""
+        empty = {"type": "object", "properties": {}, "additionalProperties": False}
+        return Spec("tools", json.dumps([{"name": f["name"], "parameters": f.get("parameters") or empty}
                                          for f in functions], separators=(",", ":"), ensure_ascii=False))
 
 
