@@ -160,7 +160,7 @@ class ToolBytes(ChatBytes):
         "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>\n{% endif %}"
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
         "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
-        "\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+        "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +342,38 @@ def test_bad_constraints_are_a_400_naming_the_field(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_schema_bench_through_the_bench_command(tmp_path):
+    """`hybridlm bench --suite serve --quick --schema FILE`: mask and decode step per batch size, compile times."""
+    from hybridlm.cli import main
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMAS[0]))
+    out = tmp_path / "schema.json"
+    assert main(["bench", "--suite", "serve", "--quick", "--schema", str(tmp_path / "s.json"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = res["presets"]["mamba2"]["batches"]
+    assert list(rows) == ["1", "2"] and all(r["mask_ms"] > 0 and r["decode_ms"] > 0 for r in rows.values())
+    assert res["compile_s"][str(tmp_path / "s.json")] > 0 and res["vocab_size"] == 257
+
+
+def test_chat_template_flag(tmp_path):
+    """`hybridlm serve --chat-template FILE`: a run whose tokenizer has no template chats (and renders tools) with it;
+    a file that cannot be read is one clear error."""
+    from starlette.testclient import TestClient
+    from hybridlm.checkpoint import save_checkpoint
+    from hybridlm.cli import build_parser
+    from hybridlm.commands.serve import build
+    from hybridlm.errors import InputError
+    save_checkpoint(str(tmp_path / "run"), tiny("mamba2", max_seq_len=256), tokenizer=ByteTokenizer())
+    (tmp_path / "t.jinja").write_text(ToolBytes.chat_template)
+    argv = ["serve", "--checkpoint", str(tmp_path / "run"), "--dtype", "float32", "--chat-template"]
+    app, _ = build(build_parser().parse_args(argv + [str(tmp_path / "t.jinja")]))
+    with TestClient(app) as c:
+        assert c.get("/tokenizer_info").json()["chat_template"] == ToolBytes.chat_template
+        r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.json()["tokens"] == list(b"<user>hi\n<assistant>")
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 90,
+                                                 "tools": [TIME], "tool_choice": "required"})
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    with pytest.raises(InputError, match="--chat-template"):
+        build(build_parser().parse_args(argv + [str(tmp_path / "missing.jinja")]))
