@@ -98,6 +98,23 @@ def test_regex_choice_grammar_and_tools_specs():
     jsonschema.validate(call["arguments"], fn["parameters"])
 
 
+def test_rollback_replays_the_masks():
+    """A verify step over drafted tokens (speculative decoding) accepts them one by one, each position's mask filled
+    in turn, then rolls back the rejected ones: the masks after a rollback are those of the first pass."""
+    c = Grammars(ByteTokenizer(), 257).constraint(Spec("regex", "ab[0-9]+(x|y)"))
+    bm, masks = xgr.allocate_token_bitmask(1, 257), []
+    for t in b"ab12x":
+        c.fill(bm, 0)
+        masks.append(bm.clone())
+        assert c.accept(t)
+    assert c.finished is False and not c.accept(ord("z"))
+    c.rollback(4)
+    for t, m in zip(b"b12x", masks[1:]):
+        c.fill(bm, 0)
+        assert torch.equal(bm, m)
+        assert c.accept(t)
+
+
 def test_compile_cache_and_bad_specs():
     from hybridlm.models.structured import GrammarError
     g = Grammars(ByteTokenizer(), 257, size=2)

@@ -129,6 +129,9 @@ def parse_options(body: dict, route: str, default_max_tokens: int, want_tools: T
     """The sampling and response fields of a request body (after fields.check has passed it), each through its
     field's check (serve/fields.py); `want_tools`: the chat request's tools (structured.tools)."""
     chat = route == "chat"
+    for name in body:                 # every field's type and range, once (chat's logprobs: a boolean, below)
+        if not (chat and name == "logprobs"):
+            parse(body, name)
     n = parse(body, "n", 1)
     stop = parse(body, "stop", [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -151,11 +154,6 @@ def parse_options(body: dict, route: str, default_max_tokens: int, want_tools: T
     if opts is not None and (not stream or set(opts) - {"include_usage"}):
         raise APIError(400, "'stream_options' goes with 'stream': true and takes 'include_usage' only",
                        "stream_options")
-    for f in ("user", "seed", "parallel_tool_calls", "guided_decoding_backend", "json_schema", "grammar",
-              "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools",
-              "tool_choice"):
-        if f in body:
-            parse(body, f)
     fixed = constraint(body)
     if want_tools is not None and want_tools.spec is not None:
         if fixed is not None:

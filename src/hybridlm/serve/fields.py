@@ -226,11 +226,13 @@ def check(body: dict, route: str):
 
 
 def parse(body: dict, name: str, default=None):
-    """body[name] through its field's check; `default` when absent or null."""
+    """body[name] through its field's check (a refused field passed by `check` holds a neutral value: as it is);
+    `default` when absent or null."""
     v = body.get(name)
     if v is None:
         return default
-    return FIELDS[name].check(name, v)
+    f = FIELDS[name]
+    return f.check(name, v) if f.check is not None else v
 
 
 # SamplingParams attribute -> the check of its field
