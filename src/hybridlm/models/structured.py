@@ -19,7 +19,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..errors import InputError
@@ -118,7 +117,8 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"{WHAT[spec.kind]} does not compile: {_message(e)}") from None
         self.last_compile_s = time.perf_counter() - t
-        log.debug("compiled a %s constraint (%d chars) in %.1f ms", spec.kind, len(spec.text), 1e3 * self.last_compile_s)
+        log.debug("compiled a %s constraint (%d chars) in %.1f ms", spec.kind, len(spec.text),
+                  1e3 * self.last_compile_s)
         self.cache[spec] = compiled
         if len(self.cache) > self.size:
             self.cache.popitem(last=False)

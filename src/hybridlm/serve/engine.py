@@ -32,7 +32,6 @@ from .prefix_cache import PrefixCache, block_hashes
 from .slots import allocated_bytes, cut, cut_bytes, first_real, gather, place, room, stitch
 
 
-
 @dataclass
 class SamplingParams:
     """How one request samples. Penalties apply first (`repetition_penalty` over prompt + output tokens as

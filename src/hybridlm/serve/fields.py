@@ -75,8 +75,8 @@ GRAMMAR = "an xgrammar token mask (docs/serving.md, Structured output)"
 
 FIELDS: dict[str, Field] = {
     # --- OpenAI: both routes
-    "model": _s("both", "the served model's id (`--checkpoint` as typed, its directory name, or a `--served-model-name`)",
-                 TEXT),
+    "model": _s("both", "the served model's id (`--checkpoint` as typed, its directory name, or a "
+                        "`--served-model-name`)", TEXT),
     "max_tokens": _s("both", "tokens to generate (completions: 0 with `echo` scores the prompt only)",
                       Check((int,), lambda v: v >= 0, "must be >= 0")),
     "n": _s("both", "choices per prompt, decoded as rows of the same batch (seeded: seed + choice index)",
