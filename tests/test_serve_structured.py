@@ -394,3 +394,51 @@ def test_chat_template_flag(tmp_path):
         assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
     with pytest.raises(InputError, match="--chat-template"):
         build(build_parser().parse_args(argv + [str(tmp_path / "missing.jinja")]))
+
+
+def _trained():
+    """A tiny model trained for ~100 steps (seconds) on answers in one JSON shape."""
+    import random
+    m = tiny("mamba2-attention", max_seq_len=256, d_model=64).train()
+    rng = random.Random(0)
+
+    def doc():
+        return "Q: city?\nA: " + json.dumps({"city": rng.choice(["Paris", "Rome", "Oslo"]), "n": rng.randint(0, 9)}) \
+            + "\n"
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    for _ in range(100):
+        ids = torch.tensor([list("".join(doc() for _ in range(3)).encode())[:96] for _ in range(8)])
+        loss = m(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
+@pytest.mark.slow
+def test_a_trained_model_keeps_its_answer_under_its_schema():
+    """A model that already answers in the schema's shape answers the same under the mask (greedy), and one that
+    the schema contradicts still validates; a named tool call's arguments validate."""
+    from serve_helpers import live_server
+    torch.manual_seed(0)
+    m = _trained()
+    prompt = list(b"Q: city?\nA: ")
+    free = m.generate(torch.tensor([prompt]), 30, temperature=0)[0, len(prompt):].tolist()
+    free = bytes(t for t in free if t < 256).decode(errors="replace").split("\n")[0]
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["city", "n"], "additionalProperties": False}
+    jsonschema.validate(json.loads(free), schema)
+    other = {"type": "object", "properties": {"town": {"enum": ["Bergen", "Graz"]}}, "required": ["town"],
+             "additionalProperties": False}
+    with live_server(m, ToolBytes()) as (url, _):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = c.completions.create(model="tiny", prompt="Q: city?\nA: ", max_tokens=40, temperature=0,
+                                 extra_body={"json_schema": schema})
+        assert r.choices[0].text == free
+        r = c.completions.create(model="tiny", prompt="Q: city?\nA: ", max_tokens=40, temperature=0,
+                                 extra_body={"json_schema": other})
+        jsonschema.validate(json.loads(r.choices[0].text), other)
+        r = chat(c, temperature=0.5, seed=1, tools=[WEATHER], tool_choice={"type": "function",
+                                                                          "function": {"name": "get_weather"}})
+        _check_call(r.choices[0].message.tool_calls[0], [WEATHER])

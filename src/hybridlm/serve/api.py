@@ -504,7 +504,7 @@ class Server:
             _get(body, name, bool, False)
         if "messages" in body:
             from ..data.tokenizer import apply_chat_template
-            text = apply_chat_template(self.tok, _get(body, "messages", list))
+            text = apply_chat_template(self.tok, messages(_get(body, "messages", list)))
         else:
             key = "content" if "content" in body else "prompt"
             text = _get(body, key, str)
