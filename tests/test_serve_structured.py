@@ -98,6 +98,19 @@ def test_regex_choice_grammar_and_tools_specs():
     jsonschema.validate(call["arguments"], fn["parameters"])
 
 
+def test_batched_fill_equals_one_row_at_a_time():
+    g = Grammars(ByteTokenizer(), 300)
+    specs = [Spec.json_schema(SCHEMAS[0]), Spec("regex", "[0-9]+"), Spec.choice(["ab", "cd"])]
+    rows = [g.constraint(s) for s in specs]
+    for c, t in zip(rows, b"{1a"):
+        c.accept(t)
+    x = torch.randn(5, 300)
+    one = x.clone()
+    for c, i in zip(rows, [4, 0, 2]):
+        mask_logits(one[i:i + 1], [c])
+    assert torch.equal(mask_logits(x.clone(), rows, [4, 0, 2]), one)
+
+
 def test_rollback_replays_the_masks():
     """A verify step over drafted tokens (speculative decoding) accepts them one by one, each position's mask filled
     in turn, then rolls back the rejected ones: the masks after a rollback are those of the first pass."""
