@@ -116,8 +116,9 @@ SUITES = {
                              schema="a JSON schema file, or 'builtin' (three): instead of HTTP load, the grammar "
                                     "mask's cost per decode step beside the step at each --concurrency, and compile "
                                     "times (bench/structured.py)",
-                             schema_tokenizer="the tokenizer the schema compiles against (a tokenizer.json or a "
-                                              "run; default byte): its vocabulary sets the mask's cost",
+                             schema_tokenizer="the tokenizer the schema compiles against: byte (default), bpe:N "
+                                              "(trained on hybridlm's own sources), a tokenizer.json or a run; its "
+                                              "vocabulary sets the mask's cost",
                              schema_steps="decode steps timed per batch size (--schema)")),
     "release": Suite("a released-size Rodimus+ checkpoint: convert, then decode float / int8 / int4 beside a "
                      "Transformer++ (CPU)", "rodimus_release:release_suite",

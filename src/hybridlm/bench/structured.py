@@ -41,6 +41,13 @@ def schemas_of(arg: str) -> dict:
         return {arg: json.load(f)}
 
 
+def _own_sources():
+    """This package's Python sources, the texts a `bpe:N` --schema-tokenizer is trained on (no download)."""
+    import pathlib
+    for path in sorted(pathlib.Path(__file__).resolve().parents[1].rglob("*.py")):
+        yield path.read_text()
+
+
 def compile_times(tok, vocab_size: int, schemas: dict, repeats: int = 3) -> dict:
     """Seconds to compile each schema with a fresh compiler (median of `repeats`)."""
     from ..models.structured import Grammars, Spec
@@ -83,7 +90,7 @@ def structured_cost(s: dict, log=print) -> dict:
     from ..models import CausalLM, presets
     from ..models.sizing import fit_params, parse_count
     from ..models.structured import Grammars, Spec
-    tok = load_tokenizer(s["schema_tokenizer"] or "byte")
+    tok = load_tokenizer(s["schema_tokenizer"] or "byte", texts=_own_sources())
     schemas = schemas_of(s["schema"])
     out = {"schemas": list(schemas), "tokenizer": s["schema_tokenizer"] or "byte", "vocab_size": tok.vocab_size,
            "presets": {}}
