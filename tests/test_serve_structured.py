@@ -333,6 +333,12 @@ def test_auto_parses_the_hermes_form():
     assert parse_calls("plain text") == ("plain text", [])
     body, reason = Shape(chat=True, tools=True).message(text, "stop")
     assert reason == "tool_calls" and len(body["message"]["tool_calls"]) == 2
+    deltas, reason = Shape(chat=True, tools=True).closing(text, "stop")       # streamed: content, then each call
+    assert reason == "tool_calls" and deltas[0] == {"content": content}
+    assert [d["tool_calls"][0]["index"] for d in deltas[1:]] == [0, 0, 1, 1]
+    assert deltas[1]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
+    assert deltas[2]["tool_calls"][0]["function"] == {"arguments": '{"utc": true}'}
+    assert Shape(chat=True, tools=True).closing("no call", "length") == ([{"content": "no call"}], "length")
 
 
 def test_auto_tool_choice_renders_the_tools(server, client):

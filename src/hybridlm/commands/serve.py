@@ -73,6 +73,7 @@ def require_serve_extra():
     """One clear error when the serve extra (starlette, uvicorn) is not installed."""
     from ..errors import InputError
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
