@@ -461,3 +461,18 @@ def test_a_trained_model_keeps_its_answer_under_its_schema():
         r = chat(c, temperature=0.5, seed=1, tools=[WEATHER], tool_choice={"type": "function",
                                                                           "function": {"name": "get_weather"}})
         _check_call(r.choices[0].message.tool_calls[0], [WEATHER])
+
+
+def test_auto_end_to_end_through_the_client(client):
+    """tool_choice auto: a reply holding text and a call (forced here by a choice constraint) comes back as content
+    and tool_calls, streamed or not, and the official client parses both."""
+    reply = 'sure <tool_call>\n{"name": "get_time", "arguments": {"utc": false}}\n</tool_call>'
+    kw = dict(temperature=0, tools=[WEATHER, TIME], extra_body={"guided_choice": [reply]})
+    r = chat(client, **kw).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content == "sure"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in r.message.tool_calls] == \
+        [("get_time", {"utc": False})]
+    chunks = list(chat(client, stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "sure"
+    args = "".join(d.function.arguments or "" for c in chunks for d in c.choices[0].delta.tool_calls or [])
+    assert json.loads(args) == {"utc": False} and chunks[-1].choices[0].finish_reason == "tool_calls"
