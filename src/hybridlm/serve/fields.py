@@ -248,7 +248,7 @@ def check_sampling(params):
     for name, check in SAMPLING_CHECKS.items():
         v = getattr(params, name)
         if v is not None:
-            check(name, float(v) if isinstance(v, float) else v)
+            check(name, v)
 
 
 def markdown_table() -> str:
