@@ -18,8 +18,9 @@ rounding (bf16 rounding in a bf16 model; tests/test_cpu_decode.py holds them tog
     GatedDeltaNet (G)     projections, conv, gates, delta rule, gated norm, out_proj
     KimiDeltaAttention (K)  the same with KDA's low-rank gates and sigmoid output gate
     GatedShortConv (C)    in_proj, the gated conv, out_proj
-    RoutedMoE (O)         the router (softmax / sigmoid, correction bias, group-limited), the k chosen experts, the
-                          shared expert and its gate
+    RoutedMoE (O)         the router (softmax / sigmoid, correction bias, group-limited), the k chosen experts (each
+                          once, on every row that chose it), the shared expert and its gate
+    MLP (M)               w_in, the activation (gated or not), w_out
 
 Each layer's plan (the `Lin` of each linear: its stored format and pointers, no copy; float32 copies of the small
 vectors) is built once and kept until a tensor of the layer changes (`_plan`). int4 weights are read in the packed
@@ -40,6 +41,7 @@ from .gated_deltanet import GatedDeltaNet
 from .kda import KimiDeltaAttention
 from .mamba2 import Mamba2
 from .mla import MLA
+from .mlp import MLP
 from .rodimus import Rodimus
 from .routed_moe import RoutedMoE
 
@@ -439,5 +441,20 @@ def routed_moe(layer: RoutedMoE, x: Tensor, ctx=None, cache=None) -> Tensor | No
     return y
 
 
+def mlp(layer: MLP, x: Tensor, ctx=None, cache=None) -> Tensor | None:
+    """layers/mlp.MLP's decode step: x [B, 1, d] -> [B, 1, d] (None for an activation the step lacks, or dropout in
+    training)."""
+    code = _ACTS.get(layer.act_name)
+    if code is None or (layer.training and isinstance(layer.drop, nn.Dropout)):
+        return None
+    plan = _plan(layer, x.dtype, _with(lambda dt: (layer.w_in, layer.w_out), lambda dt: ()))
+    if plan is None:
+        return None
+    w_in, w_out = plan[0]
+    xc, y, B, d, bf = _io(x)
+    cpu_kernels.mix_mlp(xc.data_ptr(), y.data_ptr(), B, d, bf, w_in, w_out, int(layer.gated), code)
+    return y
+
+
 STEPS = {Attention: attention, MLA: mla, Mamba2: mamba2, Rodimus: rodimus, GatedDeltaNet: gated_deltanet,
-         KimiDeltaAttention: kda, GatedShortConv: gated_conv, RoutedMoE: routed_moe}
+         KimiDeltaAttention: kda, GatedShortConv: gated_conv, RoutedMoE: routed_moe, MLP: mlp}

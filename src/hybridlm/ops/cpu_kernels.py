@@ -185,6 +185,7 @@ _STEPS = {"dec_ssd_step": [_p] * 7 + [_i] * 5,
           "mix_kda": [_p, _p, _i, _i, _b, _p, _p, _p, _i] + [_p] * 8 + [_f, _p, _p, _i, _i],
           "mix_moe": [_p, _p, _i, _i, _b, _b, _p, _p, _b, _b, _f, _i, _i, _i, _p, _p, _p, _p, _p, _b, _p, _p, _b,
                       _p],
+          "mix_mlp": [_p, _p, _i, _i, _b, _p, _p, _b, _b],
           "mix_attention": [_p, _p, _i, _i, _b, _p, _p] + [_i] * 4 + [_b, _p, _p, _f, _i, _b] + [_p] * 4
                            + [_i] * 6 + [_p, _p, _i, _f],
           "mix_mla": [_p, _p, _i, _i, _b, _p, _p, _p, _p, _p, _f, _p, _b, _p] + [_i] * 5 + [_b, _b] + [_p] * 3
@@ -210,7 +211,7 @@ dec_delta_step, dec_delta_gated = _step("dec_delta_step"), _step("dec_delta_gate
 dec_conv_step, dec_attention, dec_rms_norm = _step("dec_conv_step"), _step("dec_attention"), _step("dec_rms_norm")
 mix_gated_deltanet, mix_kda, mix_moe = _step("mix_gated_deltanet"), _step("mix_kda"), _step("mix_moe")
 mix_attention, mix_mla, mix_mamba2 = _step("mix_attention"), _step("mix_mla"), _step("mix_mamba2")
-mix_gated_conv, mix_rodimus = _step("mix_gated_conv"), _step("mix_rodimus")
+mix_gated_conv, mix_rodimus, mix_mlp = _step("mix_gated_conv"), _step("mix_rodimus"), _step("mix_mlp")
 
 
 class Lin(ctypes.Structure):

@@ -1,5 +1,6 @@
-// What the one-token decode ops (decode_ops.cpp) and the whole-mixer steps (mixers.cpp) share: bf16 <-> float32,
-// typed loads and stores (float32, or bf16 as uint16_t), softplus, and the ops of decode_ops.cpp mixers.cpp calls.
+// What the library's C++ files share (gemm.cpp, the one-token decode ops of decode_ops.cpp, the whole-mixer steps of
+// mixers.cpp): bf16 <-> float32, typed loads and stores (float32, or bf16 as uint16_t), softplus, and the ops of
+// decode_ops.cpp mixers.cpp calls.
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -16,7 +16,7 @@ void mv_bf16_io(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
                 uint16_t* y);
 // int8 per output channel: W[n] = scale[n] q[n], q int8 [N, K], scale float32 [N]
 void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N, float* y);
-// int4 repacked at load (the fast form): q4_pack turns the stored (q, scale, zero) of an [N, Kp] weight
+// int4 per group (ops/quant.py), repacked at load: q4_pack turns the stored (q, scale, zero) of an [N, Kp] weight
 // (Kp = G * group, group 32 / 64 / 128) into q4_packed_bytes(N, Kp, G) bytes; q4_linear then reads x [M, K]
 // (K <= Kp: the missing columns count as zeros), rounds it to int8 per block of 32 columns once per call (as
 // llama.cpp's Q8_0) and takes integer dot products against the packed nibbles.

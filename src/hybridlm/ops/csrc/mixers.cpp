@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "decode_common.h"
@@ -152,19 +153,42 @@ static float act(float v, int kind, int bf) {
     }
 }
 
-// a gated (`gate` non-null: down(act(gate x) · up x)) or plain (down(act(up x))) MLP of expert e on one row x [d]
-// -> out [d]; h [f] and hg [f] are scratch
-static void mlp(const Lin* gate, const Lin* up, const Lin* down, int64_t e, const float* x, int64_t d, int kind,
-                float* h, float* hg, float* out, int bf) {
+// a gated (`gate` non-null: down(act(gate x) · up x)) or plain (down(act(up x))) MLP of expert e on M rows x [M, d]
+// -> out [M, d]; h [M, f] and hg [M, f] are scratch
+static void mlp(const Lin* gate, const Lin* up, const Lin* down, int64_t e, const float* x, int64_t M, int64_t d,
+                int kind, float* h, float* hg, float* out, int bf) {
     const int64_t f = up->N;
-    linear(*up, e, x, 1, d, h, bf);
+    linear(*up, e, x, M, d, h, bf);
     if (gate) {
-        linear(*gate, e, x, 1, d, hg, bf);
-        for (int64_t i = 0; i < f; i++) h[i] = rb(act(hg[i], kind, bf) * h[i], bf);
+        linear(*gate, e, x, M, d, hg, bf);
+        for (int64_t i = 0; i < M * f; i++) h[i] = rb(act(hg[i], kind, bf) * h[i], bf);
     } else {
-        for (int64_t i = 0; i < f; i++) h[i] = act(h[i], kind, bf);
+        for (int64_t i = 0; i < M * f; i++) h[i] = act(h[i], kind, bf);
     }
-    linear(*down, e, h, 1, f, out, bf);
+    linear(*down, e, h, M, f, out, bf);
+}
+
+// layers/mlp.MLP on rows x [M, d] -> out [M, d]: w_in [(2) f, d] (holding [gate | up] when `gated`), the activation,
+// w_out; h [M, w_in.N] is scratch
+static void dense_mlp(const Lin& w_in, const Lin& w_out, int gated, int kind, const float* x, int64_t M, int64_t d,
+                      float* h, float* out, int bf) {
+    const int64_t n = w_in.N, f = gated ? n / 2 : n;
+    linear(w_in, 0, x, M, d, h, bf);
+    for (int64_t b = 0; b < M; b++) {
+        float* hb = h + b * n;
+        for (int64_t i = 0; i < f; i++) hb[i] = gated ? rb(act(hb[i], kind, bf) * hb[f + i], bf) : act(hb[i], kind, bf);
+        if (f != n) std::memmove(h + b * f, hb, f * 4);         // rows of f, in place (row b lands at or before it)
+    }
+    linear(w_out, 0, h, M, f, out, bf);
+}
+
+// MLP (layers/mlp.py: letter M, the channel mixer of most presets): x [B, d] -> y [B, d] in one call
+extern "C" void mix_mlp(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* w_in, const Lin* w_out,
+                        int gated, int kind) {
+    std::vector<float> xf(Bn * d), h(Bn * w_in->N), out(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    dense_mlp(*w_in, *w_out, gated, kind, xf.data(), Bn, d, h.data(), out.data(), bf);
+    store(out.data(), Bn * d, y, bf);
 }
 
 // a group-limited choice (DeepSeek-V3): only the experts of the topk_group groups (of n_group) whose two best
@@ -202,13 +226,13 @@ extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, i
                         float* weights, const Lin* gate, const Lin* up, const Lin* down, int kind, const Lin* sh_in,
                         const Lin* sh_out, int sh_gated, const Lin* sh_gate) {
     const int64_t E = route ? router->N : 0, f = up->N, sf = sh_in ? sh_in->N / (sh_gated ? 2 : 1) : 0;
-    std::vector<float> xf(Bn * d), logits(Bn * E), h(std::max(f, 2 * sf)), hg(f), out(d), acc(d), s(d), gl(1);
+    std::vector<float> xf(Bn * d), logits(Bn * E);
     load(x, Bn * d, xf.data(), bf);
     if (route) linear(*router, 0, xf.data(), Bn, d, logits.data(), bf);
-    for (int64_t b = 0; b < Bn; b++) {
+    for (int64_t b = 0; b < Bn && route; b++) {
         int64_t* id = ids + b * k;
         float* w = weights + b * k;
-        if (route) {
+        {
             const float* lg = logits.data() + b * E;
             std::vector<float> sc(E), choice(E);
             if (sigmoid) {
@@ -233,26 +257,35 @@ extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, i
                 w[i] = rb(w[i] * scale, bf);
             }
         }
-        const float* xb = xf.data() + b * d;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t i = 0; i < k; i++) {
-            mlp(gate, up, down, id[i], xb, d, kind, h.data(), hg.data(), out.data(), bf);
-            for (int64_t c = 0; c < d; c++) acc[c] += out[c] * w[i];
-        }
-        for (int64_t c = 0; c < d; c++) acc[c] = rb(acc[c], bf);
-        if (sh_in) {
-            linear(*sh_in, 0, xb, 1, d, h.data(), bf);
-            if (sh_gated)
-                for (int64_t i = 0; i < sf; i++) h[i] = rb(act(h[i], kind, bf) * h[sf + i], bf);
-            else
-                for (int64_t i = 0; i < sf; i++) h[i] = act(h[i], kind, bf);
-            linear(*sh_out, 0, h.data(), 1, sf, s.data(), bf);
-            float g = 1.f;
-            if (sh_gate) { linear(*sh_gate, 0, xb, 1, d, gl.data(), bf); g = rb(sigm(gl[0]), bf); }
-            for (int64_t c = 0; c < d; c++) acc[c] = rb(acc[c] + (sh_gate ? rb(g * s[c], bf) : s[c]), bf);
-        }
-        store(acc.data(), d, (char*)y + b * d * (bf ? 2 : 4), bf);
     }
+    // each chosen expert once, on every row that chose it (its weights read once a step); pair (b, i)'s output kept
+    // apart, then summed per row in slot order (as one row's step sums them)
+    std::vector<int64_t> order(Bn * k);
+    for (int64_t p = 0; p < Bn * k; p++) order[p] = p;
+    std::stable_sort(order.begin(), order.end(), [ids](int64_t p, int64_t q) { return ids[p] < ids[q]; });
+    std::vector<float> xe(Bn * d), h(Bn * std::max(f, 2 * sf)), hg(Bn * f), oe(Bn * d), outs(Bn * k * d);
+    for (int64_t s0 = 0, s1; s0 < Bn * k; s0 = s1) {
+        for (s1 = s0; s1 < Bn * k && ids[order[s1]] == ids[order[s0]]; s1++)
+            std::copy(xf.data() + order[s1] / k * d, xf.data() + (order[s1] / k + 1) * d, xe.data() + (s1 - s0) * d);
+        mlp(gate, up, down, ids[order[s0]], xe.data(), s1 - s0, d, kind, h.data(), hg.data(), oe.data(), bf);
+        for (int64_t j = s0; j < s1; j++)
+            std::copy(oe.data() + (j - s0) * d, oe.data() + (j - s0 + 1) * d, outs.data() + order[j] * d);
+    }
+    std::vector<float> acc(Bn * d, 0.f), s(Bn * d), gl(Bn);
+    for (int64_t b = 0; b < Bn; b++)
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t c = 0; c < d; c++) acc[b * d + c] += outs[(b * k + i) * d + c] * weights[b * k + i];
+    for (auto& v : acc) v = rb(v, bf);
+    if (sh_in) {                                     // the shared expert: all rows in one product
+        dense_mlp(*sh_in, *sh_out, sh_gated, kind, xf.data(), Bn, d, h.data(), s.data(), bf);
+        if (sh_gate) linear(*sh_gate, 0, xf.data(), Bn, d, gl.data(), bf);
+        for (int64_t b = 0; b < Bn; b++) {
+            const float g = sh_gate ? rb(sigm(gl[b]), bf) : 1.f;
+            for (int64_t c = 0; c < d; c++)
+                acc[b * d + c] = rb(acc[b * d + c] + (sh_gate ? rb(g * s[b * d + c], bf) : s[b * d + c]), bf);
+        }
+    }
+    store(acc.data(), Bn * d, y, bf);
 }
 
 // RMSNorm of each of the n vectors of D channels of v (in place) with weight w [D], rounded as the norm's output
