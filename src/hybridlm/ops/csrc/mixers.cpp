@@ -1,7 +1,7 @@
 // Whole-mixer decode steps on a CPU: one call per mixer for a decode step of B rows, from the block's normed input to
 // the mixer's output (projections through the linear kernels of gemm.cpp, the conv tail, gates, norms and the
 // recurrent update or the attention over the cache), in place of the 10-40 PyTorch calls of the layer's own decode.
-// ops/cpu_mixers.py describes each layer's weights (a `Lin` per linear: its stored format and pointers, no copy)
+// layers/cpu_steps.py describes each layer's weights (a `Lin` per linear: its stored format and pointers, no copy)
 // and holds each step to the layer's PyTorch decode (tests/test_cpu_decode.py).
 //
 // Activations x, y [B, d] are in the model's dtype (`bf` = 1: bf16 as uint16_t); sums are float32, and every value
@@ -16,7 +16,7 @@
 #include "decode_common.h"
 #include "linear.h"
 
-// one linear layer's stored weight (ops/cpu_mixers.py's `Lin`): W [N, K] float32 (fmt 0) or bf16 (1), int8 with
+// one linear layer's stored weight (ops/cpu_kernels.py's `Lin`): W [N, K] float32 (fmt 0) or bf16 (1), int8 with
 // scale [N] (2), int4 repacked by q4_pack (3; K the padded K', G groups); bias float32 [N] or null. A stack of
 // experts: expert e's W starts w_step bytes, its scales s_step floats after expert e - 1's.
 struct Lin {
@@ -216,8 +216,8 @@ static void group_limit(float* choice, int64_t E, int64_t n_group, int64_t topk_
 }
 
 // Routed experts (layers/routed_moe.py, letter O's experts): x [B, d] -> y [B, d]. The router (`route` 1: softmax or
-// sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, group-limited when n_group > 1, the top k, renormalised (`norm_topk`), times `scale`);
-// or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
+// sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, group-limited when n_group > 1, the top k, renormalised
+// (`norm_topk`), times `scale`); or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
 // experts' gated (gate non-null) or plain MLPs, Σ weight · expert(x) in float32; plus the shared expert (sh_in
 // non-null: an MLP whose w_in holds [gate | up] when `sh_gated`) scaled by sigmoid(sh_gate x) when sh_gate is given.
 extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, int route, const Lin* router,
