@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import os
 
+from . import decode_profile
 from .measure import write_results
 
 
@@ -75,6 +76,13 @@ SUITES = {
                  help=dict(dry_run="run every part on the CPU at tiny sizes under Triton's interpreter (~1 minute)",
                            parts="only these parts (correctness, kernels, training, decode, memory, steps)",
                            time_limit="scale the parts' time budgets to add up to this many seconds (default ~400)")),
+    "decode-profile": Suite("where one CPU decode step's time goes: each part's and kernel's ms, bytes and GB/s "
+                            "against the read limit, per family shape and stored format",
+                            "decode_profile:decode_profile_suite", decode_profile.DEFAULTS, quick=decode_profile.QUICK,
+                            help=dict(formats="stored formats, a comma list of bf16, f32, int8, int4",
+                                      run="profile this checkpoint instead of the families' shapes",
+                                      check="also time one large bf16 matrix against the read limit",
+                                      read_mb="MB the read limit's float32 sum reads")),
     "quantize": Suite("float vs int8 vs int4 weights: prefill and decode tokens/s, a profile of one step",
                       "quantized:quantize_suite", QUANTIZE,
                       quick=dict(TINY, context=16, steps=4, repeats=1, group_size=32)),
