@@ -1,8 +1,7 @@
 """`hybridlm bench --suite decode-profile`: where one CPU decode step's time goes, for a model shape (the llama.cpp
 families' ~1B shapes, bench/llamacpp_families.py) or a run, in each stored format (bf16, f32, int8, int4).
 
-One step splits into parts, each timed by forward hooks (and around the CPU decode seam's `step`, which runs a mixer
-without calling it, where the tree has one): the embedding, each block's norm and mixer (grouped by the
+One step splits into parts, each timed by forward hooks: the embedding, each block's norm and mixer (grouped by the
 mixer's class over the layers), the block's own lines (the residual add), the final norm, the lm head, and what is
 left of the step (`decode_step`'s own Python); sampling is timed apart on the step's logits. Inside a part, every
 call into the kernels' library (a proxy in place of `ops.cpu_kernels._lib`) is timed as native time; the rest of
@@ -169,45 +168,45 @@ class Recorder:
         if self.stack:
             self.stack[-1][3] += wall
 
-    def _seam(self, real):
-        """The CPU decode seam's `step` (layers/cpu_steps.py, where the tree has one: it runs a mixer's step without
-        calling the module), timed as the mixer's part when it takes the mixer."""
-        def step(mixer, *a):
-            if mixer not in self.names:
-                return real(mixer, *a)
-            self._pre(mixer)
-            y = real(mixer, *a)
-            if y is not None:
-                self._post(mixer)
-            else:                           # declined: the mixer runs itself next (its hooks time it)
-                nat = self.stack.pop()[2]
-                if self.stack:
-                    self.stack[-1][2] += nat
+    def _timed(self, step):
+        """A CPU decode step (layers/cpu_steps.py: the blocks call it in place of the mixer's forward, so no forward
+        hook fires) timed as its mixer's part when it takes the mixer."""
+        def call(m, *args):
+            if m not in self.names:
+                return step(m, *args)
+            self._pre(m)
+            y = step(m, *args)
+            if y is None:
+                self.stack.pop()            # declined: the mixer's own forward (hooked) follows
+            else:
+                self._post(m)
             return y
-        return step
+        return call
 
     def __enter__(self):
-        import importlib.util
         from ..ops import cpu_kernels
+        try:
+            from ..layers import cpu_steps  # (a tree without the CPU decode seam has only the forward hooks)
+        except ImportError:
+            cpu_steps = None
         self._lib = cpu_kernels._lib
         if self._lib:
             cpu_kernels._lib = _Lib(self._lib, self)
-        self._steps = None
-        if importlib.util.find_spec(f"{__package__.rpartition('.')[0]}.layers.cpu_steps"):
-            from ..layers import cpu_steps
-            self._steps = cpu_steps
-            self._step, cpu_steps.step = cpu_steps.step, self._seam(cpu_steps.step)
         self._hooks = [h for m in self.names for h in (m.register_forward_pre_hook(self._pre),
                                                        m.register_forward_hook(self._post))]
+        self._steps = dict(cpu_steps.STEPS) if cpu_steps is not None else None
+        if self._steps is not None:
+            cpu_steps.STEPS.update({cls: self._timed(fn) for cls, fn in self._steps.items()})
         return self
 
     def __exit__(self, *exc):
         from ..ops import cpu_kernels
         cpu_kernels._lib = self._lib
-        if self._steps is not None:
-            self._steps.step = self._step
         for h in self._hooks:
             h.remove()
+        if self._steps is not None:
+            from ..layers import cpu_steps
+            cpu_steps.STEPS.update(self._steps)
 
 
 def build(name: str, fmt: str, group_size: int, quick: bool = False, run: str = "") -> nn.Module:

@@ -104,11 +104,11 @@ SUITES = {
                         params="125M", d_model=None, n_layers=None, prompt_len=64, max_tokens=48, requests=None,
                         time_limit=120.0, prefix_len=2048, context=4096, memory_budget_mb=1024.0, burst=16,
                         burst_min=64, burst_max=2048, dtype="auto", quantize="", url="", llama_server="",
-                        llamacpp_src="",
+                        llamacpp_src="", schema="", schema_tokenizer="", schema_steps=64,
                         dir=os.path.join("runs", "serve")),
                    quick=dict(presets="mamba2", concurrency=(1, 2), params="", d_model=64, n_layers=2,
                               prompt_len=8, max_tokens=4, prefix_len=0, context=256, time_limit=30.0, burst=4,
-                              burst_min=8, burst_max=64),
+                              burst_min=8, burst_max=64, schema_steps=4),
                    types=dict(d_model=int, n_layers=int, requests=int),
                    help=dict(concurrency="concurrent requests per level, a comma list",
                              params="size every preset to about this many parameters ('' with --d-model)",
@@ -120,7 +120,14 @@ SUITES = {
                              url="load a server already running there instead (any OpenAI-compatible one)",
                              llama_server="llama.cpp's llama-server binary: serve a TinyLlama-shaped Llama from "
                                           "the same weights with both (needs --llamacpp-src)",
-                             quantize="int8 or int4 weights")),
+                             quantize="int8 or int4 weights",
+                             schema="a JSON schema file, or 'builtin' (three): instead of HTTP load, the grammar "
+                                    "mask's cost per decode step beside the step at each --concurrency, and compile "
+                                    "times (bench/structured.py)",
+                             schema_tokenizer="the tokenizer the schema compiles against: byte (default), bpe:N "
+                                              "(trained on hybridlm's own sources), a tokenizer.json or a run; its "
+                                              "vocabulary sets the mask's cost",
+                             schema_steps="decode steps timed per batch size (--schema)")),
     "release": Suite("a released-size Rodimus+ checkpoint: convert, then decode float / int8 / int4 beside a "
                      "Transformer++ (CPU)", "rodimus_release:release_suite",
                      dict(dir=os.path.join("runs", "rodimus-release"), contexts=(128, 4096), steps=16,

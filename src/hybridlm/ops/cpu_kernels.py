@@ -185,6 +185,7 @@ _STEPS = {"dec_ssd_step": [_p] * 7 + [_i] * 5,
           "mix_kda": [_p, _p, _i, _i, _b, _p, _p, _p, _i] + [_p] * 8 + [_f, _p, _p, _i, _i],
           "mix_moe": [_p, _p, _i, _i, _b, _b, _p, _p, _b, _b, _f, _i, _i, _i, _p, _p, _p, _p, _p, _b, _p, _p, _b,
                       _p],
+          "mix_mlp": [_p, _p, _i, _i, _b, _p, _p, _b, _b],
           "mix_attention": [_p, _p, _i, _i, _b, _p, _p] + [_i] * 4 + [_b, _p, _p, _f, _i, _b] + [_p] * 4
                            + [_i] * 6 + [_p, _p, _i, _f],
           "mix_mla": [_p, _p, _i, _i, _b, _p, _p, _p, _p, _p, _f, _p, _b, _p] + [_i] * 5 + [_b, _b] + [_p] * 3

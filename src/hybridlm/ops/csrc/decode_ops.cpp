@@ -220,7 +220,8 @@ static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t
     // runs of keys: enough items for the threads (twice over), none under 256 keys
     const int64_t threads = omp_get_max_threads(), heads = Bn * Hk;
     const int64_t want = std::max<int64_t>(1, (2 * threads + heads - 1) / heads);
-    const int64_t run = std::max<int64_t>(256, (span + want - 1) / want), runs = std::max<int64_t>(1, (span + run - 1) / run);
+    const int64_t run = std::max<int64_t>(256, (span + want - 1) / want);
+    const int64_t runs = std::max<int64_t>(1, (span + run - 1) / run);
     const int64_t part = 2 + Dv;                           // per query head of an item: max, sum, Σ p v
     const bool wide = gk >= 8;                             // scores as vectors across the query heads of a key head
     std::vector<float> parts(heads * runs * gk * part);

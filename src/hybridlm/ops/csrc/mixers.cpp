@@ -216,8 +216,8 @@ static void group_limit(float* choice, int64_t E, int64_t n_group, int64_t topk_
 }
 
 // Routed experts (layers/routed_moe.py, letter O's experts): x [B, d] -> y [B, d]. The router (`route` 1: softmax or
-// sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, group-limited when n_group > 1, the top k, renormalised (`norm_topk`), times `scale`);
-// or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
+// sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, group-limited when n_group > 1, the top k, renormalised
+// (`norm_topk`), times `scale`); or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
 // experts' gated (gate non-null) or plain MLPs, Σ weight · expert(x) in float32; plus the shared expert (sh_in
 // non-null: an MLP whose w_in holds [gate | up] when `sh_gated`) scaled by sigmoid(sh_gate x) when sh_gate is given.
 extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, int route, const Lin* router,
