@@ -192,7 +192,6 @@ _STEPS = {"dec_ssd_step": [_p] * 7 + [_i] * 5,
                      + [_i, _i, _p, _p, _f],
           "mix_mamba2": [_p, _p, _i, _i, _b] + [_p] * 4 + [_i] + [_p] * 3 + [_f, _f, _b, _p, _f, _p, _p] + [_i] * 4,
           "mix_gated_conv": [_p, _p, _i, _i, _b] + [_p] * 4 + [_i, _p],
-          "mix_mlp": [_p, _p, _i, _i, _b, _p, _p, _b, _b],
           "mix_rodimus": [_p, _p, _i, _i, _b] + [_p] * 4 + [_i, _p, _p, _b] + [_p] * 6 + [_f, _p, _p, _i, _i]}
 
 
