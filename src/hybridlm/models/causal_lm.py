@@ -494,13 +494,17 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, attention_mask: Tensor | None = None, eos_token_id: int | None = None,
-               generator: torch.Generator | None = None, compile: bool = False, static: bool | None = None):
+               generator: torch.Generator | None = None, compile: bool = False, static: bool | None = None,
+               speculative=None):
         """Yield the next token ids [B] one step at a time (prefill once, then one-token decode). The cache is
         sized for prompt + max_new_tokens up front, so decode never reallocates it; `compile` runs the decode
         step under torch.compile (see `compiled_decode_step`). `static` decodes with fixed shapes over the whole
         preallocated cache (`static_decode_step`); default: when compiling on CUDA, where it runs as a CUDA graph.
         On a CPU the decode steps run the project's matrix-vector kernels (`quantize.cpu_kernels_by_default_`; they
-        leave training as it was; HYBRIDLM_CPU_KERNELS=0 turns them off)."""
+        leave training as it was; HYBRIDLM_CPU_KERNELS=0 turns them off).
+        `speculative` ("ngram[:K]", {"model": draft CausalLM, "k": K}, see models/speculative.py): each step checks
+        K drafted tokens in one forward and yields the accepted ones; the output distribution is unchanged (greedy:
+        the same tokens)."""
         from .generation import sample_next
         from .quantize import cpu_kernels_by_default_
         cpu_kernels_by_default_(self)
@@ -509,6 +513,12 @@ class CausalLM(nn.Module):
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
             raise InputError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_seq_len {self.config.max_seq_len}")
+        if speculative is not None:
+            yield from self._stream_speculative(input_ids, max_new_tokens, speculative, temperature=temperature,
+                                                top_k=top_k, top_p=top_p, attention_mask=attention_mask,
+                                                eos_token_id=eos_token_id, generator=generator,
+                                                compiled=compile or bool(static))
+            return
         cache = self.make_cache(input_ids.shape[0], max_tokens=input_ids.shape[1] + max_new_tokens)
         logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
         if static is None:   # CUDA graphs need fixed shapes; on a CPU the growing cache is faster (README)
@@ -528,12 +538,30 @@ class CausalLM(nn.Module):
                 return
             logits = step(nxt[:, None], cache)
 
+    def _stream_speculative(self, input_ids, max_new_tokens, speculative, *, eos_token_id, compiled, **kw):
+        """`stream` with speculative decoding (models/speculative.py): the tokens of each check, one at a time."""
+        from .speculative import decode
+        if compiled:
+            raise ConfigError("speculative decoding runs the eager forward: it does not combine with compile or "
+                              "static decoding")
+        if max_new_tokens == 0:
+            return
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for tokens in decode(self, input_ids, max_new_tokens, speculative, **kw):
+            for nxt in tokens:
+                if eos_token_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                    done |= nxt == eos_token_id
+                yield nxt
+                if eos_token_id is not None and bool(done.all()):
+                    return
+
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, *, attention_mask: Tensor | None = None,
                  eos_token_id: int | None = None, generator: torch.Generator | None = None,
-                 compile: bool = False, static: bool | None = None) -> Tensor:
-        """Prompt + new ids [B, T + n]. temperature 0 is greedy."""
+                 compile: bool = False, static: bool | None = None, speculative=None) -> Tensor:
+        """Prompt + new ids [B, T + n]. temperature 0 is greedy. `speculative`: see `stream`."""
         new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                attention_mask=attention_mask, eos_token_id=eos_token_id, generator=generator,
-                               compile=compile, static=static))
+                               compile=compile, static=static, speculative=speculative))
         return torch.cat([input_ids] + [t[:, None] for t in new], dim=1) if new else input_ids

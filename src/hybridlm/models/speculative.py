@@ -1,0 +1,350 @@
+"""Speculative decoding: a cheap drafter proposes K tokens, one forward of the model checks them all, and the longest
+prefix the model agrees with is kept, plus the model's own next token ("Fast Inference from Transformers via
+Speculative Decoding", Leviathan, Kalman and Matias, 2023; "Accelerating Large Language Model Decoding with
+Speculative Sampling", Chen et al., 2023). Decoding on a CPU reads every weight once per step whatever the tokens,
+so checking K + 1 tokens costs about one token's step.
+
+Acceptance (`accept`): greedy keeps drafts while they equal the model's argmax; sampling accepts draft x with
+probability min(1, p(x) / q(x)) and on a rejection draws from max(0, p - q) renormalised, so the output
+distribution is the model's p exactly (p after every sampler option; q the drafter's, one-hot for a lookup).
+
+Drafters: `NgramDrafter` (prompt lookup: the tokens that followed the last earlier occurrence of the last n tokens,
+n = 3, 2, 1) and `ModelDrafter` (a small `CausalLM` with the same vocabulary and its own cache).
+
+Rollback (`snapshot`, `rollback`): after a check the cache must hold exactly the accepted tokens. Attention keys
+(KV, MLA latents, indexer keys) are cut at any length, a window ring gets back the slots the rejected tokens
+overwrote; a recurrent slot (conv tail + state: S, R, G, K, C, B, two-hop blocks) cannot be cut, so its state is
+copied before the check and restored after a partial acceptance, and the accepted tokens are fed again at the head
+of the next check (`pending`): a replay that costs no forward of its own. `decode` runs the loop for
+`CausalLM.stream`; the server checks its rows the same way (serve/engine.py).
+"""
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..cache import IndexerCache, InferenceCache, KVCache, RecurrentCache, WindowKVCache
+from ..errors import ConfigError, InputError
+from .generation import filter_logits
+
+DEFAULT_K = 4                 # drafts per check: ~the break-even of a CPU step's cost against acceptance
+
+
+# ---------------------------------------------------------------------------------------------------- drafters
+class NgramIndex:
+    """Prompt lookup over one growing token sequence: `draft(k)` gives the (at most) k tokens that followed the last
+    earlier occurrence of the sequence's last n tokens, trying n = max_n down to 1. Incremental: every n-gram is
+    entered once, as the sequence grows, in a dict from n-gram to where it last ended."""
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.last: dict[tuple, int] = {}       # n-gram -> end index of its last occurrence before the current end
+
+    def extend(self, tokens):
+        for t in tokens:
+            end = len(self.tokens) - 1         # the n-grams ending at the previous last token become searchable
+            for n in range(1, self.max_n + 1):
+                if end - n + 1 >= 0:
+                    self.last[tuple(self.tokens[end - n + 1:end + 1])] = end
+            self.tokens.append(int(t))
+
+    def draft(self, k: int) -> list[int]:
+        L = len(self.tokens)
+        for n in range(min(self.max_n, L), 0, -1):
+            end = self.last.get(tuple(self.tokens[L - n:]))
+            if end is not None:
+                return self.tokens[end + 1:end + 1 + k]
+        return []
+
+
+@dataclass
+class NgramDrafter:
+    """`ngram[:K]`: prompt lookup, K drafts per check (the draft distribution is one-hot)."""
+    k: int = DEFAULT_K
+    max_n: int = 3
+
+
+@dataclass
+class ModelDrafter:
+    """A draft model: a small CausalLM with the target's vocabulary, K drafts per check (greedy when the target
+    decodes greedily, else sampled from its own filtered distribution, which the acceptance rule corrects)."""
+    model: object
+    k: int = DEFAULT_K
+
+
+def parse_speculative(spec, draft_model=None):
+    """`speculative=` of generate / `--speculative` of serve -> a drafter. "ngram" | "ngram:K" | "draft" |
+    "draft:K" (with `draft_model`), a dict {"model": CausalLM, "k": K} / {"ngram": K}, or a drafter itself."""
+    if spec is None or isinstance(spec, (NgramDrafter, ModelDrafter)):
+        return spec
+    if isinstance(spec, dict):
+        if "model" in spec:
+            return ModelDrafter(spec["model"], _k(spec.get("k", DEFAULT_K)))
+        if "ngram" in spec:
+            return NgramDrafter(_k(spec["ngram"]))
+        raise InputError(f"speculative: a dict names a draft 'model' (and 'k') or 'ngram': K, got keys {sorted(spec)}")
+    if isinstance(spec, str):
+        kind, _, k = spec.partition(":")
+        k = _k(k) if k else DEFAULT_K
+        if kind == "ngram":
+            return NgramDrafter(k)
+        if kind == "draft":
+            if draft_model is None:
+                raise InputError("speculative 'draft' needs a draft model (--draft-checkpoint RUN)")
+            return ModelDrafter(draft_model, k)
+    raise InputError(f"speculative must be 'ngram[:K]', 'draft[:K]' or a draft model, got {spec!r}")
+
+
+def _k(k) -> int:
+    try:
+        k = int(k)
+    except (TypeError, ValueError):
+        raise InputError(f"speculative K (drafts per step) must be an integer, got {k!r}") from None
+    if not 1 <= k <= 64:
+        raise InputError(f"speculative K (drafts per step) must be in [1, 64], got {k}")
+    return k
+
+
+def check_draft_model(target, draft):
+    """One ConfigError when `draft` cannot draft for `target` (same token ids: same vocabulary size)."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(f"the draft model's vocab_size {draft.config.vocab_size} differs from the model's "
+                          f"{target.config.vocab_size}: a draft model must share the tokenizer")
+
+
+# ---------------------------------------------------------------------------------------------------- rollback
+@dataclass
+class Snapshot:
+    """What `rollback` needs of a cache as it was before a check: its bookkeeping, each attention slot's length,
+    copies of window rings and recurrent states."""
+    seen: int
+    next_pos: Tensor
+    key_mask: Tensor | None
+    slots: list = field(default_factory=list)
+
+
+def _slots(cache: InferenceCache):
+    for slot in cache.layers:
+        if isinstance(slot, IndexerCache):
+            yield slot.keys
+            slot = slot.main
+        if slot is not None:
+            yield slot
+
+
+def can_cut(cache: InferenceCache, tokens: int) -> bool:
+    """Whether every slot of `cache` can drop the last of `tokens` fed tokens without a copy from before them: only
+    attention (a window ring if the tokens do not wrap it), no recurrent state."""
+    return all(isinstance(s, KVCache) or (isinstance(s, WindowKVCache) and tokens <= s.window) for s in _slots(cache))
+
+
+def snapshot(cache: InferenceCache) -> Snapshot:
+    """The state `rollback` returns to: attention lengths, copies of window rings and recurrent states (float32: the
+    S/R/G/K/B state of every row, a few MB for a 125M hybrid; a pure attention model copies nothing)."""
+    saved = []
+    for s in _slots(cache):
+        if isinstance(s, KVCache):
+            saved.append(s.length)
+        elif isinstance(s, WindowKVCache):
+            saved.append((s.length, s.k.clone(), s.v.clone()))
+        elif isinstance(s, RecurrentCache):
+            saved.append(tuple(t.clone() if t is not None else None for t in (s.conv, s.state)))
+        else:
+            raise TypeError(f"no rollback rule for cache slot {type(s).__name__}")
+    return Snapshot(cache.seen, cache.next_pos.clone(), cache.key_mask, saved)
+
+
+def rollback(cache: InferenceCache, snap: Snapshot, keep: int) -> int:
+    """Make `cache` hold what it held at `snap` plus the first `keep` tokens fed since (same count for every row).
+    Returns how many of those it holds: `keep` when every slot was cut, or 0 when a recurrent state (or a wrapped
+    ring) made it restore `snap`, and the caller feeds the kept tokens again."""
+    fed = cache.seen - snap.seen
+    if keep == fed:
+        return keep
+    cut = can_cut(cache, fed)
+    held = keep if cut else 0
+    for s, saved in zip(_slots(cache), snap.slots):
+        if isinstance(s, KVCache):
+            s.length = saved + held
+        elif isinstance(s, WindowKVCache):
+            length, k, v = saved
+            if cut:      # the slots of the rejected tokens get back what they held before
+                t = torch.arange(length + held, length + fed, device=s.k.device) % s.window
+                s.k[:, t], s.v[:, t] = k[:, t], v[:, t]
+            else:
+                s.k, s.v = k, v
+            s.length = length + held
+        else:
+            s.conv, s.state = saved
+    cache.seen = snap.seen + held
+    cache.next_pos = snap.next_pos + held
+    if not held or cache.key_mask is None:
+        cache.key_mask = snap.key_mask
+    else:
+        cache.key_mask = cache.key_mask[:, :cache.seen]
+    return held
+
+
+# ---------------------------------------------------------------------------------------------------- acceptance
+def accept(target: Tensor, drafts: list[int], q: Tensor | None = None, *, greedy: bool,
+           generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Check one row's k drafts. target [k+1, V]: the model's final logits (greedy: argmax, penalties applied) or
+    its sampling probabilities (every filter applied) at the position before each draft and after the last.
+    q [k, V]: the drafter's probabilities of what it drew from (None: one-hot, a deterministic drafter).
+    Returns (n accepted drafts, the token that follows them: the model's correction or its next token)."""
+    k = len(drafts)
+    if greedy:
+        best = target.argmax(-1).tolist()
+        n = next((j for j in range(k) if drafts[j] != best[j]), k)
+        return n, best[n]
+    d = torch.tensor(drafts, dtype=torch.long, device=target.device)
+    p_d = target[torch.arange(k, device=target.device), d] if k else target[:0, 0]
+    q_d = q[torch.arange(k, device=target.device), d] if q is not None else torch.ones_like(p_d)
+    u = torch.rand(k, generator=generator, device=target.device, dtype=p_d.dtype) if k else p_d
+    ok = (u * q_d < p_d).tolist()                            # u < p / q without dividing by a zero q
+    n = next((j for j in range(k) if not ok[j]), k)
+    dist = target[n]
+    if n < k:                                                # rejected: sample max(0, p - q) renormalised
+        qn = q[n] if q is not None else torch.zeros_like(dist).index_fill_(0, d[n:n + 1], 1.0)
+        res = (dist - qn).clamp(min=0)
+        dist = res if float(res.sum()) > 0 else dist
+    return n, int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+class _Model:
+    """A model, its cache and how many tokens of the sequence the cache holds (`fed`, the same for every row)."""
+
+    def __init__(self, model, batch: int, max_tokens: int):
+        self.model = model
+        self.cache = model.make_cache(batch, max_tokens=max_tokens)
+        self.fed = 0
+        self.snap: Snapshot | None = None
+        self.step_fed = 0
+
+    def run(self, ids: Tensor, mask: Tensor | None = None, keep_logits: int = 1, save: bool = False) -> Tensor:
+        """Feed ids [B, T] (the snapshot taken first when `save`); logits of the last `keep_logits` positions."""
+        if save:
+            self.snap = snapshot(self.cache)
+            self.step_fed = self.fed
+        out = self.model(ids, attention_mask=mask, cache=self.cache, logits_to_keep=keep_logits).logits
+        self.fed += ids.shape[1]
+        return out
+
+    def keep(self, n: int):
+        """Of the tokens fed since the snapshot, keep the first n (the rest are rolled back)."""
+        self.fed = self.step_fed + rollback(self.cache, self.snap, n)
+        self.snap = None
+
+
+class _DraftRunner:
+    """A `ModelDrafter` over a batch: its own cache follows the sequence, rolled back like the model's."""
+
+    def __init__(self, drafter: ModelDrafter, batch: int, max_tokens: int, prompt: int, mask: Tensor | None):
+        self.m = _Model(drafter.model, batch, max_tokens)
+        self.mask = mask
+        self.prompt = prompt
+
+    def draft(self, seq: Tensor, k: int, sampler) -> tuple[Tensor, Tensor | None]:
+        """k drafts [B, k] for seq [B, L] and the probabilities they were drawn from [B, k, V] (None: greedy)."""
+        m = self.m
+        if m.fed == 0:            # the (left-padded) prompt first: a snapshot holds a prefilled cache
+            m.run(seq[:, :self.prompt], self.mask)
+        logits = m.run(seq[:, m.fed:], save=True)[:, -1]
+        drafts, probs = [], []
+        for i in range(k):
+            tok, pr = sampler(logits)
+            drafts.append(tok)
+            probs.append(pr)
+            if i + 1 < k:
+                logits = m.run(tok[:, None])[:, -1]
+        q = torch.stack(probs, 1) if probs[0] is not None else None
+        return torch.stack(drafts, 1), q
+
+    def commit(self, accepted: int, k: int):
+        """The model kept `accepted` of the k drafts: keep what this cache fed of the sequence so far."""
+        fed_now = self.m.fed - self.m.step_fed             # pending part + drafts 1..k-1
+        self.m.keep(fed_now - (k - 1) + min(accepted, k - 1))
+
+
+@torch.inference_mode()
+def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, attention_mask: Tensor | None = None,
+           generator: torch.Generator | None = None, max_pending: int | None = None):
+    """Yield lists of new token ids [B] (one list per check: the accepted drafts and the token after them) for
+    `CausalLM.stream`. Every row keeps the same number of tokens per check (the fewest any row accepted: exact,
+    each row's tokens are its own), so one cache serves the batch. `max_pending` bounds a check's length: accepted
+    tokens still to replay plus drafts (default 2(K + 1))."""
+    drafter = parse_speculative(spec)
+    B, L0 = input_ids.shape
+    K = drafter.k
+    max_pending = max_pending or 2 * (K + 1)
+    total = L0 + max_new_tokens
+    greedy = temperature == 0
+    if isinstance(drafter, ModelDrafter):
+        check_draft_model(model, drafter.model)
+        if total > drafter.model.config.max_seq_len:
+            raise InputError(f"prompt + max_new_tokens ({total}) exceeds the draft model's max_seq_len "
+                             f"{drafter.model.config.max_seq_len}")
+    dev = input_ids.device
+    V = model.config.vocab_size
+    full = lambda v, dt=None: torch.full((B,), v, device=dev, dtype=dt)   # noqa: E731
+
+    def probs(logits: Tensor) -> Tensor:         # [N, V] -> sampling probabilities, every filter applied
+        N = logits.shape[0]
+        t = torch.full((N,), temperature, device=dev)
+        return torch.softmax(filter_logits(logits, t, top_k=torch.full((N,), top_k or 0, device=dev, dtype=torch.long),
+                                           top_p=torch.full((N,), top_p if top_p is not None else 1.0, device=dev)), -1)
+
+    def sampler(logits: Tensor):                 # [B, V] -> (tokens [B], probabilities [B, V] or None)
+        if greedy:
+            return logits.argmax(-1), None
+        pr = probs(logits)
+        return torch.multinomial(pr, 1, generator=generator).squeeze(-1), pr
+
+    target = _Model(model, B, total)
+    first = target.run(input_ids, attention_mask)[:, -1]
+    tok, _ = sampler(first)
+    seq = torch.cat((input_ids, tok[:, None]), 1)
+    yield [tok]
+    emitted = 1
+    runner = _DraftRunner(drafter, B, total, L0, attention_mask) if isinstance(drafter, ModelDrafter) else None
+    index = [NgramIndex(drafter.max_n) for _ in range(B)] if runner is None else None
+    if index is not None:
+        for i in range(B):
+            real = input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
+            index[i].extend(real.tolist() + [int(tok[i])])
+    while emitted < max_new_tokens:
+        pending = seq[:, target.fed:]
+        p = pending.shape[1]
+        k = max(0, min(K, max_new_tokens - emitted - 1, max_pending - p))
+        q = None
+        if k and runner is not None:
+            drafts, q = runner.draft(seq, k, sampler)
+        elif k:
+            rows = [ix.draft(k) for ix in index]
+            k = max(len(r) for r in rows)
+            drafts = torch.tensor([r + [r[-1] if r else int(seq[i, -1])] * (k - len(r)) for i, r in enumerate(rows)],
+                                  dtype=torch.long, device=dev).view(B, k)
+        if not k:        # nothing to check: an ordinary step (it also replays what is pending)
+            logits = target.run(pending)[:, -1]
+            new = [sampler(logits)[0]]
+        else:
+            logits = target.run(torch.cat((pending, drafts), 1), keep_logits=k + 1, save=True)
+            dl = drafts.tolist()
+            res = [accept(logits[i].float() if greedy else probs(logits[i]), dl[i],
+                          q[i] if q is not None else None, greedy=greedy, generator=generator) for i in range(B)]
+            n = min(a for a, _ in res)
+            last = torch.tensor([dl[i][n] if a > n else t for i, (a, t) in enumerate(res)], device=dev)
+            new = [drafts[:, j] for j in range(n)] + [last]
+            target.keep(p + n)
+            if runner is not None:
+                runner.commit(n, k)
+        new = new[:max_new_tokens - emitted]
+        seq = torch.cat([seq] + [t[:, None] for t in new], 1)
+        if index is not None:
+            for i in range(B):
+                index[i].extend([int(t[i]) for t in new])
+        emitted += len(new)
+        yield new
