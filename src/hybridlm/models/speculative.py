@@ -187,29 +187,39 @@ def rollback(cache: InferenceCache, snap: Snapshot, keep: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- acceptance
-def accept(target: Tensor, drafts: list[int], q: Tensor | None = None, *, greedy: bool,
-           generator: torch.Generator | None = None) -> tuple[int, int]:
-    """Check one row's k drafts. target [k+1, V]: the model's final logits (greedy: argmax, penalties applied) or
-    its sampling probabilities (every filter applied) at the position before each draft and after the last.
-    q [k, V]: the drafter's probabilities of what it drew from (None: one-hot, a deterministic drafter).
-    Returns (n accepted drafts, the token that follows them: the model's correction or its next token)."""
-    k = len(drafts)
+def accept(target: Tensor, drafts: Tensor, q: Tensor | None = None, *, greedy: bool,
+           generator: torch.Generator | list | None = None) -> tuple[Tensor, Tensor]:
+    """Check the k drafts [B, k] of B rows. target [B, k+1, V]: the model's logits (greedy: their argmax, penalties
+    applied) or its sampling probabilities (every filter applied) before each draft and after the last. q [B, k, V]:
+    the drafter's probabilities of what it drew from (None: one-hot, a deterministic drafter). `generator`: one for
+    all rows or a list of one per row. Returns (n [B]: drafts accepted, next [B]: the token after them, the model's
+    correction or its own next token)."""
+    B, k = drafts.shape
+    rows = torch.arange(B, device=target.device)
     if greedy:
-        best = target.argmax(-1).tolist()
-        n = next((j for j in range(k) if drafts[j] != best[j]), k)
-        return n, best[n]
-    d = torch.tensor(drafts, dtype=torch.long, device=target.device)
-    p_d = target[torch.arange(k, device=target.device), d] if k else target[:0, 0]
-    q_d = q[torch.arange(k, device=target.device), d] if q is not None else torch.ones_like(p_d)
-    u = torch.rand(k, generator=generator, device=target.device, dtype=p_d.dtype) if k else p_d
-    ok = (u * q_d < p_d).tolist()                            # u < p / q without dividing by a zero q
-    n = next((j for j in range(k) if not ok[j]), k)
-    dist = target[n]
-    if n < k:                                                # rejected: sample max(0, p - q) renormalised
-        qn = q[n] if q is not None else torch.zeros_like(dist).index_fill_(0, d[n:n + 1], 1.0)
+        best = target.argmax(-1)
+        n = (drafts == best[:, :k]).long().cumprod(1).sum(1)
+        return n, best[rows, n]
+    p_d = target[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_d = q.gather(2, drafts[..., None])[..., 0] if q is not None else torch.ones_like(p_d)
+    if isinstance(generator, list):
+        u = torch.stack([torch.rand(k, generator=g, device=target.device) for g in generator])
+    else:
+        u = torch.rand(B, k, generator=generator, device=target.device)
+    n = (u * q_d < p_d).long().cumprod(1).sum(1)              # u < p / q, without dividing by a zero q
+    dist = target[rows, n]
+    at = n.clamp(max=max(k - 1, 0))
+    if k:                                                      # rejected: draw from max(0, p - q) renormalised
+        qn = q[rows, at] if q is not None else torch.zeros_like(dist).scatter_(1, drafts[rows, at][:, None], 1.0)
         res = (dist - qn).clamp(min=0)
-        dist = res if float(res.sum()) > 0 else dist
-    return n, int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
+        use = (n < k) & (res.sum(-1) > 0)
+        dist = torch.where(use[:, None], res, dist)
+    dist = dist / dist.sum(-1, keepdim=True)
+    if isinstance(generator, list):
+        nxt = torch.cat([torch.multinomial(dist[i], 1, generator=g) for i, g in enumerate(generator)])
+    else:
+        nxt = torch.multinomial(dist, 1, generator=generator)[:, 0]
+    return n, nxt
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -288,8 +298,6 @@ def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: 
             raise InputError(f"prompt + max_new_tokens ({total}) exceeds the draft model's max_seq_len "
                              f"{drafter.model.config.max_seq_len}")
     dev = input_ids.device
-    V = model.config.vocab_size
-    full = lambda v, dt=None: torch.full((B,), v, device=dev, dtype=dt)   # noqa: E731
 
     def probs(logits: Tensor) -> Tensor:         # [N, V] -> sampling probabilities, every filter applied
         N = logits.shape[0]
@@ -332,11 +340,10 @@ def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: 
             new = [sampler(logits)[0]]
         else:
             logits = target.run(torch.cat((pending, drafts), 1), keep_logits=k + 1, save=True)
-            dl = drafts.tolist()
-            res = [accept(logits[i].float() if greedy else probs(logits[i]), dl[i],
-                          q[i] if q is not None else None, greedy=greedy, generator=generator) for i in range(B)]
-            n = min(a for a, _ in res)
-            last = torch.tensor([dl[i][n] if a > n else t for i, (a, t) in enumerate(res)], device=dev)
+            target_p = logits.float() if greedy else probs(logits.flatten(0, 1)).view(logits.shape)
+            acc, nxt = accept(target_p, drafts, q, greedy=greedy, generator=generator)
+            n = int(acc.min())
+            last = torch.where(acc > n, drafts[:, min(n, k - 1)], nxt)
             new = [drafts[:, j] for j in range(n)] + [last]
             target.keep(p + n)
             if runner is not None:
