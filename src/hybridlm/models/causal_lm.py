@@ -387,6 +387,11 @@ class CausalLM(nn.Module):
         `torch.compile` sees one graph. Generated tokens are real: a padded prompt's key mask just grows."""
         return self.lm_head(self._hidden(ids, self._context(ids, None, cache, None), cache)[:, -1])
 
+    def check_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
+        """`decode_step` for T tokens per row, ids [B, T] -> logits [B, T, V] at every position (speculative
+        decoding checks T - 1 drafts at once: models/speculative.py). No input checks, as decode_step."""
+        return self.lm_head(self._hidden(ids, self._context(ids, None, cache, None), cache))
+
     def compiled_decode_step(self):
         """`decode_step` under torch.compile (dynamic shapes: the cache grows every step). The first calls
         compile (seconds to tens of seconds on a CPU); later ones run the fused graph. One compiled function is

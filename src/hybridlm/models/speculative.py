@@ -248,7 +248,7 @@ class _Model:
         self.snap = None
 
 
-class _DraftRunner:
+class DraftRunner:
     """A `ModelDrafter` over a batch: its own cache follows the sequence, rolled back like the model's."""
 
     def __init__(self, drafter: ModelDrafter, batch: int, max_tokens: int, prompt: int, mask: Tensor | None):
@@ -273,7 +273,10 @@ class _DraftRunner:
         return torch.stack(drafts, 1), q
 
     def commit(self, accepted: int, k: int):
-        """The model kept `accepted` of the k drafts: keep what this cache fed of the sequence so far."""
+        """The model kept `accepted` of the k drafts: keep what this cache fed of the sequence so far (nothing to do
+        when it drafted nothing since)."""
+        if self.m.snap is None:
+            return
         fed_now = self.m.fed - self.m.step_fed             # pending part + drafts 1..k-1
         self.m.keep(fed_now - (k - 1) + min(accepted, k - 1))
 
@@ -317,7 +320,7 @@ def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: 
     seq = torch.cat((input_ids, tok[:, None]), 1)
     yield [tok]
     emitted = 1
-    runner = _DraftRunner(drafter, B, total, L0, attention_mask) if isinstance(drafter, ModelDrafter) else None
+    runner = DraftRunner(drafter, B, total, L0, attention_mask) if isinstance(drafter, ModelDrafter) else None
     index = [NgramIndex(drafter.max_n) for _ in range(B)] if runner is None else None
     if index is not None:
         for i in range(B):

@@ -222,14 +222,16 @@ class Scheduler:
                 return True
             if not rows:
                 return False
+            before = [len(r.output) for r in rows]
             try:
                 eng.decode()
             except Exception as e:
                 eng.clear()
                 self._fail(rows, e, "decode")
                 return True
-        for r in rows:
-            self._emit(r, r.output[-1])
+        for r, b in zip(rows, before):
+            for t in r.output[b:]:          # one token, or several with speculative decoding
+                self._emit(r, t)
             if r.finished:
                 self._finish(r)
         if all(r.finished for r in rows):         # nothing left running: free the batch's state now

@@ -1,0 +1,151 @@
+"""The engine's speculative step (`hybridlm serve --speculative`): every running row drafts K tokens, one forward of
+the model checks all rows' drafts, and each row gets the drafts its sampler accepts plus the token after them
+(models/speculative.py: drafters, acceptance rule, rollback).
+
+At each checked position a row's distribution is the one `Engine._sample` would use there: penalties over prompt +
+output + the drafts before that position, then temperature, top-k, top-p, min-p; greedy rows compare drafts with
+the argmax. The running batch is one cache whose rows share a time axis, so every row keeps the same number of
+tokens per check (the fewest any live row accepted; each row's tokens are its own, so the output is exact); a cache
+with recurrent state is restored and the kept tokens fed again (one more forward) when a check was cut short.
+A draft model keeps one batch-1 cache per request (`Request.draft`), rolled back the same way.
+"""
+import torch
+
+from ..models.generation import filter_logits, penalize
+from ..models.speculative import ModelDrafter, NgramIndex, DraftRunner, accept, rollback, snapshot
+
+
+class SpecStats:
+    """Counters for /metrics and the bench: checks run, drafts checked, drafts accepted, tokens emitted."""
+
+    def __init__(self):
+        self.checks = self.drafted = self.accepted = self.emitted = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_check(self) -> float:
+        return self.emitted / self.checks if self.checks else 0.0
+
+
+def _history(req) -> list[int]:
+    return req.prompt + req.output
+
+
+def _drafts(engine, live: list, k: int) -> list[list[int]]:
+    """Each live request's drafts (at most k)."""
+    d = engine.drafter
+    out = []
+    for r in live:
+        if isinstance(d, ModelDrafter):
+            if r.draft is None:
+                r.draft = DraftRunner(d, 1, len(r.prompt) + r.params.max_tokens + d.k + 1, len(r.prompt), None)
+            seq = torch.tensor([_history(r)], dtype=torch.long, device=engine.device)
+            toks, q = r.draft.draft(seq, k, lambda logits, r=r: _draft_sample(r, logits))
+            r.draft_q = q[0] if q is not None else None
+            out.append(toks[0].tolist())
+        else:
+            if r.draft is None:
+                r.draft = NgramIndex(d.max_n)
+            r.draft.extend(_history(r)[len(r.draft.tokens):])
+            out.append(r.draft.draft(k))
+    return out
+
+
+def _draft_sample(req, logits):
+    """The draft model's token for `req` from logits [1, V]: its argmax for a greedy request, else a draw from its
+    filtered distribution (returned too: the acceptance rule needs it)."""
+    p = req.params
+    if p.temperature == 0:
+        return logits.argmax(-1), None
+    dev = logits.device
+    probs = torch.softmax(filter_logits(logits, torch.tensor([p.temperature], device=dev),
+                                        top_k=torch.tensor([p.top_k or 0], device=dev),
+                                        top_p=torch.tensor([p.top_p or 1.0], device=dev),
+                                        min_p=torch.tensor([p.min_p], device=dev)), -1)
+    return torch.multinomial(probs, 1, generator=req.generator)[:, 0], probs
+
+
+def _target(engine, req, logits, drafts: list[int]):
+    """The row's distribution at each checked position: logits [k+1, V] -> penalised logits (greedy) or sampling
+    probabilities, the drafts before each position counted as output."""
+    p, dev = req.params, logits.device
+    x = logits.float()
+    if p.penalized:
+        seen, counts = engine._token_sets([req])
+        k = len(drafts)
+        d = torch.tensor(drafts, dtype=torch.long, device=dev)
+        before = torch.zeros(k + 1, x.shape[-1], device=dev)
+        if k:
+            before[1:] = torch.zeros(k, x.shape[-1], device=dev).scatter_(1, d[:, None], 1.0).cumsum(0)
+        rows = k + 1
+        x = penalize(x, seen.expand(rows, -1) | (before > 0), counts + before,
+                     *(torch.full((rows,), float(getattr(p, f)), device=dev)
+                       for f in ("repetition_penalty", "presence_penalty", "frequency_penalty")))
+    if p.temperature == 0:
+        return x
+    n = x.shape[0]
+    return torch.softmax(filter_logits(x, torch.full((n,), p.temperature, device=dev),
+                                       top_k=torch.full((n,), p.top_k or 0, dtype=torch.long, device=dev),
+                                       top_p=torch.full((n,), p.top_p if p.top_p is not None else 1.0, device=dev),
+                                       min_p=torch.full((n,), p.min_p, device=dev)), -1)
+
+
+def speculative_decode(engine) -> bool:
+    """One check of every running row of `engine` (the batch is set); False (nothing run) when no row has a draft or
+    a row has no room for one, and the engine decodes one token plainly instead."""
+    rows = engine.rows
+    live = [r for r in rows if r is not None]
+    k = min(engine.drafter.k, min(r.params.max_tokens - len(r.output) for r in live) - 1)
+    if k < 1:
+        return False
+    drafts = _drafts(engine, live, k)
+    k = max(len(d) for d in drafts)
+    if k == 0:
+        for r in live:
+            _keep_draft(r, 0, 0)
+        return False
+    drafts = [d + [d[-1] if d else r.output[-1]] * (k - len(d)) for d, r in zip(drafts, live)]
+    by_row = iter(drafts)
+    ids = torch.tensor([[r.output[-1]] + next(by_row) if r is not None else [0] * (k + 1) for r in rows],
+                       dtype=torch.long, device=engine.device)
+    if len(live) < len(rows):
+        dead = torch.tensor([i for i, r in enumerate(rows) if r is None], device=engine.device)
+        engine.batch.next_pos[dead] = 0        # positions stay inside a learned position table
+    snap = snapshot(engine.batch)
+    logits = engine.model.check_step(ids, engine.batch)          # [rows, k+1, V]
+    at = [i for i, r in enumerate(rows) if r is not None]
+    n_acc, nxt = [], []
+    for j, (i, r) in enumerate(zip(at, live)):
+        d = torch.tensor([drafts[j]], dtype=torch.long, device=engine.device)
+        greedy = r.params.temperature == 0
+        q = getattr(r, "draft_q", None)
+        a, t = accept(_target(engine, r, logits[i], drafts[j])[None], d, q[None] if q is not None else None,
+                      greedy=greedy, generator=None if greedy else [r.generator])
+        n_acc.append(int(a))
+        nxt.append(int(t))
+    n = min(n_acc)
+    keep = 1 + n                                  # the last token and the drafts every row accepted
+    if rollback(engine.batch, snap, keep) < keep:
+        engine.model.check_step(ids[:, :keep], engine.batch)      # restored: feed the kept tokens again
+    st = engine.spec_stats
+    st.checks += 1
+    st.drafted += k * len(live)
+    st.accepted += sum(n_acc)
+    for j, (i, r) in enumerate(zip(at, live)):
+        new = drafts[j][:n] + [drafts[j][n] if n_acc[j] > n else nxt[j]]
+        _keep_draft(r, n, k)
+        for pos, t in enumerate(new):
+            if r.finished:
+                break
+            engine.append_token(r, t, logits[i, pos])
+            st.emitted += 1
+    return True
+
+
+def _keep_draft(req, n: int, k: int):
+    """A draft model's cache keeps the drafts the check kept (n of k)."""
+    if isinstance(req.draft, DraftRunner):
+        req.draft.commit(n, k)
