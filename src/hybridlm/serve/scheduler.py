@@ -101,6 +101,13 @@ class Scheduler:
             "prefix_cache_misses_total": ("Requests with full blocks and no cached prefix", eng.prefix.misses),
             "prefix_cache_hit_tokens_total": ("Prompt tokens resumed from the prefix cache", eng.prefix.hit_tokens),
             "prefix_cache_bytes": ("Bytes allocated by the prefix cache", mem["prefix_cache_bytes"]),
+            "spec_decode_num_drafts_total": ("Speculative checks (one forward over every row's drafts)",
+                                             eng.spec_stats.checks),
+            "spec_decode_num_draft_tokens_total": ("Draft tokens checked", eng.spec_stats.drafted),
+            "spec_decode_num_accepted_tokens_total": ("Draft tokens the model accepted", eng.spec_stats.accepted),
+            "spec_decode_acceptance_rate": ("Accepted over checked draft tokens", eng.spec_stats.acceptance),
+            "spec_decode_tokens_per_step": ("Tokens added per row per speculative check",
+                                            eng.spec_stats.tokens_per_check),
         }
 
     # ------------------------------------------------------------ the engine's thread
