@@ -201,7 +201,7 @@ class KVCache(_Rows):
                 ks.append(slot.k[rows, :L])
                 vs.append(slot.v[rows, :L])
             else:      # row i's columns [starts_i, starts_i + L): what lies past its tokens is masked
-                cols = (starts[:, None] + torch.arange(L, device=rows.device)).clamp(max=max(L - 1, 0))
+                cols = (starts[:, None] + torch.arange(L, device=rows.device)).clamp(max=slot.length - 1)
                 ks.append(slot.k[rows[:, None], cols])
                 vs.append(slot.v[rows[:, None], cols])
             ns.append(n)
