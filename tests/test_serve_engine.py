@@ -8,8 +8,8 @@ import torch
 from conftest import assert_close
 from hybridlm import presets
 from hybridlm.errors import InputError
+from hybridlm.cache import InferenceCache
 from hybridlm.serve import Engine, QueueFull, Request, SamplingParams, Scheduler
-from hybridlm.serve.slots import gather
 from serve_helpers import FAMILIES, tiny
 
 # every other preset family (sizes of one family and Doge's 16,384 experts left out), as slow tests
@@ -58,8 +58,9 @@ def test_prefix_hit_gives_identical_output(name):
 
 
 @pytest.mark.parametrize("name", ["rodimus++", "mamba2-attention", "deepseek-mla"])
-def test_gather_rows_decode_like_their_own_caches(name):
-    """A batch gathered from caches of different lengths decodes every row exactly as its own cache does."""
+def test_rows_at_their_own_lengths_decode_like_their_own_caches(name):
+    """A batch concatenated from caches of different lengths (each row at its own length, no padding) decodes every
+    row exactly as its own cache does; rows taken out of it keep doing so."""
     m = tiny(name)
     g = torch.Generator().manual_seed(0)
     caches, ids = [], []
@@ -69,13 +70,13 @@ def test_gather_rows_decode_like_their_own_caches(name):
             m(torch.randint(0, 256, (1, n), generator=g), cache=c)
             caches.append(c)
             ids.append(torch.randint(0, 256, (1, 1), generator=g))
-        batch = gather([(c, [0]) for c in caches], extra=4)
-        own = torch.cat([m.decode_step(i, gather([(c, [0])])) for i, c in zip(ids, caches)])
+        batch = InferenceCache.concat([(c, [0]) for c in caches], cap=16)
+        assert batch.lengths.tolist() == [3, 11, 6] and batch.seen == 11
+        own = torch.cat([m.decode_step(i, c.take([0])) for i, c in zip(ids, caches)])
         assert_close(m.decode_step(torch.cat(ids), batch), own, atol=1e-5, msg=name)
-        sub = gather([(batch, [2, 0])])         # drop a row (its padding columns go with it)
-        assert sub.seen == 7
+        sub = batch.take([2, 0])                # two rows out: the longest row's columns go with it
+        assert sub.seen == 7 and sub.lengths.tolist() == [7, 4]
         nxt = torch.randint(0, 256, (2, 1), generator=g)
-        ref = torch.cat([m.decode_step(nxt[j:j + 1], gather([(caches[k], [0])])) for j, k in enumerate((2, 0))])
         for c, i in zip(caches, ids):          # advance the own caches by the token the batch saw
             m.decode_step(i, c)
         ref = torch.cat([m.decode_step(nxt[j:j + 1], caches[k]) for j, k in enumerate((2, 0))])
@@ -137,7 +138,7 @@ def test_validation_queue_abort_and_budget():
     assert b.finish_reason == "length"
     # a memory budget: attention K/V grows with the tokens, so two long requests do not fit where two short ones do
     eng = Engine(m, eos_id=None, block=8, max_slots=8, memory_bytes=None)
-    eng.memory_bytes = int(eng.peak_bytes([64], 32) * 1.5)
+    eng.memory_bytes = (eng.peak_bytes([64]) + eng.peak_bytes([64, 64])) // 2     # one fits, two do not
     sch = Scheduler(eng)
     for _ in range(2):
         sch.submit(Request([1] * 32, SamplingParams(max_tokens=32, temperature=0)))
@@ -157,8 +158,9 @@ def test_state_per_slot_recurrent_fixed_attention_grows():
 
 @pytest.mark.parametrize("name", ["rodimus++", "mamba2-attention", "deepseek-mla"])
 def test_a_joining_request_takes_a_free_row_in_place(name):
-    """A request that joins where one retired is written into the free row (the batch is not rebuilt) and every
-    row still decodes as its own cache does; a longer prompt than the batch's time axis rebuilds it."""
+    """A request that joins where one retired is written into the free row at column 0 (the batch is not rebuilt;
+    its buffers grow if the request needs more columns) and every row still decodes as its own cache does; a
+    request with no free row rebuilds the batch."""
     m = tiny(name)
     eng = Engine(m, block=64)
     g = torch.Generator().manual_seed(0)
@@ -167,7 +169,7 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
     for r in reqs:
         eng.start(r)
         eng.prefill([r])
-    own = {id(r): gather([(r.cache, [0])]) for r in reqs}
+    own = {id(r): r.cache.take([0]) for r in reqs}
     eng.set_rows(reqs[:3])
     batch = eng.batch
     eng.set_rows([reqs[0], reqs[2], reqs[3]])        # reqs[1] retires, reqs[3] (6 tokens <= 14) takes its row
@@ -177,7 +179,7 @@ def test_a_joining_request_takes_a_free_row_in_place(name):
         for r in (reqs[0], reqs[3], reqs[2]):
             t = m.decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
             assert r.output[1] == t, name
-    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens: longer than the batch, so a rebuild
+    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # no free row: a rebuild
     assert eng.batch is not batch and eng.batch.batch_size == 4
     eng.decode()
     assert all(len(r.output) == 3 for r in reqs[2:4]) and len(reqs[4].output) == 2
@@ -383,7 +385,7 @@ def test_memory_counts_what_is_allocated():
             mem = eng.memory()
             seen.append(mem)
             lengths = [len(r.prompt) + r.params.max_tokens for r in reqs]
-            assert mem["batch_bytes"] + mem["prefill_bytes"] <= eng.peak_bytes(lengths, 6)
+            assert mem["batch_bytes"] + mem["prefill_bytes"] <= eng.peak_bytes(lengths)
     assert max(s["batch_bytes"] for s in seen) > eng.slot_bytes(46)   # several rows at their capacity
     # 40 tokens at block 8: five snapshots, chained; each holds one block of attention K/V plus the fixed states
     assert len(eng.prefix.entries) == 5
@@ -400,7 +402,7 @@ def test_snapshots_give_way_to_the_memory_budget():
     """With a budget that the requests in flight fill, no snapshot is made (and none is copied)."""
     m = tiny("transformer++")
     eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=4)
-    eng.memory_bytes = eng.peak_bytes([40 + 4], 4)
+    eng.memory_bytes = eng.peak_bytes([40 + 4])
     r = Request(list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0))
     sch = Scheduler(eng)
     sch.submit(r)

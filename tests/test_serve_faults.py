@@ -4,9 +4,9 @@ drains, the memory held returns to its level, the others' greedy output still eq
 import pytest
 import torch
 
+from hybridlm.cache import InferenceCache
 from hybridlm.models.speculative import ModelDrafter
 from hybridlm.serve import Engine, Request, SamplingParams, Scheduler
-from hybridlm.serve import engine as engine_module
 from serve_helpers import tiny
 
 PROMPTS = [(5, 6), (20, 4), (3, 4), (12, 3), (17, 5)]
@@ -48,12 +48,12 @@ def inject(eng: Engine, path: str, touched: list, monkeypatch):
         group = []
         prefill = eng.prefill
         monkeypatch.setattr(eng, "prefill", lambda g: group.__setitem__(slice(None), g) or prefill(g))
-        monkeypatch.setattr(engine_module, "cut", once(engine_module.cut, touched, lambda c, lo: list(group)))
+        monkeypatch.setattr(InferenceCache, "cut", once(InferenceCache.cut, touched, lambda c, lo: list(group)))
     elif path == "verify":           # the forward checking every row's drafts (after the snapshot)
         monkeypatch.setattr(eng.model, "check_step", once(eng.model.check_step, touched, lambda ids, cache: (
             eng.running if ids.shape[1] > 1 and len(eng.running) > 1 else None)))
     elif path == "start":            # resuming from the prefix cache
-        monkeypatch.setattr(engine_module, "stitch", once(engine_module.stitch, touched, lambda parts, extra: [
+        monkeypatch.setattr(InferenceCache, "stitch", once(InferenceCache.stitch, touched, lambda parts, extra: [
             r for r in eng.staged.values() if r.cache is None and r.prefilled == 0][-1:] or None))
 
 

@@ -17,7 +17,9 @@ class SeqContext:
 
     positions  [B, T] long: rotary position of each new token (left padding starts real tokens at 0).
     pad_mask   [B, T] bool or None: True for real tokens of this call.
-    key_mask   [B, S] bool or None: True for real tokens among cached + new keys (S = cached + T).
+    key_mask   [B, S] bool or None: True for real tokens among cached + new keys (S = cached + T). With cache rows at
+               their own lengths (`lengths`) it says which columns each row's queries see: [B, S] for one query,
+               [B, T, S] for several (row b's query t sees its first lengths[b] + t + 1 keys).
     resets     [B, T] bool or None: a packed document starts here; recurrent state and attention stop
                at the boundary.
     segment_ids ([B, T], [B, S]) or None: document index of queries/keys, derived from `resets`.
@@ -25,6 +27,8 @@ class SeqContext:
                set by CausalLM; Zamba2's shared blocks (`Z`) concatenate it to their input.
     cache_pos  [1] long or None: static decode (one token): the cache slot it is written to; key_mask then
                spans the whole preallocated cache [B, max_tokens] and hides the unwritten tail.
+    lengths    [B] long or None: the cache's rows hold their own lengths (the serving batch): tokens row b held
+               before this call; its T new tokens go to columns [lengths[b], lengths[b] + T).
     """
     positions: Tensor
     pad_mask: Tensor | None = None
@@ -33,6 +37,7 @@ class SeqContext:
     segment_ids: tuple[Tensor, Tensor] | None = None
     embeddings: Tensor | None = None
     cache_pos: Tensor | None = None
+    lengths: Tensor | None = None
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, dim: int, base: float) -> tuple[Tensor, Tensor]:

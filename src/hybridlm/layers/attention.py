@@ -1,4 +1,5 @@
 """Multi-head / grouped-query / multi-query / shared-key softmax attention with RoPE and a KV cache."""
+import inspect
 from functools import partial
 
 import torch
@@ -42,6 +43,8 @@ def cache_keys_values(attn: nn.Module, cache, k: Tensor, v: Tensor, ctx: SeqCont
             return k, v, False, None, ctx.key_mask
         k, v, key_mask = slot.write(k, v, ctx.cache_pos, ctx.key_mask)
         return k, v, False, None, key_mask
+    if ctx.lengths is not None:    # rows at their own lengths: the slot writes each row at its own columns
+        return _own_rows(slot, k, v, ctx, window, ring_step)
     causal, order = True, None
     if window is not None and k.shape[1] == 1 and ring_step:
         k, v, order = slot.step(k, v)
@@ -53,6 +56,36 @@ def cache_keys_values(attn: nn.Module, cache, k: Tensor, v: Tensor, ctx: SeqCont
     if key_mask is not None and order is not None:
         key_mask = key_mask[:, order]                      # into the ring's slot order
     return k, v, causal, window, key_mask
+
+
+def _own_rows(slot, k: Tensor, v: Tensor, ctx: SeqContext, window: int | None, ring_step: bool):
+    """`cache_keys_values` on a cache whose rows hold their own lengths (ctx.lengths: each row's tokens before this
+    call). Growing K/V: every row's keys at columns [0, its length), seen through the model's key mask. A ring's
+    one-token step: row b sees its first min(lengths[b] + 1, window) slots, in slot order. A ring otherwise: each
+    row's last P cached tokens (P the longest row's, entries before a row's first token masked) then its new ones,
+    chronological in every row, so causal and window masks hold as they are."""
+    T = k.shape[1]
+    if window is None:
+        k, v = slot.update(k, v)
+        return k, v, True, None, ctx.key_mask
+    if T == 1 and ring_step:
+        k, v, _ = slot.step(k, v)
+        seen = (ctx.lengths + 1).clamp(max=window)
+        return k, v, False, None, torch.arange(k.shape[1], device=k.device) < seen[:, None]
+    k, v = slot.update(k, v)
+    P = k.shape[1] - T
+    return k, v, True, window, ctx.lengths[:, None] - P + torch.arange(P + T, device=k.device) >= 0
+
+
+def _rows_decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+    """One query per row over its first lengths[b] keys: the C++ form where it takes per-row lengths and serves
+    these tensors, else the reference."""
+    if _CPU_LENGTHS and cpu_decode.serves(q, k, v) and cpu_decode.short_cache(q, k):
+        return cpu_decode.decode_attention(q, k, v, lengths=lengths)
+    return decode_attention(q, k, v, lengths=lengths)
+
+
+_CPU_LENGTHS = "lengths" in inspect.signature(cpu_decode.decode_attention).parameters
 
 
 class Attention(nn.Module):
@@ -124,6 +157,10 @@ class Attention(nn.Module):
             # one query sees every cached key: read them once, unexpanded (one C++ call on a CPU)
             fast = cpu_decode.serves(q, k, v) and cpu_decode.short_cache(q, k)
             y = (cpu_decode.decode_attention if fast else decode_attention)(q, k, v)
+        elif T == 1 and ctx.lengths is not None and bias is None and ctx.segment_ids is None and not need_weights:
+            # rows at their own lengths: each reads its own keys (a ring's first min(length, window) slots)
+            n = ctx.lengths + 1
+            y = _rows_decode_attention(q, k, v, n if self.window is None else n.clamp(max=self.window))
         else:
             if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
                 k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)

@@ -291,6 +291,8 @@ class CausalLM(nn.Module):
             am = attention_mask.bool()
             pad = None if bool(am.all()) else am
         start = cache.next_pos if cache is not None else torch.zeros(B, dtype=torch.long, device=dev)
+        if cache is not None and cache.lengths is not None:
+            return self._ragged_context(input_ids, pad, cache, resets)
         if pad is None:
             positions = start[:, None] + torch.arange(T, device=dev)
         else:  # left padding: real tokens count positions from 0
@@ -322,6 +324,26 @@ class CausalLM(nn.Module):
                 seg = (ids, torch.cat((prev, ids), 1))
                 cache.segments, cache.next_pos = seg[1], positions[:, -1] + 1
         return SeqContext(positions=positions, pad_mask=pad, key_mask=key_mask, resets=resets, segment_ids=seg)
+
+    @staticmethod
+    def _ragged_context(input_ids: Tensor, pad: Tensor | None, cache: InferenceCache, resets) -> SeqContext:
+        """A call on a cache whose rows hold their own lengths (the serving batch): row b's T new tokens are its
+        tokens lengths[b] .. lengths[b] + T - 1 at positions next_pos[b] + t, and its query t sees its first
+        lengths[b] + t + 1 keys of the S = seen + T columns ([B, S] for one query, [B, T, S] for several)."""
+        if pad is not None or resets is not None:
+            raise InputError("a cache whose rows hold their own lengths takes no padding or resets")
+        T, dev = input_ids.shape[1], input_ids.device
+        before, t = cache.lengths, torch.arange(T, device=dev)
+        cols = torch.arange(cache.seen + T, device=dev)
+        if T == 1:
+            key_mask = cols < before[:, None] + 1
+        else:
+            key_mask = cols <= (before[:, None] + t)[:, :, None]
+        positions = cache.next_pos[:, None] + t
+        cache.next_pos = cache.next_pos + T
+        cache.lengths = before + T
+        cache.seen += T
+        return SeqContext(positions=positions, key_mask=key_mask, lengths=before)
 
     def _hidden(self, input_ids: Tensor, ctx: SeqContext, cache: InferenceCache | None) -> Tensor:
         """Embedding -> blocks -> final norm: the last hidden states [B, T, d]."""

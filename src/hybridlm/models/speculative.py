@@ -11,11 +11,11 @@ distribution is the model's p exactly (p after every sampler option; q the draft
 Drafters: `NgramDrafter` (prompt lookup: the tokens that followed the last earlier occurrence of the last n tokens,
 n = 3, 2, 1) and `ModelDrafter` (a small `CausalLM` with the same vocabulary and its own cache).
 
-Rollback (`snapshot`, `rollback`): after a check the cache must hold exactly the accepted tokens. Attention keys
-(KV, MLA latents, indexer keys) are cut at any length, a window ring gets back the slots the rejected tokens
-overwrote; a recurrent slot (conv tail + state: S, R, G, K, C, B, two-hop blocks) cannot be cut, so its state is
-copied before the check and restored after a partial acceptance, and the accepted tokens are fed again at the head
-of the next check (`pending`): a replay that costs no forward of its own. `decode` runs the loop for
+Rollback (`snapshot`, `rollback`, on the cache's row operations): after a check the cache must hold exactly the
+accepted tokens. Attention keys (KV, MLA latents, indexer keys) are cut at any length (`InferenceCache.trim`); a
+recurrent slot (conv tail + state: S, R, G, K, C, B, two-hop blocks) or a window ring has no per-token history, so
+it is copied before the check (`InferenceCache.snapshot`) and restored after a partial acceptance, and `decode`
+feeds the accepted tokens again at the head of the next check (pending): a replay with no forward of its own. `decode` runs the loop for
 `CausalLM.stream`; the server checks its rows the same way (serve/engine.py).
 """
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..cache import IndexerCache, InferenceCache, KVCache, RecurrentCache, WindowKVCache
+from ..cache import InferenceCache
 from ..errors import ConfigError, InputError
 from .generation import filter_logits
 
@@ -116,73 +116,30 @@ def check_draft_model(target, draft):
 # ---------------------------------------------------------------------------------------------------- rollback
 @dataclass
 class Snapshot:
-    """What `rollback` needs of a cache as it was before a check: its bookkeeping, each attention slot's length,
-    copies of window rings and recurrent states."""
-    seen: int
-    next_pos: Tensor
-    key_mask: Tensor | None
-    slots: list = field(default_factory=list)
-
-
-def _slots(cache: InferenceCache):
-    for slot in cache.layers:
-        if isinstance(slot, IndexerCache):
-            yield slot.keys
-            slot = slot.main
-        if slot is not None:
-            yield slot
-
-
-def can_cut(cache: InferenceCache, tokens: int) -> bool:
-    """Whether every slot of `cache` can drop the last of `tokens` fed tokens without a copy from before them: only
-    attention (a window ring if the tokens do not wrap it), no recurrent state."""
-    return all(isinstance(s, KVCache) or (isinstance(s, WindowKVCache) and tokens <= s.window) for s in _slots(cache))
+    """A cache's rows as they were before a check (`InferenceCache.snapshot`: attention lengths, copies of rings and
+    recurrent states) and each row's length then."""
+    state: object
+    lengths: Tensor
 
 
 def snapshot(cache: InferenceCache) -> Snapshot:
-    """The state `rollback` returns to: attention lengths, copies of window rings and recurrent states (float32: the
-    S/R/G/K/B state of every row, a few MB for a 125M hybrid; a pure attention model copies nothing)."""
-    saved = []
-    for s in _slots(cache):
-        if isinstance(s, KVCache):
-            saved.append(s.length)
-        elif isinstance(s, WindowKVCache):
-            saved.append((s.length, s.k.clone(), s.v.clone()))
-        elif isinstance(s, RecurrentCache):
-            saved.append(tuple(t.clone() if t is not None else None for t in (s.conv, s.state)))
-        else:
-            raise TypeError(f"no rollback rule for cache slot {type(s).__name__}")
-    return Snapshot(cache.seen, cache.next_pos.clone(), cache.key_mask, saved)
+    """The state `rollback` returns to. The rows must be unpadded (`InferenceCache.take` drops left padding)."""
+    return Snapshot(cache.snapshot(), cache.row_lengths().clone())
 
 
-def rollback(cache: InferenceCache, snap: Snapshot, keep: int) -> int:
-    """Make `cache` hold what it held at `snap` plus the first `keep` tokens fed since (same count for every row).
-    Returns how many of those it holds: `keep` when every slot was cut, or 0 when a recurrent state (or a wrapped
-    ring) made it restore `snap`, and the caller feeds the kept tokens again."""
-    fed = cache.seen - snap.seen
-    if keep == fed:
-        return keep
-    cut = can_cut(cache, fed)
-    held = keep if cut else 0
-    for s, saved in zip(_slots(cache), snap.slots):
-        if isinstance(s, KVCache):
-            s.length = saved + held
-        elif isinstance(s, WindowKVCache):
-            length, k, v = saved
-            if cut:      # the slots of the rejected tokens get back what they held before
-                t = torch.arange(length + held, length + fed, device=s.k.device) % s.window
-                s.k[:, t], s.v[:, t] = k[:, t], v[:, t]
-            else:
-                s.k, s.v = k, v
-            s.length = length + held
-        else:
-            s.conv, s.state = saved
-    cache.seen = snap.seen + held
-    cache.next_pos = snap.next_pos + held
-    if not held or cache.key_mask is None:
-        cache.key_mask = snap.key_mask
-    else:
-        cache.key_mask = cache.key_mask[:, :cache.seen]
+def rollback(cache: InferenceCache, snap: Snapshot, keep) -> int:
+    """Make every row of `cache` hold what it held at `snap` plus the first `keep` tokens fed since (an int, or [B]
+    ints). Returns `keep` when every layer could cut its tokens (attention: `InferenceCache.trim`), or 0 when a
+    layer with no per-token history (a recurrent state, a window ring) made it restore `snap`: the caller then feeds
+    the kept tokens again."""
+    rows = torch.arange(cache.batch_size, device=cache.device)
+    try:
+        cache.trim(rows, snap.lengths + torch.as_tensor(keep, device=cache.device))
+        held = keep
+    except ValueError:                     # a layer without history (checked before any bookkeeping moves)
+        cache.restore(snap.state)
+        held = 0
+    cache.settle()                         # the columns in use back to the longest row's
     return held
 
 
@@ -228,6 +185,7 @@ class _Model:
 
     def __init__(self, model, batch: int, max_tokens: int):
         self.model = model
+        self.max_tokens = max_tokens
         self.cache = model.make_cache(batch, max_tokens=max_tokens)
         self.fed = 0
         self.snap: Snapshot | None = None
@@ -236,6 +194,8 @@ class _Model:
     def run(self, ids: Tensor, mask: Tensor | None = None, keep_logits: int = 1, save: bool = False) -> Tensor:
         """Feed ids [B, T] (the snapshot taken first when `save`); logits of the last `keep_logits` positions."""
         if save:
+            if self.cache.key_mask is not None:     # a left-padded prompt: rows at their own lengths from here
+                self.cache = self.cache.take(range(self.cache.batch_size), cap=self.max_tokens)
             self.snap = snapshot(self.cache)
             self.step_fed = self.fed
         out = self.model(ids, attention_mask=mask, cache=self.cache, logits_to_keep=keep_logits).logits

@@ -4,7 +4,8 @@ q [B, T, Hq, D], k [B, S, Hk, D], v [B, S, Hk, Dv], Hq % Hk == 0 (grouped / mult
 S >= T and the queries are the *last* T positions of the key sequence (bottom-right aligned causal mask),
 which is what a KV cache produces. Masks: `key_mask` [B, S] (True = real token), `window` (a query at key
 index p sees keys p - window < s <= p), `segment_ids` (q_seg [B, T], k_seg [B, S]: attend only within
-the same packed document) and an additive float `bias` broadcastable to [B, Hq, T, S].
+the same packed document) and an additive float `bias` broadcastable to [B, Hq, T, S]. `key_mask` may also be
+[B, T, S], one row of keys per query (cache rows at their own lengths, several new tokens per row).
 Rows with no visible key return 0.
 
 `attention` runs SDPA for the unmasked and the plain causal (T == S) cases, whose flash / memory-efficient kernels
@@ -41,7 +42,7 @@ def attention_mask(T: int, S: int, *, causal: bool = True, window: int | None = 
             mask = mask & (ki > qi - window)
         mask = mask[None, None]
     if key_mask is not None:
-        km = key_mask[:, None, None, :].bool()
+        km = (key_mask[:, None] if key_mask.dim() == 3 else key_mask[:, None, None, :]).bool()
         mask = km if mask is None else mask & km
     if segment_ids is not None:
         q_seg, k_seg = segment_ids
@@ -70,16 +71,26 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_m
     return torch.einsum("bhts,bshd->bthd", probs, vf).to(q.dtype)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-    """One query per row over every cached key, no mask: q [B, 1, Hq, D], k [B, S, Hk, D], v [B, S, Hv, Dv] with Hk
-    and Hv dividing Hq (grouped-query heads; shared keys, Hk = 1 with Hv = Hq) -> [B, 1, Hq, Dv]. Two batched
-    matmuls on views of the cache: every key and value is read once, never expanded to Hq heads (a decode step's
-    attention costs what reading its cache costs)."""
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
+                     lengths: Tensor | None = None) -> Tensor:
+    """One query per row over its cached keys: q [B, 1, Hq, D], k [B, S, Hk, D], v [B, S, Hv, Dv] with Hk and Hv
+    dividing Hq (grouped-query heads; shared keys, Hk = 1 with Hv = Hq) -> [B, 1, Hq, Dv]. `lengths` [B] long: row b
+    attends its first lengths[b] keys (cache rows at their own lengths; a row with none gives 0); None: all S. Two
+    batched matmuls on views of the cache: every key and value is read once, never expanded to Hq heads (a decode
+    step's attention costs what reading its cache costs). This reference form scores all S columns of every row
+    and masks; `cpu_decode.decode_attention` reads only each row's own keys."""
     B, _, Hq, D = q.shape
     S, Hk, Hv, Dv = k.shape[1], k.shape[2], v.shape[2], v.shape[3]
     qg = q.reshape(B, Hk, Hq // Hk, D)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * (scale if scale is not None else D ** -0.5)  # [B, Hk, ., S]
-    p = torch.softmax(scores.float(), dim=-1).to(v.dtype).reshape(B, Hv, Hq // Hv, S)
+    scores = scores.float()
+    if lengths is not None:
+        hide = torch.arange(S, device=q.device) >= lengths[:, None]                               # [B, S]
+        scores = scores.masked_fill(hide[:, None, None, :], float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    else:
+        p = torch.softmax(scores, dim=-1)
+    p = p.to(v.dtype).reshape(B, Hv, Hq // Hv, S)
     return torch.matmul(p, v.transpose(1, 2)).reshape(B, 1, Hq, Dv)
 
 
@@ -94,7 +105,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_mask:
         causal = False  # a single last query sees every key: skip building a mask (decode hot path)
     plain_causal = causal and window is None and key_mask is None and segment_ids is None and bias is None
     unmasked = not causal and window is None and key_mask is None and segment_ids is None and bias is None
-    if not (unmasked or (plain_causal and T == S)) and flex.use_flex(q, k, v, bias):
+    per_query = key_mask is not None and key_mask.dim() == 3         # flex's mask mods take [B, S] key masks
+    if not (unmasked or (plain_causal and T == S) or per_query) and flex.use_flex(q, k, v, bias):
         return flex.flex_attention(q, k, v, causal=causal, key_mask=key_mask, window=window, bias=bias,
                                    scale=scale, segment_ids=segment_ids)
     banded = causal and key_mask is None and segment_ids is None and bias is None    # plain causal or a window

@@ -3,18 +3,21 @@
 Plain Python, no HTTP and no threads (the scheduler drives it). One request's life:
   `start`    resume from the longest cached prefix of its prompt (its own batch-1 cache, joined from the prefix
              cache's chain) or start with no cache
-  `prefill`  run the next chunk of a group of requests in one forward pass (`plan_prefill` groups them: fresh
-             prompts left-padded together, prompts under way by chunk length; chunks end at `block` boundaries,
-             where snapshots are taken); after the last chunk the first token is sampled
-  `set_rows` move prefilled requests into the running batch and retire finished ones: one left-padded
-             `InferenceCache` [rows, time] for all (serve/slots.py aligns rows of different lengths); a new
-             request takes a free row in place, and the batch is rebuilt only when it must be
+  `prefill`  run the next chunk of a group of requests in one forward pass (`plan_prefill` groups them: first
+             chunks of fresh prompts left-padded together, then each taken out into its own cache without the
+             padding; a prompt under way runs alone in its own cache, nothing gathered or split; chunks end at
+             `block` boundaries, where snapshots are taken); after the last chunk the first token is sampled
+  `set_rows` move prefilled requests into the running batch and retire finished ones: one `InferenceCache` whose
+             rows hold their own lengths (no padding); a new request is placed into a free row at column 0, the
+             batch is rebuilt (`InferenceCache.concat`) only when no row is free or free rows pile up
   `decode`   one token for every running row in one forward pass (`CausalLM.decode_step`): the weights are read
-             once per step for all rows
-Greedy decoding (temperature 0) gives what `CausalLM.generate` gives for the same prompt: batched, left-padded
-decoding equals single decoding for every layout, and a prefill in chunks (batched or not) equals one in one go.
-Memory is counted as allocated (`memory`), and admission (`fits`) reserves what the requests in flight can come to
-hold (`peak_bytes`).
+             once per step for all rows, and each row's attention reads its own keys
+The engine never asks which kind a layer's state is: the cache kinds move their rows, serve/slots.py only says
+which request holds which row. Greedy decoding (temperature 0) gives what `CausalLM.generate` gives for the same
+prompt: a batch of rows at their own lengths decodes each row as its own cache does, for every layout, and a
+prefill in chunks (batched or not) equals one in one go. Memory is counted as allocated (`memory`), and admission
+(`fits`) reserves what the requests in flight can come to hold (`peak_bytes`), a prefill chunk's activations
+included.
 """
 import os
 import threading
@@ -24,11 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache import InferenceCache, allocated_bytes
 from ..errors import InputError
 from ..models.generation import filter_logits, penalize
 from ..models.speculative import ModelDrafter, check_draft_model, parse_speculative
 from .prefix_cache import PrefixCache, block_hashes
-from .slots import allocated_bytes, cut, cut_bytes, first_real, gather, place, room, stitch
+from .slots import RowTable
 from .speculative import SpecStats, speculative_decode
 
 
@@ -115,7 +119,8 @@ class Engine:
     eos_id: the end-of-text id (None: never stop early). block: prefill chunk and prefix-cache block, in tokens.
     prefix_cache_bytes: the prefix cache's budget (0: off). max_slots: rows decoded together at most.
     memory_bytes: budget for all inference state (None: only max_slots limits): the requests in flight at their
-    largest, the running batch while it is rebuilt, and the prefix cache (which gives way to requests).
+    largest, the running batch while it is rebuilt, a prefill chunk's activations, and the prefix cache (which gives
+    way to requests).
     step_tokens: tokens run per scheduler iteration, decode rows and prefill chunks together (default 2 blocks).
     speculative: "ngram[:K]" or a `ModelDrafter` (models/speculative.py): each decode step checks K drafts per row in
     one forward (serve/speculative.py); `spec_stats` counts checks, drafts and accepted tokens."""
@@ -137,8 +142,8 @@ class Engine:
             raise InputError(f"step_tokens must be >= 1, got {self.step_tokens}")
         self.context = model.config.max_seq_len
         self.prefix = PrefixCache(block, prefix_cache_bytes)
-        self.batch = None                 # InferenceCache of the running rows
-        self.rows: list[Request | None] = []     # the request of each batch row (None: a free row)
+        self.batch = None                 # InferenceCache of the running rows (each at its own length)
+        self.table = RowTable()           # the request of each batch row
         self.staged: dict[int, Request] = {}     # started, not yet in the batch (they may hold a prefill cache)
         # held by the scheduler's thread while it changes the state (prefill, batch, prefix cache); `memory()`
         # takes it, so a reader on another thread (the metrics) sees a consistent state
@@ -150,15 +155,26 @@ class Engine:
         self.layers = self._measure_state()
         self.fixed_bytes = sum(f for f, _ in self.layers)
         self.token_bytes = sum(t for _, t in self.layers)
+        # a prefill forward's transient bytes per token, from the model's sizes: the residual stream and a norm's
+        # output (d each), the widest projection's output and its activation, a few of each alive at once
+        d = model.config.d_model
+        widest = max([d] + [m.out_features for m in model.blocks.modules()
+                            if isinstance(getattr(m, "out_features", None), int)])
+        self.act_token_bytes = 4 * (d + widest) * model.embed.weight.element_size()
         self.memory_bytes = memory_bytes
-        if memory_bytes is not None and self.peak_bytes([2], 1) > memory_bytes:
+        if memory_bytes is not None and self.peak_bytes([2]) > memory_bytes:
             raise InputError(f"the memory budget ({memory_bytes} bytes) holds no request: one costs "
-                             f"{self.peak_bytes([2], 1)} bytes of state")
+                             f"{self.peak_bytes([2])} bytes of state")
 
     @property
     def running(self) -> list[Request]:
         """The requests in the batch (free rows left out)."""
-        return [r for r in self.rows if r is not None]
+        return self.table.requests
+
+    @property
+    def rows(self) -> list[Request | None]:
+        """The request of each batch row (None: a free row)."""
+        return self.table.rows
 
     # ---------------------------------------------------------------- memory
     @torch.inference_mode()
@@ -177,20 +193,30 @@ class Engine:
         """Bytes of inference state of one request at `tokens` tokens."""
         return self.fixed_bytes + self.token_bytes * tokens
 
-    def peak_bytes(self, lengths: list[int], max_new: int | None = None, batch_now: int = 0) -> int:
-        """The most state requests of total lengths `lengths` (prompt + max_tokens) can hold at once: their prefill
-        caches (twice: a chunk batched with others is split back), a batch of one row each whose time axis is at
-        most max(length) + the most new tokens of any row (rows are left-padded to the longest; a joining row gets
-        a free row in place only if its new tokens fit), and during a rebuild the old batch (`batch_now`, the bytes
-        it holds) beside the new one layer at a time (`gather(consume=True)`)."""
+    def prefill_tokens(self) -> int:
+        """Tokens one prefill forward runs at most (padding included: `plan_prefill` keeps a group within it)."""
+        return max(self.step_tokens, self.block)
+
+    def activation_bytes(self, tokens: int, context: int) -> int:
+        """Transient bytes of a prefill forward of `tokens` tokens over up to `context` keys, estimated from the
+        model's sizes: per token the hidden activations (`act_token_bytes`), a float32 row of attention mask or
+        scores over the context, and a float32 row of logits (all of them when prompt logprobs are asked for)."""
+        return tokens * (self.act_token_bytes + 4 * context + 4 * self.model.config.vocab_size)
+
+    def peak_bytes(self, lengths: list[int], batch_now: int = 0) -> int:
+        """The most state requests of total lengths `lengths` (prompt + max_tokens) can hold at once: their own
+        prefill caches (a request's at most its length; a group of fresh prompts runs in one cache padded to its
+        longest first chunk before each row is taken out), the batch of one row each (dense [rows, cap] buffers
+        with cap the longest length: each row holds its own tokens within it), during a rebuild or a growth of the
+        time axis the old batch (`batch_now`, the bytes it holds) beside the new one layer at a time, and the
+        activations of one prefill forward."""
         if not lengths:
             return batch_now
-        cap = max(lengths) + (max(lengths) if max_new is None else max_new)
-        rows = len(lengths)
+        cap, rows = max(lengths), len(lengths)
         batch = rows * self.slot_bytes(cap)
         layer = rows * max(f + t * cap for f, t in self.layers)
-        prefill = 2 * sum(self.slot_bytes(n) for n in lengths)
-        return prefill + max(batch, batch_now) + layer
+        prefill = sum(self.slot_bytes(n) for n in lengths) + rows * self.slot_bytes(min(cap, self.block))
+        return prefill + max(batch, batch_now) + layer + self.activation_bytes(self.prefill_tokens(), cap)
 
     def in_flight(self) -> list[Request]:
         return self.running + list(self.staged.values())
@@ -201,8 +227,7 @@ class Engine:
         if self.memory_bytes is None:
             return True
         reqs = self.in_flight() + list(admitted) + [req]
-        need = self.peak_bytes([len(r.prompt) + r.params.max_tokens for r in reqs],
-                               max(r.params.max_tokens for r in reqs), self.batch_bytes())
+        need = self.peak_bytes([len(r.prompt) + r.params.max_tokens for r in reqs], self.batch_bytes())
         if need > self.memory_bytes:
             return False
         with self.lock:
@@ -215,7 +240,6 @@ class Engine:
             return None
         reqs = self.in_flight()
         return self.memory_bytes - self.peak_bytes([len(r.prompt) + r.params.max_tokens for r in reqs],
-                                                   max((r.params.max_tokens for r in reqs), default=0),
                                                    self.batch_bytes())
 
     def batch_bytes(self) -> int:
@@ -262,7 +286,7 @@ class Engine:
             k = getattr(p, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise InputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
-        need = self.peak_bytes([len(req.prompt) + p.max_tokens], p.max_tokens)
+        need = self.peak_bytes([len(req.prompt) + p.max_tokens])
         if self.memory_bytes is not None and need > self.memory_bytes:
             raise InputError(f"the request needs {need} bytes of state, more than the memory budget of "
                              f"{self.memory_bytes}")
@@ -281,7 +305,7 @@ class Engine:
             return
         hit, parts = self.prefix.longest(req.keys[: (n - 1) // self.block])
         if hit:
-            req.cache = stitch(parts, extra=n - hit * self.block)
+            req.cache = InferenceCache.stitch(parts, extra=n - hit * self.block)
             req.prefilled = req.cached_tokens = hit * self.block
 
     def release(self, req: Request):
@@ -295,13 +319,18 @@ class Engine:
         return min(len(req.prompt), (a // self.block + 1) * self.block) - a
 
     def plan_prefill(self, reqs: list[Request]) -> list[list[Request]]:
-        """Group chunks that run in one forward pass: fresh prompts (nothing run yet) together, left-padded to the
-        longest chunk; prompts under way by chunk length (no padding: a pad after real tokens would enter the conv
-        tails and recurrent states)."""
-        groups: dict[int, list[Request]] = {}
-        for r in reqs:
-            groups.setdefault(-1 if r.prefilled == 0 else self.chunk(r), []).append(r)
-        return list(groups.values())
+        """Group chunks that run in one forward pass: first chunks of fresh prompts (nothing run yet) together,
+        left-padded to the longest, shortest first and each group within `prefill_tokens` padded tokens; a prompt
+        under way alone, in its own cache (no padding after real tokens, which would enter conv tails and
+        recurrent states, and no gathering of caches and splitting them back every chunk)."""
+        fresh = sorted((r for r in reqs if r.prefilled == 0), key=self.chunk)
+        groups, group = [], []
+        for r in fresh:
+            if group and (len(group) + 1) * self.chunk(r) > self.prefill_tokens():
+                groups.append(group)
+                group = []
+            group.append(r)
+        return groups + ([group] if group else []) + [[r] for r in reqs if r.prefilled > 0]
 
     @torch.inference_mode()
     def prefill(self, group: list[Request]):
@@ -320,11 +349,12 @@ class Engine:
             if min(chunks) < T:
                 mask = (torch.arange(T) >= T - torch.tensor(chunks)[:, None]).to(self.device)
         else:
-            cache = group[0].cache if B == 1 else gather([(r.cache, [0]) for r in group], extra=T, consume=True)
+            cache = group[0].cache                           # a prompt under way: alone, in its own cache
         scored = any(r.params.prompt_logprobs is not None for r in group)
         logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=None if scored else 1).logits
         for i, (r, c) in enumerate(zip(group, chunks)):
-            r.cache = cache if B == 1 else gather([(cache, [i])], extra=len(r.prompt) - r.prefilled - c)
+            # fresh prompts run together once: each row is then taken out, unpadded, with room for its prompt
+            r.cache = cache if B == 1 else cache.take([i], cap=len(r.prompt))
             if r.params.prompt_logprobs is not None:
                 self._prompt_logprobs(r, r.prefilled, logits[i, T - c:])
             r.prefilled += c
@@ -349,10 +379,10 @@ class Engine:
         if parent is not None and parent not in self.prefix:
             return
         lo = (k - 1) * self.block
-        size = cut_bytes(req.cache, lo)
+        size = req.cache.cut_bytes(lo)
         limit = self._spare_bytes()
         if self.prefix.room(size, limit):
-            self.prefix.put(req.keys[k - 1], parent, cut(req.cache, lo), size, limit)
+            self.prefix.put(req.keys[k - 1], parent, req.cache.cut(lo), size, limit)
 
     def _prompt_logprobs(self, req: Request, a: int, logits):
         """Append the logprobs of prompt tokens a+1 .. a+T given the logits [T, V] of positions a .. a+T-1."""
@@ -365,47 +395,44 @@ class Engine:
     @torch.inference_mode()
     def set_rows(self, rows: list[Request]):
         """Make `rows` the running requests: rows already in the batch keep their state, new ones bring the cache of
-        their prefill (then released); rows not listed retire. A new request takes a free row in place when one is
-        there and it fits the batch's time axis (its prompt and every token it may add); otherwise (or when free
-        rows or padding pile up) the batch is rebuilt compactly, with room for the most new tokens of any row, so
-        the K/V buffers never grow by doubling in between."""
+        their prefill (then released); rows not listed retire. A new request is placed into a free row at column 0
+        (the batch's buffers grow to its prompt + max_tokens if they must, once per layer); the batch is rebuilt
+        compactly when no row is free for it or free rows pile up, so every row always has room for all its
+        tokens and the buffers never grow by doubling in between."""
         if not rows:
-            self.batch, self.rows = None, []
+            self.clear()
             return
-        wanted = {id(r) for r in rows}
-        slots = [r if r is not None and id(r) in wanted else None for r in self.rows]
-        have = {id(r) for r in slots if r is not None}
-        new = [r for r in rows if id(r) not in have]
-        free = [i for i, r in enumerate(slots) if r is None]
-        left = room(self.batch) if self.batch is not None else 0
-        if self.batch is not None and new and len(new) <= len(free) and all(
-                r.cache.seen <= self.batch.seen and (left is None or _to_go(r) <= left) for r in new):
+        gone = self.table.keep(rows)
+        new = [r for r in rows if not self.table.holds(r)]
+        cap = max(len(r.prompt) + r.params.max_tokens for r in rows)
+        live, free = self.table.live(), self.table.free()
+        idle = len(free) - len(new)
+        if self.batch is not None and live and 0 <= idle <= (len(live) + len(new)) // 4 \
+                and not self._too_long(cap):
+            if gone:
+                self.batch.free(gone)
+            self.batch.reserve(cap)
             for r, i in zip(new, free):
-                place(self.batch, i, r.cache)
-                slots[i] = r
+                self.batch.place([i], r.cache)
+                self.table.fill(i, r)
                 self.release(r)
-            new = []
-        live = [i for i, r in enumerate(slots) if r is not None]
-        dead = len(slots) - len(live)
-        if not new and live and dead <= len(live) // 4 and not self._padded(live):
-            self.rows = slots
             return
         sources = ([(self.batch, live)] if live else []) + [(r.cache, [0]) for r in new]
-        extra = max(_to_go(r) for r in rows)
-        self.batch = gather(sources, extra=extra, consume=True)
-        self.rows = [slots[i] for i in live] + new
+        self.batch = InferenceCache.concat(sources, cap=cap, consume=True)
+        self.table.compact(new)
         for r in new:
             self.release(r)
 
     def clear(self):
         """Drop the running batch (after a fault, or when nothing runs)."""
-        self.batch, self.rows = None, []
+        self.batch = None
+        self.table.clear()
 
-    def _padded(self, live: list[int]) -> bool:
-        """Whether the batch's time axis has grown well past what its live rows need (rows that joined in place
-        and retired rows leave columns of padding): then a rebuild trims it."""
-        span = int((self.batch.seen - first_real(self.batch)[live]).max())
-        return self.batch.seen > 2 * span + 64
+    def _too_long(self, cap: int) -> bool:
+        """Whether the batch's time axis has grown well past what its rows need (long requests retired): then a
+        rebuild trims it."""
+        room = self.batch.room
+        return room is not None and self.batch.seen + room > 2 * cap + 64
 
     @torch.inference_mode()
     def decode(self):
@@ -414,12 +441,12 @@ class Engine:
         (serve/speculative.py), which may add several tokens to each row."""
         if self.drafter is not None and speculative_decode(self):
             return
-        live = [i for i, r in enumerate(self.rows) if r is not None]
+        live = self.table.live()
         ids = torch.tensor([[r.output[-1] if r is not None else 0] for r in self.rows], dtype=torch.long,
                            device=self.device)
         if len(live) < len(self.rows):
-            dead = torch.tensor([i for i, r in enumerate(self.rows) if r is None], device=self.device)
-            self.batch.next_pos[dead] = 0      # positions stay inside a learned position table
+            # a free row's dummy token goes to column 0 at position 0 (inside a learned position table), every step
+            self.batch.free(self.table.free())
         logits = self.model.decode_step(ids, self.batch)
         self._sample([self.rows[i] for i in live], logits[live] if len(live) < len(self.rows) else logits)
 
@@ -485,11 +512,6 @@ class Engine:
                 out = torch.tensor(r.output, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
         return seen, counts
-
-
-def _to_go(req: Request) -> int:
-    """Decode steps `req` may still run (each writes one token into the batch's cache)."""
-    return req.params.max_tokens - len(req.output)
 
 
 def _logprobs(lp, tokens: list[int], k: int) -> list[TokenLogprob]:

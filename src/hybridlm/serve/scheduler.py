@@ -7,8 +7,8 @@ One iteration (`step`):
   3. `_prefill`: chunks of the requests being prefilled within a token budget per iteration shared with decode
      (`engine.step_tokens` minus one token per running row, at least one chunk), as vLLM's chunked prefill; the
      chunks with the fewest prompt tokens left go first, and a request passed over gains a block of credit per
-     iteration (aging), so a short prompt is not left behind a long one and a long one is not starved. Chunks of
-     fresh prompts run as one left-padded forward pass, chunks of prompts under way grouped by length
+     iteration (aging), so a short prompt is not left behind a long one and a long one is not starved. First
+     chunks of fresh prompts run as left-padded forward passes, a prompt under way alone in its own cache
   4. `_decode`: the prefilled requests join the batch and every running row gets one token
 A fault in any of these fails exactly the requests it touched (finish reason "error", `error` set), frees their
 state, and the next iteration goes on. The engine runs in one thread (`start`); other threads only `submit` and

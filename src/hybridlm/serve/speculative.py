@@ -4,9 +4,10 @@ the model checks all rows' drafts, and each row gets the drafts its sampler acce
 
 At each checked position a row's distribution is the one `Engine._sample` would use there: penalties over prompt +
 output + the drafts before that position, then temperature, top-k, top-p, min-p; greedy rows compare drafts with
-the argmax. The running batch is one cache whose rows share a time axis, so every row keeps the same number of
-tokens per check (the fewest any live row accepted; each row's tokens are its own, so the output is exact); a cache
-with recurrent state is restored and the kept tokens fed again (one more forward) when a check was cut short.
+the argmax. Rows hold their own lengths in the running batch, so with attention only each row keeps what it accepted (the cache
+cuts every row at its own length). A recurrent state or a window ring cannot be cut: the batch is restored and
+every row keeps as many drafts as the row that accepted fewest (each row's tokens are its own, so the output is
+exact), fed again in one more forward.
 A draft model keeps one batch-1 cache per request (`Request.draft`), rolled back the same way.
 """
 import torch
@@ -112,34 +113,42 @@ def speculative_decode(engine) -> bool:
     by_row = iter(drafts)
     ids = torch.tensor([[r.output[-1]] + next(by_row) if r is not None else [0] * (k + 1) for r in rows],
                        dtype=torch.long, device=engine.device)
-    if len(live) < len(rows):
-        dead = torch.tensor([i for i, r in enumerate(rows) if r is None], device=engine.device)
-        engine.batch.next_pos[dead] = 0        # positions stay inside a learned position table
+    free = engine.table.free()
+    if free:            # a free row's dummy tokens go to its columns 0.. at positions 0.. (as in `decode`)
+        engine.batch.free(free)
     snap = snapshot(engine.batch)
     logits = engine.model.check_step(ids, engine.batch)          # [rows, k+1, V]
-    at = [i for i, r in enumerate(rows) if r is not None]
+    at = engine.table.live()
     n_acc, nxt = [], []
     for j, (i, r) in enumerate(zip(at, live)):
         d = torch.tensor([drafts[j]], dtype=torch.long, device=engine.device)
         greedy = r.params.temperature == 0
-        q = getattr(r, "draft_q", None)
+        q = r.draft_q if isinstance(r.draft, DraftRunner) else None
         a, t = accept(_target(engine, r, logits[i], drafts[j])[None], d, q[None] if q is not None else None,
                       greedy=greedy, generator=None if greedy else [r.generator])
         n_acc.append(int(a))
         nxt.append(int(t))
-    n = min(n_acc)
-    keep = 1 + n                                  # the last token and the drafts every row accepted
-    if rollback(engine.batch, snap, keep) < keep:
-        engine.model.check_step(ids[:, :keep], engine.batch)      # restored: feed the kept tokens again
+    # each row keeps its last token and the drafts it accepted: cut per row where attention is all there is
+    keep = torch.zeros(len(rows), dtype=torch.long)
+    keep[at] = 1 + torch.tensor(n_acc)
+    if not rollback(engine.batch, snap, keep.to(engine.device)):
+        # restored: every row keeps as many drafts as the row that kept fewest, fed again in one forward (each
+        # row's tokens are still its own: the token after them is its accepted draft or its correction)
+        n = min(n_acc)
+        kept = [n] * len(n_acc)
+        nxt = [drafts[j][n] if a > n else t for j, (a, t) in enumerate(zip(n_acc, nxt))]
+        engine.model.check_step(ids[:, :1 + n], engine.batch)
+    else:
+        kept = n_acc
     st = engine.spec_stats
     st.checks += 1
     st.rows += len(live)
     st.drafted += k * len(live)
     st.accepted += sum(n_acc)
     for j, (i, r) in enumerate(zip(at, live)):
-        new = drafts[j][:n] + [drafts[j][n] if n_acc[j] > n else nxt[j]]
-        _keep_draft(r, n, k)
-        for pos, t in enumerate(new):
+        a = kept[j]
+        _keep_draft(r, a, k)
+        for pos, t in enumerate(drafts[j][:a] + [nxt[j]]):
             if r.finished:
                 break
             engine.append_token(r, t, logits[i, pos])
