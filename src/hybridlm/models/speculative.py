@@ -127,20 +127,20 @@ def snapshot(cache: InferenceCache) -> Snapshot:
     return Snapshot(cache.snapshot(), cache.row_lengths().clone())
 
 
-def rollback(cache: InferenceCache, snap: Snapshot, keep) -> int:
+def rollback(cache: InferenceCache, snap: Snapshot, keep) -> bool:
     """Make every row of `cache` hold what it held at `snap` plus the first `keep` tokens fed since (an int, or [B]
-    ints). Returns `keep` when every layer could cut its tokens (attention: `InferenceCache.trim`), or 0 when a
-    layer with no per-token history (a recurrent state, a window ring) made it restore `snap`: the caller then feeds
-    the kept tokens again."""
+    ints). True when every layer could cut its tokens (attention: `InferenceCache.trim`); False when a layer with no
+    per-token history (a recurrent state, a window ring) made it restore `snap`: the caller then feeds the kept
+    tokens again."""
     rows = torch.arange(cache.batch_size, device=cache.device)
     try:
         cache.trim(rows, snap.lengths + torch.as_tensor(keep, device=cache.device))
-        held = keep
-    except ValueError:                     # a layer without history (checked before any bookkeeping moves)
+        cut = True
+    except ValueError:                     # a layer without history (raised before the bookkeeping moves)
         cache.restore(snap.state)
-        held = 0
+        cut = False
     cache.settle()                         # the columns in use back to the longest row's
-    return held
+    return cut
 
 
 # ---------------------------------------------------------------------------------------------------- acceptance
@@ -204,7 +204,7 @@ class _Model:
 
     def keep(self, n: int):
         """Of the tokens fed since the snapshot, keep the first n (the rest are rolled back)."""
-        self.fed = self.step_fed + rollback(self.cache, self.snap, n)
+        self.fed = self.step_fed + (n if rollback(self.cache, self.snap, n) else 0)
         self.snap = None
 
 
