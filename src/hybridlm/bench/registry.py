@@ -113,6 +113,16 @@ SUITES = {
                              llama_server="llama.cpp's llama-server binary: serve a TinyLlama-shaped Llama from "
                                           "the same weights with both (needs --llamacpp-src)",
                              quantize="int8 or int4 weights")),
+    "speculative": Suite("batch-1 greedy decoding with and without speculative decoding on a prompt that repeats "
+                         "itself (a code file to rewrite): tokens/s, speed-up, tokens per check, check cost; forced "
+                         "acceptance rows beside prompt lookup", "speculative:speculative_suite",
+                         dict(models="llama,mamba2-attention:125M", prompt_tokens=1024, new_tokens=128, k=4,
+                              repeats=3, vocab=32000, dtype="auto"),
+                         quick=dict(models="llama:2M,mamba2-attention:2M", prompt_tokens=64, new_tokens=12, k=3,
+                                    repeats=1, vocab=256, dtype="float32"),
+                         help=dict(models="comma list: llama (TinyLlama's 1.1B shape), PRESET:PARAMS (random "
+                                          "weights), or a checkpoint directory (a trained model)",
+                                   k="drafts per check", vocab="vocabulary of the random-weight models")),
     "release": Suite("a released-size Rodimus+ checkpoint: convert, then decode float / int8 / int4 beside a "
                      "Transformer++ (CPU)", "rodimus_release:release_suite",
                      dict(dir=os.path.join("runs", "rodimus-release"), contexts=(128, 4096), steps=16,

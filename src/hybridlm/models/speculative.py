@@ -76,8 +76,8 @@ class ModelDrafter:
 def parse_speculative(spec, draft_model=None):
     """`speculative=` of generate / `--speculative` of serve -> a drafter. "ngram" | "ngram:K" | "draft" |
     "draft:K" (with `draft_model`), a dict {"model": CausalLM, "k": K} / {"ngram": K}, or a drafter itself."""
-    if spec is None or isinstance(spec, (NgramDrafter, ModelDrafter)):
-        return spec
+    if spec is None or isinstance(spec, (NgramDrafter, ModelDrafter)) or hasattr(spec, "propose"):
+        return spec             # (an object with `k` and `propose(tokens, k) -> drafts`: a deterministic drafter)
     if isinstance(spec, dict):
         if "model" in spec:
             return ModelDrafter(spec["model"], _k(spec.get("k", DEFAULT_K)))
@@ -111,6 +111,22 @@ def check_draft_model(target, draft):
     if draft.config.vocab_size != target.config.vocab_size:
         raise ConfigError(f"the draft model's vocab_size {draft.config.vocab_size} differs from the model's "
                           f"{target.config.vocab_size}: a draft model must share the tokenizer")
+
+
+class SpecStats:
+    """Counters for /metrics and the bench: checks run, rows checked (a check of 3 rows counts 3), drafts checked,
+    drafts accepted, tokens added."""
+
+    def __init__(self):
+        self.checks = self.rows = self.drafted = self.accepted = self.emitted = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_check(self) -> float:
+        return self.emitted / self.rows if self.rows else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- rollback
@@ -244,11 +260,11 @@ class DraftRunner:
 @torch.inference_mode()
 def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, attention_mask: Tensor | None = None,
-           generator: torch.Generator | None = None, max_pending: int | None = None):
+           generator: torch.Generator | None = None, max_pending: int | None = None, stats: SpecStats | None = None):
     """Yield lists of new token ids [B] (one list per check: the accepted drafts and the token after them) for
     `CausalLM.stream`. Every row keeps the same number of tokens per check (the fewest any row accepted: exact,
     each row's tokens are its own), so one cache serves the batch. `max_pending` bounds a check's length: accepted
-    tokens still to replay plus drafts (default 2(K + 1))."""
+    tokens still to replay plus drafts (default 2(K + 1)). `stats` (a SpecStats) counts the checks."""
     drafter = parse_speculative(spec)
     B, L0 = input_ids.shape
     K = drafter.k
@@ -281,7 +297,7 @@ def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: 
     yield [tok]
     emitted = 1
     runner = DraftRunner(drafter, B, total, L0, attention_mask) if isinstance(drafter, ModelDrafter) else None
-    index = [NgramIndex(drafter.max_n) for _ in range(B)] if runner is None else None
+    index = [NgramIndex(drafter.max_n) for _ in range(B)] if isinstance(drafter, NgramDrafter) else None
     if index is not None:
         for i in range(B):
             real = input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
@@ -294,7 +310,8 @@ def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: 
         if k and runner is not None:
             drafts, q = runner.draft(seq, k, sampler)
         elif k:
-            rows = [ix.draft(k) for ix in index]
+            rows = [ix.draft(k) for ix in index] if index is not None else \
+                [drafter.propose(seq[i].tolist(), k)[:k] for i in range(B)]
             k = max(len(r) for r in rows)
             drafts = torch.tensor([r + [r[-1] if r else int(seq[i, -1])] * (k - len(r)) for i, r in enumerate(rows)],
                                   dtype=torch.long, device=dev).view(B, k)
@@ -311,6 +328,12 @@ def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: 
             target.keep(p + n)
             if runner is not None:
                 runner.commit(n, k)
+            if stats is not None:
+                stats.checks += 1
+                stats.rows += B
+                stats.drafted += k * B
+                stats.accepted += int(acc.sum())
+                stats.emitted += (n + 1) * B
         new = new[:max_new_tokens - emitted]
         seq = torch.cat([seq] + [t[:, None] for t in new], 1)
         if index is not None:

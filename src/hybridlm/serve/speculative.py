@@ -13,23 +13,9 @@ A draft model keeps one batch-1 cache per request (`Request.draft`), rolled back
 import torch
 
 from ..models.generation import filter_logits, penalize
-from ..models.speculative import ModelDrafter, NgramIndex, DraftRunner, accept, rollback, snapshot
+from ..models.speculative import DraftRunner, ModelDrafter, NgramIndex, SpecStats, accept, rollback, snapshot
 
-
-class SpecStats:
-    """Counters for /metrics and the bench: checks run, rows checked (a check of 3 rows counts 3), drafts checked,
-    drafts accepted, tokens added."""
-
-    def __init__(self):
-        self.checks = self.rows = self.drafted = self.accepted = self.emitted = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_check(self) -> float:
-        return self.emitted / self.rows if self.rows else 0.0
+__all__ = ["SpecStats", "speculative_decode"]
 
 
 def _history(req) -> list[int]:
