@@ -44,12 +44,14 @@ class ForcedDrafter:
 
 
 def _model(spec: str, context: int, vocab: int, dtype):
-    """(name, model) for "llama" (TinyLlama's shape), "PRESET:PARAMS" (random weights) or a checkpoint directory."""
+    """(name, model, tokenize) for "llama" (TinyLlama's shape), "PRESET:PARAMS" (random weights, the prompt's bytes
+    as ids) or a checkpoint directory (a trained model and its tokenizer)."""
     from ..models import CausalLM, presets
     from ..models.sizing import fit_params, parse_count
     if os.path.isdir(spec):
-        from ..train import load_checkpoint
-        return os.path.basename(os.path.normpath(spec)), load_checkpoint(spec)[0].eval().to(dtype)
+        from ..train import load_pretrained
+        model, tok = load_pretrained(spec)
+        return os.path.basename(os.path.normpath(spec)), model.eval().to(dtype), tok.encode
     preset, _, params = spec.partition(":")
     over = dict(max_seq_len=context, vocab_size=vocab)
     if preset == "llama" and not params:
@@ -58,7 +60,7 @@ def _model(spec: str, context: int, vocab: int, dtype):
         cfg, _ = fit_params(lambda d: presets.get(preset, **over, d_model=d), parse_count(params or "125M"),
                             range(64, 16385, 64), tolerance=0.5, what="d_model")
     torch.manual_seed(0)
-    return spec, CausalLM(cfg).eval().to(dtype)
+    return spec, CausalLM(cfg).eval().to(dtype), lambda text: [b % vocab for b in text.encode()]
 
 
 def speculative_suite(s: dict, log=print) -> dict:
@@ -73,9 +75,9 @@ def speculative_suite(s: dict, log=print) -> dict:
     out = {"settings": {k: s[k] for k in ("models", "prompt_tokens", "new_tokens", "k", "repeats", "dtype")},
            "models": {}}
     for spec in s["models"].split(","):
-        name, model = _model(spec, s["prompt_tokens"] + new + K + 8, s["vocab"], dtype)
+        name, model, tokenize = _model(spec, s["prompt_tokens"] + new + K + 8, s["vocab"], dtype)
         vocab = model.config.vocab_size
-        ids = torch.tensor([code_prompt(lambda t: [b % vocab for b in t.encode()], s["prompt_tokens"])])
+        ids = torch.tensor([code_prompt(tokenize, s["prompt_tokens"])])
         with torch.inference_mode():
             ref = model.generate(ids, new, temperature=0)[0].tolist()
         drafters = {f"ngram:{K}": NgramDrafter(K)}
