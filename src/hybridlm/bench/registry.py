@@ -96,7 +96,7 @@ SUITES = {
                         params="125M", d_model=None, n_layers=None, prompt_len=64, max_tokens=48, requests=None,
                         time_limit=120.0, prefix_len=2048, context=4096, memory_budget_mb=1024.0, burst=16,
                         burst_min=64, burst_max=2048, dtype="auto", quantize="", url="", llama_server="",
-                        llamacpp_src="",
+                        llamacpp_src="", speculative="",
                         dir=os.path.join("runs", "serve")),
                    quick=dict(presets="mamba2", concurrency=(1, 2), params="", d_model=64, n_layers=2,
                               prompt_len=8, max_tokens=4, prefix_len=0, context=256, time_limit=30.0, burst=4,
@@ -112,7 +112,9 @@ SUITES = {
                              url="load a server already running there instead (any OpenAI-compatible one)",
                              llama_server="llama.cpp's llama-server binary: serve a TinyLlama-shaped Llama from "
                                           "the same weights with both (needs --llamacpp-src)",
-                             quantize="int8 or int4 weights")),
+                             quantize="int8 or int4 weights",
+                             speculative="serve with --speculative ngram[:K]: each level also reports the drafts "
+                                         "accepted and the tokens per step (/metrics)")),
     "speculative": Suite("batch-1 greedy decoding with and without speculative decoding on a prompt that repeats "
                          "itself (a code file to rewrite): tokens/s, speed-up, tokens per check, check cost; forced "
                          "acceptance rows beside prompt lookup", "speculative:speculative_suite",

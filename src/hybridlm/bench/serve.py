@@ -247,20 +247,21 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     max_tokens: int = 48, requests_per_level: int | None = None, time_limit: float = 120,
                     prefix_len: int = 2048, context: int = 4096, memory_budget_mb: float = 1024,
                     burst: int = 16, burst_min: int = 64, burst_max: int = 2048,
-                    dtype: str = "auto", quantize: str | None = None, out: str = "serve-bench.json",
-                    plot: bool = True, log=print) -> dict:
+                    dtype: str = "auto", quantize: str | None = None, speculative: str = "",
+                    out: str = "serve-bench.json", plot: bool = True, log=print) -> dict:
     """Start a server per preset, load it at each concurrency, measure; the results (the caller writes them, with
     the registry's meta) and a PNG beside `out`."""
     result = {"settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
                            "max_tokens": max_tokens, "prefix_len": prefix_len, "context": context, "dtype": dtype,
                            "quantize": quantize, "memory_budget_mb": memory_budget_mb, "burst": burst,
-                           "burst_min": burst_min, "burst_max": burst_max},
+                           "burst_min": burst_min, "burst_max": burst_max, "speculative": speculative},
               "presets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
             ckpt = make_checkpoint(preset, params, d_model, n_layers, context, os.path.join(tmp, preset))
             args = ["--max-slots", str(max(concurrencies)), "--max-queue", "4096", "--dtype", dtype,
-                    "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else [])
+                    "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else []) + \
+                (["--speculative", speculative] if speculative else [])
             if burst:
                 args += ["--max-slots", str(max(burst, *concurrencies))]
             server = ServerProcess(ckpt, args)
@@ -274,10 +275,17 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                 asyncio.run(_load(server.url, 1, 2, prompt_len, 4, time_limit, 99))           # warm-up
                 for c in concurrencies:
                     n = requests_per_level or max(2 * c, 8)
+                    before = server.metrics()
                     lv = asyncio.run(_load(server.url, c, n, prompt_len, max_tokens, time_limit, c))
+                    spec = _spec_figures(before, server.metrics()) if speculative else ""
+                    if spec:
+                        lv.update(spec)
+                        spec = (f"  acceptance {spec['spec_acceptance']:.2f}, "
+                                f"{spec['spec_tokens_per_step']:.2f} tokens/step")
                     row["levels"].append(lv)
                     log(f"{preset:<18} c={c:<3} {lv['tokens_per_s']:>9.1f} tok/s  TTFT p50 {lv['ttft_p50_s']:.3f}s "
-                        f"p99 {lv['ttft_p99_s']:.3f}s  TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)")
+                        f"p99 {lv['ttft_p99_s']:.3f}s  TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)"
+                        + spec)
                 if prefix_len:
                     row["prefix"] = asyncio.run(_prefix(server.url, prefix_len, 7))
                     log(f"{preset:<18} prefix {prefix_len}: TTFT cold {row['prefix']['ttft_cold_s']:.3f}s, "
@@ -292,6 +300,21 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
     if plot:
         _plot(result, os.path.splitext(out)[0] + ".png")
     return result
+
+
+def _spec_figures(before: dict, after: dict) -> dict:
+    """Speculative decoding over one load level, from the /metrics counters read before and after it: drafts
+    accepted over drafts checked, and tokens added per row per check."""
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+    drafted, accepted = delta("spec_decode_num_draft_tokens_total"), delta("spec_decode_num_accepted_tokens_total")
+    checks = delta("spec_decode_num_drafts_total")
+    if not checks:
+        return {"spec_acceptance": 0.0, "spec_tokens_per_step": 1.0, "spec_checks": 0}
+    return {"spec_acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+            "spec_tokens_per_step": round(delta("spec_decode_num_emitted_tokens_total") /
+                                          delta("spec_decode_num_row_checks_total"), 3),
+            "spec_checks": int(checks)}
 
 
 def _plot(result: dict, path: str):
@@ -341,7 +364,7 @@ def serve_suite(s: dict, log=print) -> dict:
                            d_model=s["d_model"], n_layers=s["n_layers"], prefix_len=s["prefix_len"],
                            context=s["context"], memory_budget_mb=s["memory_budget_mb"], burst=s["burst"],
                            burst_min=s["burst_min"], burst_max=s["burst_max"], dtype=s["dtype"],
-                           quantize=s["quantize"] or None, out=s["out"], **load)
+                           quantize=s["quantize"] or None, speculative=s["speculative"], out=s["out"], **load)
 
 
 def compare_llama_server(s: dict, log=print) -> dict:

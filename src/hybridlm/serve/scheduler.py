@@ -105,6 +105,8 @@ class Scheduler:
                                              eng.spec_stats.checks),
             "spec_decode_num_draft_tokens_total": ("Draft tokens checked", eng.spec_stats.drafted),
             "spec_decode_num_accepted_tokens_total": ("Draft tokens the model accepted", eng.spec_stats.accepted),
+            "spec_decode_num_row_checks_total": ("Rows checked (a check of 3 rows counts 3)", eng.spec_stats.rows),
+            "spec_decode_num_emitted_tokens_total": ("Tokens added by speculative checks", eng.spec_stats.emitted),
             "spec_decode_acceptance_rate": ("Accepted over checked draft tokens", eng.spec_stats.acceptance),
             "spec_decode_tokens_per_step": ("Tokens added per row per speculative check",
                                             eng.spec_stats.tokens_per_check),
