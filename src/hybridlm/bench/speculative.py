@@ -18,7 +18,8 @@ from .measure import clock, median
 
 # TinyLlama-1.1B's shape (the model the llama.cpp and serve benches use)
 TINYLLAMA = dict(d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_hidden=5632, vocab_size=32000)
-TASK = "Rewrite this Python file with one change: rename the class TextWrapper to LineWrapper. Output the whole file.\n\n"
+TASK = ("Rewrite this Python file with one change: rename the class TextWrapper to LineWrapper. Output the whole "
+        "file.\n\n")
 
 
 def code_prompt(tokenize, n_tokens: int) -> list[int]:

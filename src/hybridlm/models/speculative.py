@@ -15,10 +15,10 @@ Rollback (`snapshot`, `rollback`, on the cache's row operations): after a check 
 accepted tokens. Attention keys (KV, MLA latents, indexer keys) are cut at any length (`InferenceCache.trim`); a
 recurrent slot (conv tail + state: S, R, G, K, C, B, two-hop blocks) or a window ring has no per-token history, so
 it is copied before the check (`InferenceCache.snapshot`) and restored after a partial acceptance, and `decode`
-feeds the accepted tokens again at the head of the next check (pending): a replay with no forward of its own. `decode` runs the loop for
-`CausalLM.stream`; the server checks its rows the same way (serve/engine.py).
+feeds the accepted tokens again at the head of the next check (pending): a replay with no forward of its own.
+`decode` runs the loop for `CausalLM.stream`; the server checks its rows the same way (serve/speculative.py).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor

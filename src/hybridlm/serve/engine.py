@@ -30,10 +30,10 @@ import torch
 from ..cache import InferenceCache, allocated_bytes
 from ..errors import InputError
 from ..models.generation import filter_logits, penalize
-from ..models.speculative import ModelDrafter, check_draft_model, parse_speculative
+from ..models.speculative import ModelDrafter, SpecStats, check_draft_model, parse_speculative
 from .prefix_cache import PrefixCache, block_hashes
 from .slots import RowTable
-from .speculative import SpecStats, speculative_decode
+from .speculative import speculative_decode
 
 
 MAX_LOGPROBS = 20                     # alternatives per token at most (OpenAI's top_logprobs bound)

@@ -3,19 +3,17 @@ the model checks all rows' drafts, and each row gets the drafts its sampler acce
 (models/speculative.py: drafters, acceptance rule, rollback).
 
 At each checked position a row's distribution is the one `Engine._sample` would use there: penalties over prompt +
-output + the drafts before that position, then temperature, top-k, top-p, min-p; greedy rows compare drafts with
-the argmax. Rows hold their own lengths in the running batch, so with attention only each row keeps what it accepted (the cache
-cuts every row at its own length). A recurrent state or a window ring cannot be cut: the batch is restored and
-every row keeps as many drafts as the row that accepted fewest (each row's tokens are its own, so the output is
-exact), fed again in one more forward.
+output + the drafts before that position, then temperature, top-k, top-p, min-p; greedy rows compare drafts with the
+argmax. Rows hold their own lengths in the running batch, so with attention only each row keeps what it accepted
+(the cache cuts every row at its own length). A recurrent state or a window ring cannot be cut: the batch is
+restored and every row keeps as many drafts as the row that accepted fewest (each row's tokens are its own, so the
+output is exact), fed again in one more forward.
 A draft model keeps one batch-1 cache per request (`Request.draft`), rolled back the same way.
 """
 import torch
 
 from ..models.generation import filter_logits, penalize
-from ..models.speculative import DraftRunner, ModelDrafter, NgramIndex, SpecStats, accept, rollback, snapshot
-
-__all__ = ["SpecStats", "speculative_decode"]
+from ..models.speculative import DraftRunner, ModelDrafter, NgramIndex, accept, rollback, snapshot
 
 
 def _history(req) -> list[int]:
