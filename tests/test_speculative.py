@@ -181,3 +181,18 @@ def test_sampled_speculative_keeps_the_models_distribution(spec):
     counts.index_put_((out[:, -4], out[:, -3]), torch.ones(N), accumulate=True)
     stat, dof = _chi2(counts, p1[:, None] * p2)
     assert stat < _bound(dof), (stat, dof)
+
+
+def test_bench_suite_gives_the_forced_answers(tmp_path):
+    """`bench --suite speculative --quick`: a check that keeps r of K drafts adds r + 1 tokens (fewer only where the
+    generation ends), the forced rows' acceptance is r / K, and every run reproduced the greedy output."""
+    import json
+
+    from hybridlm.cli import main
+    out = tmp_path / "spec.json"
+    assert main(["bench", "--suite", "speculative", "--quick", "--models", "llama:2M", "--threads", "1",
+                 "--new-tokens", "13", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["models"]["llama:2M"]["rows"]
+    assert rows["forced 0/3"]["acceptance"] == 0 and rows["forced 0/3"]["tokens_per_check"] == 1
+    assert rows["forced 3/3"]["acceptance"] == 1 and rows["forced 3/3"]["tokens_per_check"] == 4
+    assert 0.3 <= rows["forced 1/3"]["acceptance"] <= 0.4 and rows["forced 1/3"]["tokens_per_check"] == 2
