@@ -414,3 +414,63 @@ def test_snapshots_give_way_to_the_memory_budget():
     with torch.inference_mode():
         sch.run_until_idle()
     assert len(eng.prefix.entries) == 5
+
+
+@pytest.mark.parametrize("layout", ["AM WM", "LM IM", "SM RM"])
+def test_a_batch_of_prompts_from_5_to_300_tokens_equals_generate(layout):
+    """Prompts of 5 to 300 tokens in one running batch, some arriving while others decode: each row holds its own
+    length (the batch is never padded to the longest) and greedy output equals `generate` for every request."""
+    import warnings
+
+    from hybridlm import CausalLM
+    from serve_helpers import TINY
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = CausalLM(presets.get("transformer++", **{**TINY, "layout": layout, "max_seq_len": 320})).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 300, 37, 9, 211)]
+    eng = Engine(m, eos_id=None, block=64, max_slots=4, step_tokens=96)
+    sch = Scheduler(eng)
+    reqs = [Request(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    ragged = []
+    with torch.inference_mode():
+        for r in reqs[:3]:
+            sch.submit(r)
+        for _ in range(3):
+            sch.step()
+        for r in reqs[3:]:
+            sch.submit(r)
+        while sch.busy():
+            sch.step()
+            if eng.batch is not None and eng.batch.lengths is not None:
+                ragged.append(eng.batch.lengths.tolist())
+    assert any(max(n) - min(n) > 100 for n in ragged)          # rows far apart in length shared a batch
+    for r in reqs:
+        assert r.output == m.generate(torch.tensor([r.prompt]), 6, temperature=0)[0, len(r.prompt):].tolist(), \
+            (layout, len(r.prompt))
+
+
+def test_serve_bench_decode_figures(monkeypatch):
+    """The serve bench's decode figures at a tiny size: each case's batch is the server's (rows at their own
+    lengths for the mixed prompts, on one time axis for equal ones), every case decodes on the one clock, and the
+    ratios are the documented arithmetic of its readings."""
+    from hybridlm.bench import measure
+    from hybridlm.bench.serve import burst_lengths, decode_figures
+    m = tiny("transformer++", max_seq_len=256)
+    seen, fake = {}, {"1x8": 1.0, "4x8": 2.0, "4 mixed 8-64": 3.0, "4x30": 2.5}
+
+    def clock(fns, repeats, warmup):
+        for name, fn in fns.items():
+            eng = fn.args[0]                                            # partial(_decode_steps, engine, steps)
+            seen[name] = (eng.batch.batch_size, eng.batch.lengths)
+            fn()                                                        # real decode steps
+            assert all(len(r.output) == 1 + 2 for r in eng.running)
+        return {name: [fake[name] * 2] for name in fns}
+    monkeypatch.setattr(measure, "clock", clock)
+    out = decode_figures(m, prompt_len=8, burst=4, burst_min=8, burst_max=64, steps=2, log=lambda *_: None)
+    assert burst_lengths(4, 8, 64) == [8, 16, 32, 64] and out["mean_length"] == 30
+    assert seen["4 mixed 8-64"][1].tolist() == [8, 16, 32, 64] and seen["4x30"] == (4, None)
+    assert seen["1x8"][0] == 1 and seen["4x8"] == (4, None)
+    assert out["streams_vs_1"] == 2.0 and out["mixed_vs_equal"] == 1.2
+    assert out["step_s"]["1x8"] == 1.0
