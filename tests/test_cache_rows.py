@@ -1,25 +1,15 @@
 """Each cache kind's row operations and rows at their own lengths: a batch whose rows hold different lengths (no
 padding) decodes and checks several tokens per row exactly as each row's own cache does; rows taken, placed, freed,
 trimmed, snapshot and restored keep that true; decode attention over per-row lengths equals the masked reference."""
-import warnings
-
 import pytest
 import torch
 
 from conftest import assert_close
-from hybridlm import CausalLM, presets
 from hybridlm.cache import InferenceCache
 from hybridlm.ops.attention import attention_ref, decode_attention
-from serve_helpers import TINY
+from serve_helpers import tiny_layout
 
 LAYOUTS = ["AM WM", "SM RM", "LM IM", "FM AO AE", "ZM SM", "GM CM", "KM BM"]
-
-
-def model(layout: str):
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # fields of letters this layout leaves out
-        return CausalLM(presets.get("transformer++", **{**TINY, "layout": layout})).eval()
 
 
 def prefilled(m, n: int, g) -> InferenceCache:
@@ -54,7 +44,7 @@ def test_decode_attention_over_per_row_lengths_is_the_masked_reference(H, Hk, Hv
 def test_rows_at_their_own_lengths_decode_and_check_like_their_own_caches(layout):
     """concat (no padding: row b at columns [0, n_b)), one-token steps past a window's size, then a three-token
     call (what speculative decoding checks), then rows taken out: each row as its own cache all along."""
-    m = model(layout)
+    m = tiny_layout(layout)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         own = [prefilled(m, n, g) for n in (3, 11, 6, 20)]
@@ -72,7 +62,7 @@ def test_rows_at_their_own_lengths_decode_and_check_like_their_own_caches(layout
 def test_a_left_padded_batch_taken_apart_and_placed_into_free_rows(layout):
     """Rows of a left-padded prefill (as `generate` and the engine's fresh prompts run) lose their padding when taken;
     placed into a freed row of a running batch at column 0, the row decodes as its own cache does."""
-    m = model(layout)
+    m = tiny_layout(layout)
     g = torch.Generator().manual_seed(2)
     with torch.inference_mode():
         ids = torch.randint(0, 256, (2, 12), generator=g)
@@ -104,7 +94,7 @@ def test_a_left_padded_batch_taken_apart_and_placed_into_free_rows(layout):
 def test_snapshot_and_restore_roll_rows_back_exactly(layout):
     """After a snapshot of some rows, tokens written and then rolled back leave those rows (rings and recurrent
     states included) where they were: the next tokens give what they give without the detour."""
-    m = model(layout)
+    m = tiny_layout(layout)
     g = torch.Generator().manual_seed(3)
     with torch.inference_mode():
         own = [prefilled(m, n, g) for n in (4, 13, 9)]
@@ -121,7 +111,7 @@ def test_snapshot_and_restore_roll_rows_back_exactly(layout):
 
 
 def test_trim_rolls_attention_rows_back_and_refuses_state_without_history():
-    m = model("AM LM")
+    m = tiny_layout("AM LM")
     g = torch.Generator().manual_seed(4)
     with torch.inference_mode():
         own = [prefilled(m, n, g) for n in (6, 10)]
@@ -135,7 +125,7 @@ def test_trim_rolls_attention_rows_back_and_refuses_state_without_history():
         assert_close(got[:1], m(ids[:1], cache=own[0]).logits, atol=1e-5)
         assert_close(got[1:], m(ids[1:], cache=keep).logits, atol=1e-5)
     for layout in ("AM WM", "AM SM"):
-        hybrid = model(layout)
+        hybrid = tiny_layout(layout)
         with torch.inference_mode():
             c = prefilled(hybrid, 5, g)
         with pytest.raises(ValueError, match="snapshot and restore"):
@@ -143,7 +133,7 @@ def test_trim_rolls_attention_rows_back_and_refuses_state_without_history():
 
 
 def test_memory_of_rows_counts_their_tokens_and_what_is_allocated():
-    m = model("AM SM")
+    m = tiny_layout("AM SM")
     g = torch.Generator().manual_seed(5)
     with torch.inference_mode():
         a, b = prefilled(m, 4, g), prefilled(m, 12, g)
