@@ -10,7 +10,7 @@ from hybridlm import presets
 from hybridlm.errors import InputError
 from hybridlm.cache import InferenceCache
 from hybridlm.serve import Engine, QueueFull, Request, SamplingParams, Scheduler
-from serve_helpers import FAMILIES, tiny
+from serve_helpers import FAMILIES, tiny, tiny_layout
 
 # every other preset family (sizes of one family and Doge's 16,384 experts left out), as slow tests
 MORE = [n for n in presets.names() if n not in FAMILIES and n != "doge" and not re.search(r"-(\d|wt103)", n)]
@@ -160,29 +160,38 @@ def test_state_per_slot_recurrent_fixed_attention_grows():
 def test_a_joining_request_takes_a_free_row_in_place(name):
     """A request that joins where one retired is written into the free row at column 0 (the batch is not rebuilt;
     its buffers grow if the request needs more columns) and every row still decodes as its own cache does; a
-    request with no free row rebuilds the batch."""
+    rebuild keeps free rows for the requests still being prefilled, and one with no free row rebuilds the batch."""
     m = tiny(name)
     eng = Engine(m, block=64)
     g = torch.Generator().manual_seed(0)
     reqs = [Request(torch.randint(0, 256, (n,), generator=g).tolist(), SamplingParams(max_tokens=20, temperature=0))
             for n in (9, 14, 4, 6, 30)]
-    for r in reqs:
+    for r in reqs[:4]:
         eng.start(r)
         eng.prefill([r])
-    own = {id(r): r.cache.take([0]) for r in reqs}
+    own = {id(r): r.cache.take([0]) for r in reqs[:4]}
     eng.set_rows(reqs[:3])
     batch = eng.batch
-    eng.set_rows([reqs[0], reqs[2], reqs[3]])        # reqs[1] retires, reqs[3] (6 tokens <= 14) takes its row
-    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2]]
+    assert eng.rows == reqs[:3] + [None]             # a free row kept for reqs[3], still to join
+    eng.start(reqs[4])
+    eng.prefill([reqs[4]])
+    eng.set_rows([reqs[0], reqs[2], reqs[3]])        # reqs[1] retires, reqs[3] takes a free row
+    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2], None]
     eng.decode()
     with torch.inference_mode():
         for r in (reqs[0], reqs[3], reqs[2]):
             t = m.decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
             assert r.output[1] == t, name
-    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # no free row: a rebuild
-    assert eng.batch is not batch and eng.batch.batch_size == 4
+    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens, placed: the buffers grow in place
+    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2], reqs[4]]
     eng.decode()
-    assert all(len(r.output) == 3 for r in reqs[2:4]) and len(reqs[4].output) == 2
+    late = Request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    eng.start(late)
+    eng.prefill([late])
+    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4], late])     # no free row: a rebuild
+    assert eng.batch is not batch and eng.batch.batch_size == 5
+    eng.decode()
+    assert [len(r.output) for r in reqs[2:] + [late]] == [4, 4, 3, 2]
 
 
 def test_an_engine_fault_fails_the_requests_in_flight_not_the_server():
@@ -306,17 +315,6 @@ def test_sampling_validation():
 LAYOUTS = ["SM RM", "AM WM", "GM CM", "KM BM", "LM IM", "FM AO AE", "ZM SM"]
 
 
-def tiny_layout(layout: str):
-    import warnings
-
-    from hybridlm import CausalLM
-    from serve_helpers import TINY
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # fields of letters this layout leaves out
-        return CausalLM(presets.get("transformer++", **{**TINY, "layout": layout})).eval()
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_batched_prefill_of_mixed_lengths_equals_generate(layout):
     """Prompts of mixed lengths arriving together are prefilled several per forward pass (fresh ones left-padded
@@ -414,3 +412,56 @@ def test_snapshots_give_way_to_the_memory_budget():
     with torch.inference_mode():
         sch.run_until_idle()
     assert len(eng.prefix.entries) == 5
+
+
+@pytest.mark.parametrize("layout", ["AM WM", "LM IM", "SM RM"])
+def test_a_batch_of_prompts_from_5_to_300_tokens_equals_generate(layout):
+    """Prompts of 5 to 300 tokens in one running batch, some arriving while others decode: each row holds its own
+    length (the batch is never padded to the longest) and greedy output equals `generate` for every request."""
+    m = tiny_layout(layout, max_seq_len=320)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 300, 37, 9, 211)]
+    eng = Engine(m, eos_id=None, block=64, max_slots=4, step_tokens=96)
+    sch = Scheduler(eng)
+    reqs = [Request(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    ragged = []
+    with torch.inference_mode():
+        for r in reqs[:3]:
+            sch.submit(r)
+        for _ in range(3):
+            sch.step()
+        for r in reqs[3:]:
+            sch.submit(r)
+        while sch.busy():
+            sch.step()
+            if eng.batch is not None and eng.batch.lengths is not None:
+                ragged.append(eng.batch.lengths.tolist())
+    assert any(max(n) - min(n) > 100 for n in ragged)          # rows far apart in length shared a batch
+    for r in reqs:
+        assert r.output == m.generate(torch.tensor([r.prompt]), 6, temperature=0)[0, len(r.prompt):].tolist(), \
+            (layout, len(r.prompt))
+
+
+def test_serve_bench_decode_figures(monkeypatch):
+    """The serve bench's decode figures at a tiny size: each case's batch is the server's (rows at their own
+    lengths for the mixed prompts, on one time axis for equal ones), every case decodes on the one clock, and the
+    ratios are the documented arithmetic of its readings."""
+    from hybridlm.bench import measure
+    from hybridlm.bench.serve import burst_lengths, decode_figures
+    m = tiny("transformer++", max_seq_len=256)
+    seen, fake = {}, {"1x8": 1.0, "4x8": 2.0, "4 mixed 8-64": 3.0, "4x30": 2.5}
+
+    def clock(fns, repeats, warmup):
+        for name, fn in fns.items():
+            eng = fn.args[0]                                            # partial(_decode_steps, engine, steps)
+            seen[name] = (eng.batch.batch_size, eng.batch.lengths)
+            fn()                                                        # real decode steps
+            assert all(len(r.output) == 1 + 2 for r in eng.running)
+        return {name: [fake[name] * 2] for name in fns}
+    monkeypatch.setattr(measure, "clock", clock)
+    out = decode_figures(m, prompt_len=8, burst=4, burst_min=8, burst_max=64, steps=2, log=lambda *_: None)
+    assert burst_lengths(4, 8, 64) == [8, 16, 32, 64] and out["mean_length"] == 30
+    assert seen["4 mixed 8-64"][1].tolist() == [8, 16, 32, 64] and seen["4x30"] == (4, None)
+    assert seen["1x8"][0] == 1 and seen["4x8"] == (4, None)
+    assert out["streams_vs_1"] == 2.0 and out["mixed_vs_equal"] == 1.2
+    assert out["step_s"]["1x8"] == 1.0

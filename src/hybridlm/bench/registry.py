@@ -96,11 +96,11 @@ SUITES = {
                         params="125M", d_model=None, n_layers=None, prompt_len=64, max_tokens=48, requests=None,
                         time_limit=120.0, prefix_len=2048, context=4096, memory_budget_mb=1024.0, burst=16,
                         burst_min=64, burst_max=2048, dtype="auto", quantize="", url="", llama_server="",
-                        llamacpp_src="", speculative="",
+                        llamacpp_src="", decode_steps=0, decode_only=False, speculative="",
                         dir=os.path.join("runs", "serve")),
                    quick=dict(presets="mamba2", concurrency=(1, 2), params="", d_model=64, n_layers=2,
                               prompt_len=8, max_tokens=4, prefix_len=0, context=256, time_limit=30.0, burst=4,
-                              burst_min=8, burst_max=64),
+                              burst_min=8, burst_max=64, decode_steps=2),
                    types=dict(d_model=int, n_layers=int, requests=int),
                    help=dict(concurrency="concurrent requests per level, a comma list",
                              params="size every preset to about this many parameters ('' with --d-model)",
@@ -113,6 +113,10 @@ SUITES = {
                              llama_server="llama.cpp's llama-server binary: serve a TinyLlama-shaped Llama from "
                                           "the same weights with both (needs --llamacpp-src)",
                              quantize="int8 or int4 weights",
+                             decode_steps="also the decode figures, in process: ms per decode step of 1 stream, "
+                                          "--burst streams, --burst streams of --burst-min to --burst-max tokens "
+                                          "and of their mean; steps per timed call (0: skip)",
+                             decode_only="only the decode figures (no server, no HTTP load)",
                              speculative="serve with --speculative ngram[:K]: each level also reports the drafts "
                                          "accepted and the tokens per step (/metrics)")),
     "speculative": Suite("batch-1 greedy decoding with and without speculative decoding on a prompt that repeats "

@@ -398,7 +398,8 @@ class Engine:
         their prefill (then released); rows not listed retire. A new request is placed into a free row at column 0
         (the batch's buffers grow to its prompt + max_tokens if they must, once per layer); the batch is rebuilt
         compactly when no row is free for it or free rows pile up, so every row always has room for all its
-        tokens and the buffers never grow by doubling in between."""
+        tokens and the buffers never grow by doubling in between. A rebuild keeps a free row for each request
+        still being prefilled (up to max_slots), so a burst of joins rebuilds the batch once, not once a join."""
         if not rows:
             self.clear()
             return
@@ -406,8 +407,8 @@ class Engine:
         new = [r for r in rows if not self.table.holds(r)]
         cap = max(len(r.prompt) + r.params.max_tokens for r in rows)
         live, free = self.table.live(), self.table.free()
-        idle = len(free) - len(new)
-        if self.batch is not None and live and 0 <= idle <= (len(live) + len(new)) // 4 \
+        idle, coming = len(free) - len(new), len(self.staged) - len(new)     # coming: prefilling, will join
+        if self.batch is not None and live and 0 <= idle <= coming + (len(live) + len(new)) // 4 \
                 and not self._too_long(cap):
             if gone:
                 self.batch.free(gone)
@@ -417,9 +418,14 @@ class Engine:
                 self.table.fill(i, r)
                 self.release(r)
             return
+        spare = max(0, min(coming, self.max_slots - len(live) - len(new)))
         sources = ([(self.batch, live)] if live else []) + [(r.cache, [0]) for r in new]
+        if spare:                     # free rows shaped by a copy of the first new row (emptied just below)
+            sources.append(sources[-1][:1] + ([sources[-1][1][-1]] * spare,))
         self.batch = InferenceCache.concat(sources, cap=cap, consume=True)
-        self.table.compact(new)
+        self.table.compact(new + [None] * spare)
+        if spare:
+            self.batch.free(self.table.free())
         for r in new:
             self.release(r)
 

@@ -34,7 +34,7 @@ class RowTable:
         self.rows[i] = req
 
     def compact(self, new: list):
-        """The rows after a rebuild: the live ones in order, then `new`."""
+        """The rows after a rebuild: the live ones in order, then `new` (None: a free row)."""
         self.rows = self.requests + list(new)
 
     def clear(self):
