@@ -86,3 +86,43 @@ def test_speculation_counts_in_metrics():
     assert g["spec_decode_num_accepted_tokens_total"][1] == st.accepted
     assert 0 <= g["spec_decode_acceptance_rate"][1] <= 1 and g["spec_decode_tokens_per_step"][1] >= 1
     assert "hybridlm_spec_decode_num_drafts_total" in sch.metrics.render(g)
+
+
+@pytest.mark.slow
+def test_sampled_engine_checks_keep_the_distribution():
+    """Many seeded requests of one prompt (vocabulary of 8) sampled with a presence penalty, temperature, top-k and
+    min-p: the joint of their first two tokens (the second from a speculative check with prompt lookup) matches the
+    model's penalised, filtered distribution."""
+    from hybridlm.models.generation import filter_logits, penalize
+    from test_speculative import _bound, _chi2
+    V, N = 8, 1200
+    m = tiny_layout("SM AM", vocab_size=V)
+    prompt = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    sp = dict(max_tokens=3, temperature=0.9, top_k=6, min_p=0.02, presence_penalty=0.7)
+
+    def dist(logits, out):
+        seen = torch.zeros(1, V, dtype=torch.bool)
+        seen[0, prompt + out] = True
+        counts = torch.zeros(1, V)
+        for t in out:
+            counts[0, t] += 1
+        one = lambda v: torch.tensor([float(v)])       # noqa: E731
+        x = penalize(logits[None], seen, counts, one(1), one(0.7), one(0))
+        return torch.softmax(filter_logits(x, one(0.9), top_k=torch.tensor([6]), min_p=one(0.02)), -1)[0]
+    with torch.inference_mode():
+        p1 = dist(m(torch.tensor([prompt])).logits[0, -1], [])
+        nxt = m(torch.tensor([prompt + [x] for x in range(V)])).logits[:, -1]
+        want = torch.stack([p1[x] * dist(nxt[x], [x]) for x in range(V)])
+    eng = Engine(m, eos_id=None, block=16, max_slots=256, step_tokens=4096, speculative="ngram:2")
+    sch = Scheduler(eng, max_queue=N)
+    reqs = [Request(prompt, SamplingParams(seed=i, **sp)) for i in range(N)]
+    with torch.inference_mode():
+        for r in reqs:
+            sch.submit(r)
+        sch.run_until_idle()
+    assert eng.spec_stats.checks > 0 and eng.spec_stats.accepted > 0
+    counts = torch.zeros(V, V)
+    for r in reqs:
+        counts[r.output[0], r.output[1]] += 1
+    stat, dof = _chi2(counts, want)
+    assert stat < _bound(dof), (stat, dof)
