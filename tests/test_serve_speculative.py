@@ -126,3 +126,12 @@ def test_sampled_engine_checks_keep_the_distribution():
         counts[r.output[0], r.output[1]] += 1
     stat, dof = _chi2(counts, want)
     assert stat < _bound(dof), (stat, dof)
+
+
+def test_a_request_past_the_draft_models_context_is_refused():
+    from hybridlm.errors import InputError
+    m = tiny_layout("AM")
+    eng = Engine(m, eos_id=None, block=8, speculative=ModelDrafter(tiny_layout("AM", max_seq_len=32), 4))
+    with pytest.raises(InputError, match="draft model's context"):
+        eng.validate(Request(list(range(20)), SamplingParams(max_tokens=10)))
+    eng.validate(Request(list(range(10)), SamplingParams(max_tokens=10)))

@@ -272,7 +272,9 @@ def decode(model, input_ids: Tensor, max_new_tokens: int, spec, *, temperature: 
     total = L0 + max_new_tokens
     greedy = temperature == 0
     if isinstance(drafter, ModelDrafter):
+        from .quantize import cpu_kernels_by_default_
         check_draft_model(model, drafter.model)
+        cpu_kernels_by_default_(drafter.model)
         if total > drafter.model.config.max_seq_len:
             raise InputError(f"prompt + max_new_tokens ({total}) exceeds the draft model's max_seq_len "
                              f"{drafter.model.config.max_seq_len}")

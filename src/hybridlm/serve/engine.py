@@ -286,6 +286,10 @@ class Engine:
             k = getattr(p, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise InputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if isinstance(self.drafter, ModelDrafter) and \
+                len(req.prompt) + p.max_tokens + self.drafter.k + 1 > self.drafter.model.config.max_seq_len:
+            raise InputError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
+                             f"draft model's context of {self.drafter.model.config.max_seq_len} tokens")
         need = self.peak_bytes([len(req.prompt) + p.max_tokens])
         if self.memory_bytes is not None and need > self.memory_bytes:
             raise InputError(f"the request needs {need} bytes of state, more than the memory budget of "
