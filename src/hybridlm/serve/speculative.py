@@ -89,9 +89,7 @@ def speculative_decode(engine) -> bool:
         return False
     drafts = _drafts(engine, live, k)
     k = max(len(d) for d in drafts)
-    if k == 0:
-        for r in live:
-            _keep_draft(r, 0, 0)
+    if k == 0:                   # no lookup found anything (a draft model always drafts k)
         return False
     drafts = [d + [d[-1] if d else r.output[-1]] * (k - len(d)) for d, r in zip(drafts, live)]
     by_row = iter(drafts)
