@@ -29,8 +29,9 @@ def _run(m, spec, params, arrive_late=True):
     return eng, reqs
 
 
-# two layouts in the fast suite (recurrent states restored + replayed; a two-hop block with a window), all in the slow
-@pytest.mark.parametrize("layout", [lay if lay in ("SM RM", "[RWM]") else pytest.param(lay, marks=pytest.mark.slow)
+# two layouts in the fast suite (a two-hop block: states and ring restored, the kept tokens fed again; MLA and an
+# indexer: attention only, every row cut at its own acceptance), all in the slow one
+@pytest.mark.parametrize("layout", [lay if lay in ("[RWM]", "LM IM") else pytest.param(lay, marks=pytest.mark.slow)
                                     for lay in LAYOUTS])
 def test_greedy_engine_with_speculation_equals_generate(layout):
     m, other = tiny_layout(layout), tiny_layout(layout, seed=1)
