@@ -81,7 +81,8 @@ def test_rollback_leaves_the_state_after_the_last_kept_token(layout, fed, keep):
     assert held == (keep if cut else 0)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [lay if lay in ("SM RM", "GM CM", "[RWM]", "AM WM")
+                                    else pytest.param(lay, marks=pytest.mark.slow) for lay in LAYOUTS])
 def test_greedy_speculative_equals_greedy(layout):
     """Prompt lookup, a draft model that always agrees (the model itself) and one that mostly does not: the same
     tokens as plain greedy decoding, at batch 1 and in a left-padded batch."""
