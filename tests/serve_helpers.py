@@ -21,6 +21,17 @@ def tiny(name: str, n_layers: int = 2, **kw):
     return CausalLM(presets.get(name, n_layers=min(n, n_layers) if n < 10 else n_layers, **{**TINY, **kw})).eval()
 
 
+def tiny_layout(layout: str, **kw):
+    """A tiny transformer++-sized model of any layout string (the fields its letters leave out unwarned)."""
+    import warnings
+
+    from hybridlm import CausalLM
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # fields of letters this layout leaves out
+        return CausalLM(presets.get("transformer++", **{**TINY, "layout": layout, **kw})).eval()
+
+
 class ChatBytes(ByteTokenizer):
     """The byte tokenizer with a chat template (what a chat checkpoint's tokenizer carries)."""
     eos_token = "<eos>"

@@ -8,9 +8,9 @@ import torch
 from conftest import assert_close
 from hybridlm import presets
 from hybridlm.errors import InputError
+from hybridlm.cache import InferenceCache
 from hybridlm.serve import Engine, QueueFull, Request, SamplingParams, Scheduler
-from hybridlm.serve.slots import gather
-from serve_helpers import FAMILIES, tiny
+from serve_helpers import FAMILIES, tiny, tiny_layout
 
 # every other preset family (sizes of one family and Doge's 16,384 experts left out), as slow tests
 MORE = [n for n in presets.names() if n not in FAMILIES and n != "doge" and not re.search(r"-(\d|wt103)", n)]
@@ -58,8 +58,9 @@ def test_prefix_hit_gives_identical_output(name):
 
 
 @pytest.mark.parametrize("name", ["rodimus++", "mamba2-attention", "deepseek-mla"])
-def test_gather_rows_decode_like_their_own_caches(name):
-    """A batch gathered from caches of different lengths decodes every row exactly as its own cache does."""
+def test_rows_at_their_own_lengths_decode_like_their_own_caches(name):
+    """A batch concatenated from caches of different lengths (each row at its own length, no padding) decodes every
+    row exactly as its own cache does; rows taken out of it keep doing so."""
     m = tiny(name)
     g = torch.Generator().manual_seed(0)
     caches, ids = [], []
@@ -69,13 +70,13 @@ def test_gather_rows_decode_like_their_own_caches(name):
             m(torch.randint(0, 256, (1, n), generator=g), cache=c)
             caches.append(c)
             ids.append(torch.randint(0, 256, (1, 1), generator=g))
-        batch = gather([(c, [0]) for c in caches], extra=4)
-        own = torch.cat([m.decode_step(i, gather([(c, [0])])) for i, c in zip(ids, caches)])
+        batch = InferenceCache.concat([(c, [0]) for c in caches], cap=16)
+        assert batch.lengths.tolist() == [3, 11, 6] and batch.seen == 11
+        own = torch.cat([m.decode_step(i, c.take([0])) for i, c in zip(ids, caches)])
         assert_close(m.decode_step(torch.cat(ids), batch), own, atol=1e-5, msg=name)
-        sub = gather([(batch, [2, 0])])         # drop a row (its padding columns go with it)
-        assert sub.seen == 7
+        sub = batch.take([2, 0])                # two rows out: the longest row's columns go with it
+        assert sub.seen == 7 and sub.lengths.tolist() == [7, 4]
         nxt = torch.randint(0, 256, (2, 1), generator=g)
-        ref = torch.cat([m.decode_step(nxt[j:j + 1], gather([(caches[k], [0])])) for j, k in enumerate((2, 0))])
         for c, i in zip(caches, ids):          # advance the own caches by the token the batch saw
             m.decode_step(i, c)
         ref = torch.cat([m.decode_step(nxt[j:j + 1], caches[k]) for j, k in enumerate((2, 0))])
@@ -137,7 +138,7 @@ def test_validation_queue_abort_and_budget():
     assert b.finish_reason == "length"
     # a memory budget: attention K/V grows with the tokens, so two long requests do not fit where two short ones do
     eng = Engine(m, eos_id=None, block=8, max_slots=8, memory_bytes=None)
-    eng.memory_bytes = int(eng.peak_bytes([64], 32) * 1.5)
+    eng.memory_bytes = (eng.peak_bytes([64]) + eng.peak_bytes([64, 64])) // 2     # one fits, two do not
     sch = Scheduler(eng)
     for _ in range(2):
         sch.submit(Request([1] * 32, SamplingParams(max_tokens=32, temperature=0)))
@@ -157,30 +158,40 @@ def test_state_per_slot_recurrent_fixed_attention_grows():
 
 @pytest.mark.parametrize("name", ["rodimus++", "mamba2-attention", "deepseek-mla"])
 def test_a_joining_request_takes_a_free_row_in_place(name):
-    """A request that joins where one retired is written into the free row (the batch is not rebuilt) and every
-    row still decodes as its own cache does; a longer prompt than the batch's time axis rebuilds it."""
+    """A request that joins where one retired is written into the free row at column 0 (the batch is not rebuilt;
+    its buffers grow if the request needs more columns) and every row still decodes as its own cache does; a
+    rebuild keeps free rows for the requests still being prefilled, and one with no free row rebuilds the batch."""
     m = tiny(name)
     eng = Engine(m, block=64)
     g = torch.Generator().manual_seed(0)
     reqs = [Request(torch.randint(0, 256, (n,), generator=g).tolist(), SamplingParams(max_tokens=20, temperature=0))
             for n in (9, 14, 4, 6, 30)]
-    for r in reqs:
+    for r in reqs[:4]:
         eng.start(r)
         eng.prefill([r])
-    own = {id(r): gather([(r.cache, [0])]) for r in reqs}
+    own = {id(r): r.cache.take([0]) for r in reqs[:4]}
     eng.set_rows(reqs[:3])
     batch = eng.batch
-    eng.set_rows([reqs[0], reqs[2], reqs[3]])        # reqs[1] retires, reqs[3] (6 tokens <= 14) takes its row
-    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2]]
+    assert eng.rows == reqs[:3] + [None]             # a free row kept for reqs[3], still to join
+    eng.start(reqs[4])
+    eng.prefill([reqs[4]])
+    eng.set_rows([reqs[0], reqs[2], reqs[3]])        # reqs[1] retires, reqs[3] takes a free row
+    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2], None]
     eng.decode()
     with torch.inference_mode():
         for r in (reqs[0], reqs[3], reqs[2]):
             t = m.decode_step(torch.tensor([[r.output[0]]]), own[id(r)]).argmax(-1).item()
             assert r.output[1] == t, name
-    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens: longer than the batch, so a rebuild
-    assert eng.batch is not batch and eng.batch.batch_size == 4
+    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4]])   # 30 tokens, placed: the buffers grow in place
+    assert eng.batch is batch and eng.rows == [reqs[0], reqs[3], reqs[2], reqs[4]]
     eng.decode()
-    assert all(len(r.output) == 3 for r in reqs[2:4]) and len(reqs[4].output) == 2
+    late = Request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    eng.start(late)
+    eng.prefill([late])
+    eng.set_rows([reqs[0], reqs[2], reqs[3], reqs[4], late])     # no free row: a rebuild
+    assert eng.batch is not batch and eng.batch.batch_size == 5
+    eng.decode()
+    assert [len(r.output) for r in reqs[2:] + [late]] == [4, 4, 3, 2]
 
 
 def test_an_engine_fault_fails_the_requests_in_flight_not_the_server():
@@ -304,17 +315,6 @@ def test_sampling_validation():
 LAYOUTS = ["SM RM", "AM WM", "GM CM", "KM BM", "LM IM", "FM AO AE", "ZM SM"]
 
 
-def tiny_layout(layout: str):
-    import warnings
-
-    from hybridlm import CausalLM
-    from serve_helpers import TINY
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # fields of letters this layout leaves out
-        return CausalLM(presets.get("transformer++", **{**TINY, "layout": layout})).eval()
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_batched_prefill_of_mixed_lengths_equals_generate(layout):
     """Prompts of mixed lengths arriving together are prefilled several per forward pass (fresh ones left-padded
@@ -383,7 +383,7 @@ def test_memory_counts_what_is_allocated():
             mem = eng.memory()
             seen.append(mem)
             lengths = [len(r.prompt) + r.params.max_tokens for r in reqs]
-            assert mem["batch_bytes"] + mem["prefill_bytes"] <= eng.peak_bytes(lengths, 6)
+            assert mem["batch_bytes"] + mem["prefill_bytes"] <= eng.peak_bytes(lengths)
     assert max(s["batch_bytes"] for s in seen) > eng.slot_bytes(46)   # several rows at their capacity
     # 40 tokens at block 8: five snapshots, chained; each holds one block of attention K/V plus the fixed states
     assert len(eng.prefix.entries) == 5
@@ -400,7 +400,7 @@ def test_snapshots_give_way_to_the_memory_budget():
     """With a budget that the requests in flight fill, no snapshot is made (and none is copied)."""
     m = tiny("transformer++")
     eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24, max_slots=4)
-    eng.memory_bytes = eng.peak_bytes([40 + 4], 4)
+    eng.memory_bytes = eng.peak_bytes([40 + 4])
     r = Request(list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0))
     sch = Scheduler(eng)
     sch.submit(r)
@@ -412,3 +412,56 @@ def test_snapshots_give_way_to_the_memory_budget():
     with torch.inference_mode():
         sch.run_until_idle()
     assert len(eng.prefix.entries) == 5
+
+
+@pytest.mark.parametrize("layout", ["AM WM", "LM IM", "SM RM"])
+def test_a_batch_of_prompts_from_5_to_300_tokens_equals_generate(layout):
+    """Prompts of 5 to 300 tokens in one running batch, some arriving while others decode: each row holds its own
+    length (the batch is never padded to the longest) and greedy output equals `generate` for every request."""
+    m = tiny_layout(layout, max_seq_len=320)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 300, 37, 9, 211)]
+    eng = Engine(m, eos_id=None, block=64, max_slots=4, step_tokens=96)
+    sch = Scheduler(eng)
+    reqs = [Request(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    ragged = []
+    with torch.inference_mode():
+        for r in reqs[:3]:
+            sch.submit(r)
+        for _ in range(3):
+            sch.step()
+        for r in reqs[3:]:
+            sch.submit(r)
+        while sch.busy():
+            sch.step()
+            if eng.batch is not None and eng.batch.lengths is not None:
+                ragged.append(eng.batch.lengths.tolist())
+    assert any(max(n) - min(n) > 100 for n in ragged)          # rows far apart in length shared a batch
+    for r in reqs:
+        assert r.output == m.generate(torch.tensor([r.prompt]), 6, temperature=0)[0, len(r.prompt):].tolist(), \
+            (layout, len(r.prompt))
+
+
+def test_serve_bench_decode_figures(monkeypatch):
+    """The serve bench's decode figures at a tiny size: each case's batch is the server's (rows at their own
+    lengths for the mixed prompts, on one time axis for equal ones), every case decodes on the one clock, and the
+    ratios are the documented arithmetic of its readings."""
+    from hybridlm.bench import measure
+    from hybridlm.bench.serve import burst_lengths, decode_figures
+    m = tiny("transformer++", max_seq_len=256)
+    seen, fake = {}, {"1x8": 1.0, "4x8": 2.0, "4 mixed 8-64": 3.0, "4x30": 2.5}
+
+    def clock(fns, repeats, warmup):
+        for name, fn in fns.items():
+            eng = fn.args[0]                                            # partial(_decode_steps, engine, steps)
+            seen[name] = (eng.batch.batch_size, eng.batch.lengths)
+            fn()                                                        # real decode steps
+            assert all(len(r.output) == 1 + 2 for r in eng.running)
+        return {name: [fake[name] * 2] for name in fns}
+    monkeypatch.setattr(measure, "clock", clock)
+    out = decode_figures(m, prompt_len=8, burst=4, burst_min=8, burst_max=64, steps=2, log=lambda *_: None)
+    assert burst_lengths(4, 8, 64) == [8, 16, 32, 64] and out["mean_length"] == 30
+    assert seen["4 mixed 8-64"][1].tolist() == [8, 16, 32, 64] and seen["4x30"] == (4, None)
+    assert seen["1x8"][0] == 1 and seen["4x8"] == (4, None)
+    assert out["streams_vs_1"] == 2.0 and out["mixed_vs_equal"] == 1.2
+    assert out["step_s"]["1x8"] == 1.0

@@ -41,8 +41,9 @@ from torch import Tensor
 
 
 def time_buffer(x: Tensor, cap: int, rows: int | None = None) -> Tensor:
-    """An empty buffer shaped like x [B, T, ...] with `cap` time steps (and `rows` rows instead of B if given). Per-head tensors [B, T, H, D] are stored
-    head-major ([B, H, cap, D] seen through a transposed view), so attention reads each head's keys contiguously.
+    """An empty buffer shaped like x [B, T, ...] with `cap` time steps (`rows` rows instead of B if given). Per-head
+    tensors [B, T, H, D] are stored head-major ([B, H, cap, D] seen through a transposed view), so attention reads
+    each head's keys contiguously.
     Zeros, not garbage: the static decode step reads the unwritten tail too (masked, but NaN · 0 would be NaN)."""
     B = x.shape[0] if rows is None else rows
     if x.dim() == 4:
@@ -201,7 +202,7 @@ class KVCache(_Rows):
                 ks.append(slot.k[rows, :L])
                 vs.append(slot.v[rows, :L])
             else:      # row i's columns [starts_i, starts_i + L): what lies past its tokens is masked
-                cols = (starts[:, None] + torch.arange(L, device=rows.device)).clamp(max=max(L - 1, 0))
+                cols = (starts[:, None] + torch.arange(L, device=rows.device)).clamp(max=slot.length - 1)
                 ks.append(slot.k[rows[:, None], cols])
                 vs.append(slot.v[rows[:, None], cols])
             ns.append(n)

@@ -17,6 +17,13 @@ tests/test_serve_api.py checks these clocks against a plain socket client's.
 The burst figure: 16 requests arriving together, prompts of mixed length (64 to 2,048 tokens, spread
 geometrically), TTFT p50 / p99; and, while they run in 16 slots, the server process's resident memory against the
 state the memory budget counts for them (/metrics).
+
+The decode figures (`decode_rows`, in process, after the server of the preset has stopped): the serving engine's
+time per decode step over a batch, each batch's requests prefilled as the server prefills them and joined into one
+batch, cases interleaved on one clock: one stream of `prompt_len` tokens, `burst` streams of it, `burst` streams of
+the burst's mixed lengths (each row at its own length) and `burst` streams all of the mean of those lengths.
+`streams_vs_1` is burst x t(one stream) / t(burst streams): how much more the batch decodes per second;
+`mixed_vs_equal` is t(mixed) / t(equal, the mean length): 1.0 when a batch costs its tokens, not its longest row.
 """
 import asyncio
 import json
@@ -29,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 
 from .registry import cpu_host
 
@@ -165,11 +173,16 @@ async def _prefix(url: str, prefix_len: int, seed: int) -> dict:
             "speedup": round(cold["ttft"] / hit["ttft"], 2)}
 
 
+def burst_lengths(n: int, shortest: int, longest: int) -> list[int]:
+    """`n` prompt lengths from `shortest` to `longest` tokens, spread geometrically."""
+    return [round(shortest * (longest / shortest) ** (i / max(1, n - 1))) for i in range(n)]
+
+
 async def _burst(url: str, n: int, shortest: int, longest: int, max_tokens: int, seed: int) -> dict:
     """`n` completions sent at once, prompts from `shortest` to `longest` tokens (geometric): TTFT p50 / p99."""
     import httpx
     rng = random.Random(seed)
-    lens = [round(shortest * (longest / shortest) ** (i / max(1, n - 1))) for i in range(n)]
+    lens = burst_lengths(n, shortest, longest)
     rng.shuffle(lens)
     prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in lens]
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
@@ -228,6 +241,74 @@ def burst_with_memory(server: "ServerProcess", s: dict, context: int, log=print)
     return row
 
 
+def inference_model(checkpoint: str, dtype: str = "auto", quantize: str | None = None):
+    """The checkpoint's model as `hybridlm serve` runs it on a CPU: quantized from the saved weights, cast, decode's
+    matrix-vector products through the project's CPU kernels."""
+    import torch
+    from ..dtypes import resolve_dtype
+    from ..models.quantize import quantize_, use_cpu_kernels_
+    from ..train import load_checkpoint
+    model = load_checkpoint(checkpoint)[0].eval()
+    if quantize:
+        quantize_(model, quantize)
+    return use_cpu_kernels_(model.to(dtype=getattr(torch, resolve_dtype(dtype, "cpu")[0])))
+
+
+def decode_rows(model, cases: dict, steps: int = 8, repeats: int = 3, seed: int = 0) -> dict:
+    """Seconds per decode step of the serving engine over each case's batch ({name: prompt lengths}): the requests
+    are prefilled as the server prefills them (`plan_prefill`, `prefill`) and join one batch (`set_rows`: rows at
+    their own lengths); a timed call runs `steps` decode steps, the cases interleaved on one clock (bench/measure.py).
+    -> {name: seconds per step (median)}."""
+    import torch
+    from ..serve import Engine, Request, SamplingParams
+    from .measure import clock, median
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    engines = {}
+    with torch.inference_mode():
+        for name, lens in cases.items():
+            eng = Engine(model, eos_id=None, block=256, max_slots=len(lens))
+            new = (repeats + 1) * steps + 1                      # every timed and warm-up step has room
+            reqs = [Request(torch.randint(0, V, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)) for n in lens]
+            for r in reqs:
+                eng.start(r)
+            while pending := [r for r in reqs if r.prefilled < len(r.prompt)]:
+                for group in eng.plan_prefill(pending):
+                    eng.prefill(group)
+            eng.set_rows(reqs)
+            engines[name] = eng
+
+    times = clock({name: partial(_decode_steps, eng, steps) for name, eng in engines.items()}, repeats=repeats,
+                  warmup=1)
+    return {name: median(t) / steps for name, t in times.items()}
+
+
+def _decode_steps(engine, steps: int):
+    import torch
+    with torch.inference_mode():
+        for _ in range(steps):
+            engine.decode()
+
+
+def decode_figures(model, *, prompt_len: int, burst: int, burst_min: int, burst_max: int, steps: int,
+                   repeats: int = 3, log=print, name: str = "") -> dict:
+    """The decode figures of one model (see the module docstring): seconds per step of each case, `streams_vs_1`
+    and `mixed_vs_equal`."""
+    mixed = burst_lengths(burst, burst_min, burst_max)
+    mean = round(sum(mixed) / len(mixed))
+    cases = {f"1x{prompt_len}": [prompt_len], f"{burst}x{prompt_len}": [prompt_len] * burst,
+             f"{burst} mixed {burst_min}-{burst_max}": mixed, f"{burst}x{mean}": [mean] * burst}
+    t = decode_rows(model, cases, steps, repeats)
+    one, many, mix, equal = (t[k] for k in cases)
+    out = {"step_s": {k: round(v, 6) for k, v in t.items()}, "streams": burst, "mean_length": mean,
+           "streams_vs_1": round(burst * one / many, 2), "mixed_vs_equal": round(mix / equal, 3)}
+    log(f"{name:<18} decode step: 1 stream {one * 1e3:.1f} ms, {burst} streams {many * 1e3:.1f} ms "
+        f"({out['streams_vs_1']}x the tokens/s); {burst} mixed {burst_min}-{burst_max} {mix * 1e3:.1f} ms vs "
+        f"{burst}x{mean} {equal * 1e3:.1f} ms ({out['mixed_vs_equal']}x)")
+    return out
+
+
 def load_external(url: str, concurrencies=(1, 16), *, prompt_len: int = 64, max_tokens: int = 48,
                   requests_per_level: int | None = None, time_limit: float = 120, log=print) -> list[dict]:
     """The same load against a server already running at `url` (any OpenAI-compatible one, e.g. llama.cpp's
@@ -248,19 +329,29 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     prefix_len: int = 2048, context: int = 4096, memory_budget_mb: float = 1024,
                     burst: int = 16, burst_min: int = 64, burst_max: int = 2048,
                     dtype: str = "auto", quantize: str | None = None, out: str = "serve-bench.json",
-                    plot: bool = True, log=print) -> dict:
-    """Start a server per preset, load it at each concurrency, measure; the results (the caller writes them, with
-    the registry's meta) and a PNG beside `out`."""
+                    decode_steps: int = 0, decode_only: bool = False, speculative: str = "", plot: bool = True,
+                    log=print) -> dict:
+    """Start a server per preset, load it at each concurrency, measure; then, with `decode_steps`, the decode
+    figures in process (`decode_figures`; `decode_only`: those alone, no server). `speculative`: serve with
+    --speculative (each level reports drafts accepted and tokens per step). The results (the caller writes them,
+    with the registry's meta) and a PNG beside `out`."""
     result = {"settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
                            "max_tokens": max_tokens, "prefix_len": prefix_len, "context": context, "dtype": dtype,
                            "quantize": quantize, "memory_budget_mb": memory_budget_mb, "burst": burst,
-                           "burst_min": burst_min, "burst_max": burst_max},
+                           "burst_min": burst_min, "burst_max": burst_max, "decode_steps": decode_steps,
+                           "speculative": speculative},
               "presets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
             ckpt = make_checkpoint(preset, params, d_model, n_layers, context, os.path.join(tmp, preset))
+            if decode_only:
+                result["presets"][preset] = {"decode": decode_figures(
+                    inference_model(ckpt, dtype, quantize), prompt_len=prompt_len, burst=burst, burst_min=burst_min,
+                    burst_max=burst_max, steps=decode_steps, log=log, name=preset)}
+                continue
             args = ["--max-slots", str(max(concurrencies)), "--max-queue", "4096", "--dtype", dtype,
-                    "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else [])
+                    "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else []) + \
+                (["--speculative", speculative] if speculative else [])
             if burst:
                 args += ["--max-slots", str(max(burst, *concurrencies))]
             server = ServerProcess(ckpt, args)
@@ -274,10 +365,17 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                 asyncio.run(_load(server.url, 1, 2, prompt_len, 4, time_limit, 99))           # warm-up
                 for c in concurrencies:
                     n = requests_per_level or max(2 * c, 8)
+                    before = server.metrics()
                     lv = asyncio.run(_load(server.url, c, n, prompt_len, max_tokens, time_limit, c))
+                    spec = _spec_figures(before, server.metrics()) if speculative else ""
+                    if spec:
+                        lv.update(spec)
+                        spec = (f"  acceptance {spec['spec_acceptance']:.2f}, "
+                                f"{spec['spec_tokens_per_step']:.2f} tokens/step")
                     row["levels"].append(lv)
                     log(f"{preset:<18} c={c:<3} {lv['tokens_per_s']:>9.1f} tok/s  TTFT p50 {lv['ttft_p50_s']:.3f}s "
-                        f"p99 {lv['ttft_p99_s']:.3f}s  TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)")
+                        f"p99 {lv['ttft_p99_s']:.3f}s  TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)"
+                        + spec)
                 if prefix_len:
                     row["prefix"] = asyncio.run(_prefix(server.url, prefix_len, 7))
                     log(f"{preset:<18} prefix {prefix_len}: TTFT cold {row['prefix']['ttft_cold_s']:.3f}s, "
@@ -288,10 +386,29 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                                                      context, log)
             finally:
                 server.stop()
+            if decode_steps:
+                row["decode"] = decode_figures(inference_model(ckpt, dtype, quantize), prompt_len=prompt_len,
+                                               burst=burst, burst_min=burst_min, burst_max=burst_max,
+                                               steps=decode_steps, log=log, name=preset)
             result["presets"][preset] = row
-    if plot:
+    if plot and not decode_only:
         _plot(result, os.path.splitext(out)[0] + ".png")
     return result
+
+
+def _spec_figures(before: dict, after: dict) -> dict:
+    """Speculative decoding over one load level, from the /metrics counters read before and after it: drafts
+    accepted over drafts checked, and tokens added per row per check."""
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+    drafted, accepted = delta("spec_decode_num_draft_tokens_total"), delta("spec_decode_num_accepted_tokens_total")
+    checks = delta("spec_decode_num_drafts_total")
+    if not checks:
+        return {"spec_acceptance": 0.0, "spec_tokens_per_step": 1.0, "spec_checks": 0}
+    return {"spec_acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+            "spec_tokens_per_step": round(delta("spec_decode_num_emitted_tokens_total") /
+                                          delta("spec_decode_num_row_checks_total"), 3),
+            "spec_checks": int(checks)}
 
 
 def _plot(result: dict, path: str):
@@ -322,10 +439,13 @@ def serve_suite(s: dict, log=print) -> dict:
     """`hybridlm bench --suite serve`. Settings (registry.py): presets, concurrency, params, d_model, n_layers,
     prompt_len, max_tokens, requests, time_limit, prefix_len, context, memory_budget_mb, dtype, quantize, url (load
     a running server instead), llama_server (also compare with llama.cpp's server), schema / schema_tokenizer /
-    schema_steps (the cost of constrained decoding instead: bench/structured.py)."""
+    schema_steps (the cost of constrained decoding instead: bench/structured.py), decode_steps / decode_only (the
+    in-process decode figures), speculative."""
     from ..errors import ConfigError
     if min(s["concurrency"]) < 1 or s["max_tokens"] < 1 or s["prompt_len"] < 1:
         raise ConfigError("--concurrency, --max-tokens and --prompt-len must be >= 1")
+    if s["decode_steps"] < 0 or (s["decode_only"] and not (s["decode_steps"] and s["burst"])):
+        raise ConfigError("--decode-only needs --decode-steps >= 1 and --burst >= 1")
     load = dict(prompt_len=s["prompt_len"], max_tokens=s["max_tokens"], requests_per_level=s["requests"],
                 time_limit=s["time_limit"], log=log)
     if s["url"]:            # any server (e.g. an older hybridlm serve, for a before / after): no memory figures
@@ -345,7 +465,8 @@ def serve_suite(s: dict, log=print) -> dict:
                            d_model=s["d_model"], n_layers=s["n_layers"], prefix_len=s["prefix_len"],
                            context=s["context"], memory_budget_mb=s["memory_budget_mb"], burst=s["burst"],
                            burst_min=s["burst_min"], burst_max=s["burst_max"], dtype=s["dtype"],
-                           quantize=s["quantize"] or None, out=s["out"], **load)
+                           quantize=s["quantize"] or None, out=s["out"], decode_steps=s["decode_steps"],
+                           decode_only=s["decode_only"], speculative=s["speculative"], **load)
 
 
 def compare_llama_server(s: dict, log=print) -> dict:

@@ -71,14 +71,28 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_m
     return torch.einsum("bhts,bshd->bthd", probs, vf).to(q.dtype)
 
 
+ROW_CALL_KEYS = 256     # keys a row's own pair of matmuls is worth reading (their fixed cost, on a CPU)
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
                      lengths: Tensor | None = None) -> Tensor:
     """One query per row over its cached keys: q [B, 1, Hq, D], k [B, S, Hk, D], v [B, S, Hv, Dv] with Hk and Hv
     dividing Hq (grouped-query heads; shared keys, Hk = 1 with Hv = Hq) -> [B, 1, Hq, Dv]. `lengths` [B] long: row b
     attends its first lengths[b] keys (cache rows at their own lengths; a row with none gives 0); None: all S. Two
     batched matmuls on views of the cache: every key and value is read once, never expanded to Hq heads (a decode
-    step's attention costs what reading its cache costs). This reference form scores all S columns of every row
-    and masks; `cpu_decode.decode_attention` reads only each row's own keys."""
+    step's attention costs what reading its cache costs). With `lengths` all S columns of every row are scored and
+    the rest masked, unless (on a CPU) the rows' lengths spread so far that reading each row's own keys with a pair
+    of matmuls per row reads fewer (counting ROW_CALL_KEYS per row for the calls); `cpu_decode.decode_attention`
+    reads only each row's own keys in one call."""
+    if lengths is not None and q.device.type == "cpu" and q.shape[0] > 1:
+        n = lengths.tolist()
+        if sum(n) + ROW_CALL_KEYS * len(n) < len(n) * k.shape[1]:
+            return torch.cat([_decode(q[b:b + 1], k[b:b + 1, :m], v[b:b + 1, :m], scale) if m else
+                              q.new_zeros(1, 1, q.shape[2], v.shape[3]) for b, m in enumerate(n)])
+    return _decode(q, k, v, scale, lengths)
+
+
+def _decode(q: Tensor, k: Tensor, v: Tensor, scale: float | None, lengths: Tensor | None = None) -> Tensor:
     B, _, Hq, D = q.shape
     S, Hk, Hv, Dv = k.shape[1], k.shape[2], v.shape[2], v.shape[3]
     qg = q.reshape(B, Hk, Hq // Hk, D)

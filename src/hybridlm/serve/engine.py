@@ -3,18 +3,21 @@
 Plain Python, no HTTP and no threads (the scheduler drives it). One request's life:
   `start`    resume from the longest cached prefix of its prompt (its own batch-1 cache, joined from the prefix
              cache's chain) or start with no cache
-  `prefill`  run the next chunk of a group of requests in one forward pass (`plan_prefill` groups them: fresh
-             prompts left-padded together, prompts under way by chunk length; chunks end at `block` boundaries,
-             where snapshots are taken); after the last chunk the first token is sampled
-  `set_rows` move prefilled requests into the running batch and retire finished ones: one left-padded
-             `InferenceCache` [rows, time] for all (serve/slots.py aligns rows of different lengths); a new
-             request takes a free row in place, and the batch is rebuilt only when it must be
+  `prefill`  run the next chunk of a group of requests in one forward pass (`plan_prefill` groups them: first
+             chunks of fresh prompts left-padded together, then each taken out into its own cache without the
+             padding; a prompt under way runs alone in its own cache, nothing gathered or split; chunks end at
+             `block` boundaries, where snapshots are taken); after the last chunk the first token is sampled
+  `set_rows` move prefilled requests into the running batch and retire finished ones: one `InferenceCache` whose
+             rows hold their own lengths (no padding); a new request is placed into a free row at column 0, the
+             batch is rebuilt (`InferenceCache.concat`) only when no row is free or free rows pile up
   `decode`   one token for every running row in one forward pass (`CausalLM.decode_step`): the weights are read
-             once per step for all rows
-Greedy decoding (temperature 0) gives what `CausalLM.generate` gives for the same prompt: batched, left-padded
-decoding equals single decoding for every layout, and a prefill in chunks (batched or not) equals one in one go.
-Memory is counted as allocated (`memory`), and admission (`fits`) reserves what the requests in flight can come to
-hold (`peak_bytes`).
+             once per step for all rows, and each row's attention reads its own keys
+The engine never asks which kind a layer's state is: the cache kinds move their rows, serve/slots.py only says
+which request holds which row. Greedy decoding (temperature 0) gives what `CausalLM.generate` gives for the same
+prompt: a batch of rows at their own lengths decodes each row as its own cache does, for every layout, and a
+prefill in chunks (batched or not) equals one in one go. Memory is counted as allocated (`memory`), and admission
+(`fits`) reserves what the requests in flight can come to hold (`peak_bytes`), a prefill chunk's activations
+included.
 """
 import os
 import threading
@@ -24,12 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache import InferenceCache, allocated_bytes
 from ..errors import InputError
 from ..models.generation import filter_logits, penalize
+from ..models.speculative import ModelDrafter, SpecStats, check_draft_model, parse_speculative
 from ..models.structured import mask_logits
 from .fields import check_sampling
 from .prefix_cache import PrefixCache, block_hashes
-from .slots import allocated_bytes, cut, cut_bytes, first_real, gather, place, room, stitch
+from .slots import RowTable
+from .speculative import speculative_decode
 
 
 @dataclass
@@ -91,6 +97,8 @@ class Request:
     passed_over: int = 0              # scheduler iterations its next chunk waited (its aging credit)
     keys: list = field(default_factory=list, repr=False)
     generator: object = None
+    draft: object = None              # speculative decoding: its prompt-lookup index or draft-model cache
+    draft_q: object = None            # the draft model's probabilities of its last drafts (sampled requests)
     aborted: bool = False             # set from any thread; the engine thread acts on it
     abort_reason: str = "abort"       # the finish reason it is retired with ("stop": the API met a stop string)
     # timings (time.perf_counter)
@@ -113,11 +121,15 @@ class Engine:
     eos_id: the end-of-text id (None: never stop early). block: prefill chunk and prefix-cache block, in tokens.
     prefix_cache_bytes: the prefix cache's budget (0: off). max_slots: rows decoded together at most.
     memory_bytes: budget for all inference state (None: only max_slots limits): the requests in flight at their
-    largest, the running batch while it is rebuilt, and the prefix cache (which gives way to requests).
-    step_tokens: tokens run per scheduler iteration, decode rows and prefill chunks together (default 2 blocks)."""
+    largest, the running batch while it is rebuilt, a prefill chunk's activations, and the prefix cache (which gives
+    way to requests).
+    step_tokens: tokens run per scheduler iteration, decode rows and prefill chunks together (default 2 blocks).
+    speculative: "ngram[:K]" or a `ModelDrafter` (models/speculative.py): each decode step checks K drafts per row in
+    one forward (serve/speculative.py); `spec_stats` counts checks, drafts and accepted tokens."""
 
     def __init__(self, model, *, eos_id: int | None = None, block: int = 256, prefix_cache_bytes: int = 0,
-                 max_slots: int = 16, memory_bytes: int | None = None, step_tokens: int | None = None):
+                 max_slots: int = 16, memory_bytes: int | None = None, step_tokens: int | None = None,
+                 speculative=None):
         if max_slots < 1:
             raise InputError(f"max_slots must be >= 1, got {max_slots}")
         if block < 1:
@@ -132,24 +144,39 @@ class Engine:
             raise InputError(f"step_tokens must be >= 1, got {self.step_tokens}")
         self.context = model.config.max_seq_len
         self.prefix = PrefixCache(block, prefix_cache_bytes)
-        self.batch = None                 # InferenceCache of the running rows
-        self.rows: list[Request | None] = []     # the request of each batch row (None: a free row)
+        self.batch = None                 # InferenceCache of the running rows (each at its own length)
+        self.table = RowTable()           # the request of each batch row
         self.staged: dict[int, Request] = {}     # started, not yet in the batch (they may hold a prefill cache)
         # held by the scheduler's thread while it changes the state (prefill, batch, prefix cache); `memory()`
         # takes it, so a reader on another thread (the metrics) sees a consistent state
         self.lock = threading.RLock()
+        self.drafter = parse_speculative(speculative)
+        if isinstance(self.drafter, ModelDrafter):
+            check_draft_model(model, self.drafter.model)
+        self.spec_stats = SpecStats()
         self.layers = self._measure_state()
         self.fixed_bytes = sum(f for f, _ in self.layers)
         self.token_bytes = sum(t for _, t in self.layers)
+        # a prefill forward's transient bytes per token, from the model's sizes: the residual stream and a norm's
+        # output (d each), the widest projection's output and its activation, a few of each alive at once
+        d = model.config.d_model
+        widest = max([d] + [m.out_features for m in model.blocks.modules()
+                            if isinstance(getattr(m, "out_features", None), int)])
+        self.act_token_bytes = 4 * (d + widest) * model.embed.weight.element_size()
         self.memory_bytes = memory_bytes
-        if memory_bytes is not None and self.peak_bytes([2], 1) > memory_bytes:
+        if memory_bytes is not None and self.peak_bytes([2]) > memory_bytes:
             raise InputError(f"the memory budget ({memory_bytes} bytes) holds no request: one costs "
-                             f"{self.peak_bytes([2], 1)} bytes of state")
+                             f"{self.peak_bytes([2])} bytes of state")
 
     @property
     def running(self) -> list[Request]:
         """The requests in the batch (free rows left out)."""
-        return [r for r in self.rows if r is not None]
+        return self.table.requests
+
+    @property
+    def rows(self) -> list[Request | None]:
+        """The request of each batch row (None: a free row)."""
+        return self.table.rows
 
     # ---------------------------------------------------------------- memory
     @torch.inference_mode()
@@ -168,20 +195,30 @@ class Engine:
         """Bytes of inference state of one request at `tokens` tokens."""
         return self.fixed_bytes + self.token_bytes * tokens
 
-    def peak_bytes(self, lengths: list[int], max_new: int | None = None, batch_now: int = 0) -> int:
-        """The most state requests of total lengths `lengths` (prompt + max_tokens) can hold at once: their prefill
-        caches (twice: a chunk batched with others is split back), a batch of one row each whose time axis is at
-        most max(length) + the most new tokens of any row (rows are left-padded to the longest; a joining row gets
-        a free row in place only if its new tokens fit), and during a rebuild the old batch (`batch_now`, the bytes
-        it holds) beside the new one layer at a time (`gather(consume=True)`)."""
+    def prefill_tokens(self) -> int:
+        """Tokens one prefill forward runs at most (padding included: `plan_prefill` keeps a group within it)."""
+        return max(self.step_tokens, self.block)
+
+    def activation_bytes(self, tokens: int, context: int) -> int:
+        """Transient bytes of a prefill forward of `tokens` tokens over up to `context` keys, estimated from the
+        model's sizes: per token the hidden activations (`act_token_bytes`), a float32 row of attention mask or
+        scores over the context, and a float32 row of logits (all of them when prompt logprobs are asked for)."""
+        return tokens * (self.act_token_bytes + 4 * context + 4 * self.model.config.vocab_size)
+
+    def peak_bytes(self, lengths: list[int], batch_now: int = 0) -> int:
+        """The most state requests of total lengths `lengths` (prompt + max_tokens) can hold at once: their own
+        prefill caches (a request's at most its length; a group of fresh prompts runs in one cache padded to its
+        longest first chunk before each row is taken out), the batch of one row each (dense [rows, cap] buffers
+        with cap the longest length: each row holds its own tokens within it), during a rebuild or a growth of the
+        time axis the old batch (`batch_now`, the bytes it holds) beside the new one layer at a time, and the
+        activations of one prefill forward."""
         if not lengths:
             return batch_now
-        cap = max(lengths) + (max(lengths) if max_new is None else max_new)
-        rows = len(lengths)
+        cap, rows = max(lengths), len(lengths)
         batch = rows * self.slot_bytes(cap)
         layer = rows * max(f + t * cap for f, t in self.layers)
-        prefill = 2 * sum(self.slot_bytes(n) for n in lengths)
-        return prefill + max(batch, batch_now) + layer
+        prefill = sum(self.slot_bytes(n) for n in lengths) + rows * self.slot_bytes(min(cap, self.block))
+        return prefill + max(batch, batch_now) + layer + self.activation_bytes(self.prefill_tokens(), cap)
 
     def in_flight(self) -> list[Request]:
         return self.running + list(self.staged.values())
@@ -192,8 +229,7 @@ class Engine:
         if self.memory_bytes is None:
             return True
         reqs = self.in_flight() + list(admitted) + [req]
-        need = self.peak_bytes([len(r.prompt) + r.params.max_tokens for r in reqs],
-                               max(r.params.max_tokens for r in reqs), self.batch_bytes())
+        need = self.peak_bytes([len(r.prompt) + r.params.max_tokens for r in reqs], self.batch_bytes())
         if need > self.memory_bytes:
             return False
         with self.lock:
@@ -206,7 +242,6 @@ class Engine:
             return None
         reqs = self.in_flight()
         return self.memory_bytes - self.peak_bytes([len(r.prompt) + r.params.max_tokens for r in reqs],
-                                                   max((r.params.max_tokens for r in reqs), default=0),
                                                    self.batch_bytes())
 
     def batch_bytes(self) -> int:
@@ -237,7 +272,11 @@ class Engine:
             raise InputError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
                              f"model's context of {self.context} tokens")
         check_sampling(p)
-        need = self.peak_bytes([len(req.prompt) + p.max_tokens], p.max_tokens)
+        if isinstance(self.drafter, ModelDrafter) and \
+                len(req.prompt) + p.max_tokens + self.drafter.k + 1 > self.drafter.model.config.max_seq_len:
+            raise InputError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
+                             f"draft model's context of {self.drafter.model.config.max_seq_len} tokens")
+        need = self.peak_bytes([len(req.prompt) + p.max_tokens])
         if self.memory_bytes is not None and need > self.memory_bytes:
             raise InputError(f"the request needs {need} bytes of state, more than the memory budget of "
                              f"{self.memory_bytes}")
@@ -256,7 +295,7 @@ class Engine:
             return
         hit, parts = self.prefix.longest(req.keys[: (n - 1) // self.block])
         if hit:
-            req.cache = stitch(parts, extra=n - hit * self.block)
+            req.cache = InferenceCache.stitch(parts, extra=n - hit * self.block)
             req.prefilled = req.cached_tokens = hit * self.block
 
     def release(self, req: Request):
@@ -270,13 +309,18 @@ class Engine:
         return min(len(req.prompt), (a // self.block + 1) * self.block) - a
 
     def plan_prefill(self, reqs: list[Request]) -> list[list[Request]]:
-        """Group chunks that run in one forward pass: fresh prompts (nothing run yet) together, left-padded to the
-        longest chunk; prompts under way by chunk length (no padding: a pad after real tokens would enter the conv
-        tails and recurrent states)."""
-        groups: dict[int, list[Request]] = {}
-        for r in reqs:
-            groups.setdefault(-1 if r.prefilled == 0 else self.chunk(r), []).append(r)
-        return list(groups.values())
+        """Group chunks that run in one forward pass: first chunks of fresh prompts (nothing run yet) together,
+        left-padded to the longest, shortest first and each group within `prefill_tokens` padded tokens; a prompt
+        under way alone, in its own cache (no padding after real tokens, which would enter conv tails and
+        recurrent states, and no gathering of caches and splitting them back every chunk)."""
+        fresh = sorted((r for r in reqs if r.prefilled == 0), key=self.chunk)
+        groups, group = [], []
+        for r in fresh:
+            if group and (len(group) + 1) * self.chunk(r) > self.prefill_tokens():
+                groups.append(group)
+                group = []
+            group.append(r)
+        return groups + ([group] if group else []) + [[r] for r in reqs if r.prefilled > 0]
 
     @torch.inference_mode()
     def prefill(self, group: list[Request]):
@@ -295,11 +339,12 @@ class Engine:
             if min(chunks) < T:
                 mask = (torch.arange(T) >= T - torch.tensor(chunks)[:, None]).to(self.device)
         else:
-            cache = group[0].cache if B == 1 else gather([(r.cache, [0]) for r in group], extra=T, consume=True)
+            cache = group[0].cache                           # a prompt under way: alone, in its own cache
         scored = any(r.params.prompt_logprobs is not None for r in group)
         logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=None if scored else 1).logits
         for i, (r, c) in enumerate(zip(group, chunks)):
-            r.cache = cache if B == 1 else gather([(cache, [i])], extra=len(r.prompt) - r.prefilled - c)
+            # fresh prompts run together once: each row is then taken out, unpadded, with room for its prompt
+            r.cache = cache if B == 1 else cache.take([i], cap=len(r.prompt))
             if r.params.prompt_logprobs is not None:
                 self._prompt_logprobs(r, r.prefilled, logits[i, T - c:])
             r.prefilled += c
@@ -324,10 +369,10 @@ class Engine:
         if parent is not None and parent not in self.prefix:
             return
         lo = (k - 1) * self.block
-        size = cut_bytes(req.cache, lo)
+        size = req.cache.cut_bytes(lo)
         limit = self._spare_bytes()
         if self.prefix.room(size, limit):
-            self.prefix.put(req.keys[k - 1], parent, cut(req.cache, lo), size, limit)
+            self.prefix.put(req.keys[k - 1], parent, req.cache.cut(lo), size, limit)
 
     def _prompt_logprobs(self, req: Request, a: int, logits):
         """Append the logprobs of prompt tokens a+1 .. a+T given the logits [T, V] of positions a .. a+T-1."""
@@ -340,58 +385,64 @@ class Engine:
     @torch.inference_mode()
     def set_rows(self, rows: list[Request]):
         """Make `rows` the running requests: rows already in the batch keep their state, new ones bring the cache of
-        their prefill (then released); rows not listed retire. A new request takes a free row in place when one is
-        there and it fits the batch's time axis (its prompt and every token it may add); otherwise (or when free
-        rows or padding pile up) the batch is rebuilt compactly, with room for the most new tokens of any row, so
-        the K/V buffers never grow by doubling in between."""
+        their prefill (then released); rows not listed retire. A new request is placed into a free row at column 0
+        (the batch's buffers grow to its prompt + max_tokens if they must, once per layer); the batch is rebuilt
+        compactly when no row is free for it or free rows pile up, so every row always has room for all its
+        tokens and the buffers never grow by doubling in between. A rebuild keeps a free row for each request
+        still being prefilled (up to max_slots), so a burst of joins rebuilds the batch once, not once a join."""
         if not rows:
-            self.batch, self.rows = None, []
+            self.clear()
             return
-        wanted = {id(r) for r in rows}
-        slots = [r if r is not None and id(r) in wanted else None for r in self.rows]
-        have = {id(r) for r in slots if r is not None}
-        new = [r for r in rows if id(r) not in have]
-        free = [i for i, r in enumerate(slots) if r is None]
-        left = room(self.batch) if self.batch is not None else 0
-        if self.batch is not None and new and len(new) <= len(free) and all(
-                r.cache.seen <= self.batch.seen and (left is None or _to_go(r) <= left) for r in new):
+        gone = self.table.keep(rows)
+        new = [r for r in rows if not self.table.holds(r)]
+        cap = max(len(r.prompt) + r.params.max_tokens for r in rows)
+        live, free = self.table.live(), self.table.free()
+        idle, coming = len(free) - len(new), len(self.staged) - len(new)     # coming: prefilling, will join
+        if self.batch is not None and live and 0 <= idle <= coming + (len(live) + len(new)) // 4 \
+                and not self._too_long(cap):
+            if gone:
+                self.batch.free(gone)
+            self.batch.reserve(cap)
             for r, i in zip(new, free):
-                place(self.batch, i, r.cache)
-                slots[i] = r
+                self.batch.place([i], r.cache)
+                self.table.fill(i, r)
                 self.release(r)
-            new = []
-        live = [i for i, r in enumerate(slots) if r is not None]
-        dead = len(slots) - len(live)
-        if not new and live and dead <= len(live) // 4 and not self._padded(live):
-            self.rows = slots
             return
+        spare = max(0, min(coming, self.max_slots - len(live) - len(new)))
         sources = ([(self.batch, live)] if live else []) + [(r.cache, [0]) for r in new]
-        extra = max(_to_go(r) for r in rows)
-        self.batch = gather(sources, extra=extra, consume=True)
-        self.rows = [slots[i] for i in live] + new
+        if spare:                     # free rows shaped by a copy of the first new row (emptied just below)
+            sources.append(sources[-1][:1] + ([sources[-1][1][-1]] * spare,))
+        self.batch = InferenceCache.concat(sources, cap=cap, consume=True)
+        self.table.compact(new + [None] * spare)
+        if spare:
+            self.batch.free(self.table.free())
         for r in new:
             self.release(r)
 
     def clear(self):
         """Drop the running batch (after a fault, or when nothing runs)."""
-        self.batch, self.rows = None, []
+        self.batch = None
+        self.table.clear()
 
-    def _padded(self, live: list[int]) -> bool:
-        """Whether the batch's time axis has grown well past what its live rows need (rows that joined in place
-        and retired rows leave columns of padding): then a rebuild trims it."""
-        span = int((self.batch.seen - first_real(self.batch)[live]).max())
-        return self.batch.seen > 2 * span + 64
+    def _too_long(self, cap: int) -> bool:
+        """Whether the batch's time axis has grown well past what its rows need (long requests retired): then a
+        rebuild trims it."""
+        room = self.batch.room
+        return room is not None and self.batch.seen + room > 2 * cap + 64
 
     @torch.inference_mode()
     def decode(self):
         """One new token for every running row (one forward pass over the batch; free rows run a dummy token at
-        position 0 and their output is dropped)."""
-        live = [i for i, r in enumerate(self.rows) if r is not None]
+        position 0 and their output is dropped); with speculative decoding, one check of every row's drafts
+        (serve/speculative.py), which may add several tokens to each row."""
+        if self.drafter is not None and speculative_decode(self):
+            return
+        live = self.table.live()
         ids = torch.tensor([[r.output[-1] if r is not None else 0] for r in self.rows], dtype=torch.long,
                            device=self.device)
         if len(live) < len(self.rows):
-            dead = torch.tensor([i for i, r in enumerate(self.rows) if r is None], device=self.device)
-            self.batch.next_pos[dead] = 0      # positions stay inside a learned position table
+            # a free row's dummy token goes to column 0 at position 0 (inside a learned position table), every step
+            self.batch.free(self.table.free())
         logits = self.model.decode_step(ids, self.batch)
         self._sample([self.rows[i] for i in live], logits[live] if len(live) < len(self.rows) else logits)
 
@@ -429,15 +480,27 @@ class Engine:
                 reqs[i].logprobs.append(entry)
         now = time.perf_counter()
         for r, t in zip(reqs, tokens):
-            r.output.append(t)
-            if r.first_token_at is None:
-                r.first_token_at = now
-            if r.constraint is not None and (not r.constraint.accept(t) or r.constraint.finished):
-                r.finish_reason = "stop"          # the grammar is complete (a rejected token cannot be sampled)
-            elif t == self.eos_id and not r.params.ignore_eos:
-                r.finish_reason = "stop"
-            elif len(r.output) >= r.params.max_tokens:
-                r.finish_reason = "length"
+            self._append(r, t, now)
+
+    def _append(self, r: Request, t: int, now: float):
+        """Add token t to r's output and note whether r is finished."""
+        r.output.append(t)
+        if r.first_token_at is None:
+            r.first_token_at = now
+        if r.constraint is not None and (not r.constraint.accept(t) or r.constraint.finished):
+            r.finish_reason = "stop"          # the grammar is complete (a rejected token cannot be sampled)
+        elif t == self.eos_id and not r.params.ignore_eos:
+            r.finish_reason = "stop"
+        elif len(r.output) >= r.params.max_tokens:
+            r.finish_reason = "length"
+
+    def append_token(self, r: Request, t: int, logits):
+        """A token checked by speculative decoding: its logprobs (from the raw logits [V] at its position) when asked
+        for, then `_append`."""
+        if r.params.logprobs is not None:
+            entry = _logprobs(torch.log_softmax(logits[None].float(), -1), [t], r.params.logprobs)[0]
+            r.logprobs.append(entry)
+        self._append(r, t, time.perf_counter())
 
     def _token_sets(self, reqs: list[Request]):
         """(seen [B, V] bool: prompt or output tokens, counts [B, V] float: output tokens) of the requests."""
@@ -450,11 +513,6 @@ class Engine:
                 out = torch.tensor(r.output, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
         return seen, counts
-
-
-def _to_go(req: Request) -> int:
-    """Decode steps `req` may still run (each writes one token into the batch's cache)."""
-    return req.params.max_tokens - len(req.output)
 
 
 def _logprobs(lp, tokens: list[int], k: int) -> list[TokenLogprob]:
