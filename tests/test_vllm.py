@@ -3,8 +3,10 @@
 Greedy tokens of `vllm.LLM(..., dtype="float32", enforce_eager=True, skip_tokenizer_init=True)` equal `hybridlm
 generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sent together, two of which share a long
 prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
-model classes) and through the plugin on run directories (the rodimus++ preset, a layout mixing A, S, R and M, one
-with LFM2's gated short convolution C, one with CDMoE E).
+model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
+mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
+Gated DeltaNet G, KDA K and routed MoE O, MLA L with Mamba-1 B, inner-function attention F with the dynamic mask;
+tensor parallel 2 gives the tokens of 1.
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -56,18 +58,32 @@ def ours(model: CausalLM, ps: list[list[int]]) -> list[list[int]]:
 
 
 def served(directory: str, ps: list[list[int]], rounds: int = 1, **extra) -> list[list[list[int]]]:
-    """vLLM's greedy tokens for the batch `ps`, sent `rounds` times to one engine: a list per round."""
+    """vLLM's greedy tokens for the batch `ps`, sent `rounds` times to one engine: a list per round. Tensor
+    parallelism on vLLM's CPU build runs a process per rank, each bound to its own core (VLLM_CPU_OMP_THREADS_BIND:
+    unbound, it refuses to start on a machine with fewer cores than it wants per rank)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    tp = extra.get("tensor_parallel_size", 1)
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     r = subprocess.run([sys.executable, "-c", _SERVE, json.dumps([directory, ps, NEW, rounds, extra])], env=env,
                        capture_output=True, text=True, timeout=900)
     lines = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
-    assert r.returncode == 0 and len(lines) == rounds, r.stderr[-4000:]
+    causes = [x for x in r.stderr.splitlines() if "Error" in x or "error" in x][:12]    # the engine's root cause
+    assert r.returncode == 0 and len(lines) == rounds, "\n".join(causes) + "\n" + r.stderr[-3000:]
     return [json.loads(x[len("TOKENS "):]) for x in lines]
 
 
 def model(cfg: ModelConfig) -> CausalLM:
+    """A random model whose every layer moves the logits: at hybridlm's init the small output projections leave
+    the tied embedding echoing the last token, which a wrong mixer would echo too. Matrices are redrawn at
+    1/sqrt(fan-in); vectors (norms, gates, decays, biases) keep their init."""
     torch.manual_seed(0)
-    return CausalLM(cfg).eval()
+    m = CausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() >= 2 and not name.startswith(("embed", "lm_head")):
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return m
 
 
 NATIVE = {   # case -> (preset, sizes)
@@ -98,6 +114,18 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
                          **SIZES),
     "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
     "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
+    # Qwen3-Next's and Kimi-Linear's mixers in a layout of one's own: ours with vLLM's cache in float32 (vLLM's CPU
+    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) ours
+    "delta-moe": ModelConfig(layout="G O A O K O", gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32,
+                             kda_heads=2, kda_head_dim=32, moe_experts=4, moe_topk=2, moe_shared=True,
+                             moe_router="sigmoid", moe_router_bias=True, moe_hidden=64, **SIZES),
+    # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
+    "mla-mamba1": ModelConfig(layout="L M B M", mla_kv_lora_rank=64, mla_q_lora_rank=48, mla_qk_nope_dim=48,
+                              mla_rope_dim=16, mla_v_dim=64, **SIZES),
+    # inner-function attention and the "dt" dynamic mask on F and A (its bias as one more key channel: heads of 65
+    # channels, computed at 80)
+    "inner-function": ModelConfig(layout="F M S M A M", wm_dyn_mask="dt", wm_inner_values=8, wm_inner_topk=2,
+                                  wm_inner_dret=16, **{**SIZES, "n_kv_heads": 2}),
 }
 
 
@@ -122,8 +150,30 @@ def test_plugin_prefix_caching(tmp_path):
     assert served(run, ps, rounds=2, enable_prefix_caching=True) == [ours(m, ps)] * 2
 
 
-@pytest.mark.parametrize("layout, letter", [("G M A M", "letter G"), ("K M", "letter K"), ("B M", "letter B"),
-                                            ("{AS} M", "parallel blocks")])
-def test_refused_at_load_with_the_letter_named(layout, letter):
+TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of generate)
+    "mixed": ModelConfig(layout="A M S O R M G O", attn_shared_key=False, rodimus_d_state=16, gdn_k_heads=1,
+                         gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32, moe_experts=4, moe_topk=2, moe_hidden=64, **SIZES),
+    "rodimus++": PLUGIN["rodimus++"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TP)
+def test_tensor_parallel(case, tmp_path):
+    m = model(TP[case])
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m)
+    ps = prompts()
+    want = ours(m, ps)
+    assert served(run, ps, tensor_parallel_size=2, distributed_executor_backend="mp") == [want]
+    assert served(run, ps) == [want]
+
+
+@pytest.mark.parametrize("layout, letter, extra", [
+    ("I M", "letter I", {}), ("Z S M", "letter Z", {}), ("{AS} M", "parallel blocks", {}),
+    ("A M", "letter A .*heads of 600 channels", dict(head_dim=600)),
+    ("F M", "letter F .*wm_keep_window", dict(wm_dyn_mask="dt", wm_keep_window=4, n_kv_heads=1, head_dim=64)),
+    ("S M", "letter S .*wm_ssd_rope", dict(wm_ssd_rope=True))])
+def test_refused_at_load_with_the_letter_named(layout, letter, extra):
     with pytest.raises(ConfigError, match=f"cannot serve {letter}"):
-        check_servable(ModelConfig(layout=layout, vocab_size=V, d_model=64, n_heads=1))
+        check_servable(ModelConfig(**{**dict(layout=layout, vocab_size=V, d_model=64, n_heads=1), **extra}))
