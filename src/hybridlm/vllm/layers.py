@@ -139,9 +139,9 @@ class AttentionLayer(Mixer):
         self.rotary = get_rope(D, max_position=cfg.max_seq_len, is_neox_style=not cfg.rope_interleaved,
                                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
                                                 "rope_dim": rope_dim}) if rope_dim else None
-        self.h, self.hv = H // tp, Hv // tp
+        self.h, self.hv = H // tp, max(1, Hv // tp)      # fewer key/value heads than ranks: vLLM replicates them
         window = cfg.swa_window if letter == "W" else cfg.window
-        self.attn = Attention(self.h, self.P, D ** -0.5, num_kv_heads=max(1, self.hv),
+        self.attn = Attention(self.h, self.P, D ** -0.5, num_kv_heads=self.hv,
                               cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
                               per_layer_sliding_window=window, prefix=f"{prefix}.attn")
 
