@@ -112,8 +112,8 @@ def test_native_export_served_by_vllm(case, tmp_path):
 def test_native_qwen3_next_served_in_bf16(tmp_path):
     """vLLM's CPU Gated DeltaNet runs in bf16 only (head dims 64 / 128), so a Qwen3Next export serves in bf16 there,
     and its greedy tokens drift from float32 ones on near-ties. The rule: every token vLLM picks is, under our float32
-    model fed vLLM's own sequence, within a tenth of the spread between the best and the median logit of the best
-    (a wrong layer picks tokens a spread away, a bf16 rounding only near-ties)."""
+    model fed vLLM's own sequence, within a quarter of the spread between the best and the median logit of the best
+    (a token picked at random sits near the median, a spread away; bf16 rounding measured up to 0.11 here)."""
     m = model(presets.get("qwen3-next", n_layers=4, **SIZES))
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
     save_checkpoint(run, m)
@@ -128,7 +128,7 @@ def test_native_qwen3_next_served_in_bf16(tmp_path):
         best = logits.max(-1).values
         picked = logits.gather(-1, torch.tensor(toks)[:, None])[:, 0]
         spread = best - logits.median(-1).values
-        assert ((best - picked) <= 0.1 * spread).all(), (toks, (best - picked) / spread)
+        assert ((best - picked) <= 0.25 * spread).all(), (toks, (best - picked) / spread)
 
 
 PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directory itself
