@@ -243,7 +243,7 @@ class OwnAttentionLayer(Mixer):
         H, Hk, D = m.n_heads, m.n_kv_heads, m.head_dim
         parts = m.qkv(x).split(m.split, dim=-1)
         q, k = parts[0].view(1, N, H, D), parts[1].view(1, N, Hk, D)
-        v = m._values(x, parts[2] if len(parts) == 3 else None)
+        v = m.values(x, parts[2] if len(parts) == 3 else None)
         q, k = norm_and_rope(m, q, k, ctx)
         q, k, v = q[0], k[0], v[0]
         if m.dyn_mask == "position":
