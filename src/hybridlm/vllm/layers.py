@@ -21,6 +21,10 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
     M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
     E O       ChannelLayer     ours as it is (no state); replicated
 
+G, K, B, L and O are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
+is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs, its CPU MLA only a
+512 + 64 latent); vLLM's GPU layers for them (and FusedMoE for O) are not wired in yet.
+
 Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
 served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
 beyond its largest the letter is refused at load.
