@@ -143,6 +143,9 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "delta-moe": ModelConfig(layout="G O A O K O", gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32,
                              kda_heads=2, kda_head_dim=32, moe_experts=4, moe_topk=2, moe_shared=True,
                              moe_router="sigmoid", moe_router_bias=True, moe_hidden=64, **SIZES),
+    # the Qwen3-Next preset as a run (gated attention with a quarter of each head rotated, q/k norm; G; O with a
+    # gated shared expert), as the plugin serves it for the serve benchmark
+    "qwen3-next": presets.get("qwen3-next", n_layers=4, **SIZES),
     # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
     "mla-mamba1": ModelConfig(layout="L M B M", mla_kv_lora_rank=64, mla_q_lora_rank=48, mla_qk_nope_dim=48,
                               mla_rope_dim=16, mla_v_dim=64, **SIZES),
