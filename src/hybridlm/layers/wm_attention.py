@@ -76,7 +76,8 @@ class WMAttention(nn.Module):
         if hasattr(self, "A"):
             self.A.zero_()
 
-    def _values(self, x: Tensor, v: Tensor | None) -> Tensor:
+    def values(self, x: Tensor, v: Tensor | None) -> Tensor:
+        """The values [B, T, Hk, D]: `v` (the projection's, [B, T, Hk·D]) as heads, or the inner function f(x) (F)."""
         B, T, _ = x.shape
         if v is not None:
             return v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -103,7 +104,7 @@ class WMAttention(nn.Module):
         H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
         parts = self.qkv(x).split(self.split, dim=-1)
         q, k = parts[0].view(B, T, H, D), parts[1].view(B, T, Hk, D)
-        v = self._values(x, parts[2] if len(parts) == 3 else None)
+        v = self.values(x, parts[2] if len(parts) == 3 else None)
         q, k = norm_and_rope(self, q, k, ctx)
         b = None
         if self.dyn_mask == "position":

@@ -5,7 +5,7 @@ Installed with `pip install hybridlm[vllm]` (scripts/setup-vllm.sh), vLLM finds 
 
   - config.json's model_type "hybridlm" -> config.HybridLMVLLMConfig (for the transformers vLLM brings);
   - architecture "HybridLMForCausalLM" -> model.HybridLMForCausalLM (imported by vLLM when a model needs it);
-  - the mamba backend of our own recurrent layers (`R`: rodimus.py).
+  - the mamba backend of our own recurrent layers (R, G, K, B: state.py).
 
 Nothing else in hybridlm imports this package; it imports vLLM, and from hybridlm only the layers, models, ops
 and the cache (never hybridlm.hf, which is written for the hf extra's transformers).
@@ -18,9 +18,9 @@ def register():
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
     from .config import HybridLMVLLMConfig
-    from .rodimus import BACKEND
+    from .state import BACKEND
     _CONFIG_REGISTRY[HybridLMVLLMConfig.model_type] = HybridLMVLLMConfig
     if BACKEND not in MambaAttentionBackendEnum.__members__:
-        MambaAttentionBackendEnum.register(BACKEND, "hybridlm.vllm.rodimus.RodimusBackend")
+        MambaAttentionBackendEnum.register(BACKEND, "hybridlm.vllm.state.RecurrentBackend")
     if "HybridLMForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("HybridLMForCausalLM", "hybridlm.vllm.model:HybridLMForCausalLM")

@@ -9,20 +9,11 @@ from transformers import PretrainedConfig
 
 from ..errors import ConfigError
 from ..models.config import ModelConfig
-from ..models.layout import Hop, Parallel, Tagged, parse_layout
+from ..models.layout import Hop, Parallel, Tagged, flatten, parse_layout
 from ..models.registry import LETTERS
 
-# the letters the plugin builds (model.py); every other letter is refused at load, named
-SERVED = {"A": "softmax attention (vLLM's Attention: its backends, sliding window)",
-          "W": "sliding-window (shared-key) attention (vLLM's Attention)",
-          "S": "SSD / Mamba-2 (vLLM's MambaMixer2)",
-          "M": "MLP (vLLM's parallel linears)",
-          "C": "gated short convolution (vLLM's ShortConv)",
-          "R": "Rodimus (hybridlm's own layer with a vLLM state: vllm/rodimus.py)",
-          "E": "CDMoE (hybridlm's own layer: a channel mixer, no state)"}
 # options no served layer has: they must keep their default
-_DEFAULT_ONLY = ("hyper_connections", "residual_scale", "wm_dyn_mask", "wm_ssd_rope", "attn_output_gate",
-                 "layer_overrides")
+_DEFAULT_ONLY = ("hyper_connections", "residual_scale", "layer_overrides")
 
 
 class HybridLMVLLMConfig(PretrainedConfig):
@@ -55,7 +46,9 @@ def num_layers(cfg: ModelConfig) -> int:
 
 
 def check_servable(cfg: ModelConfig, quantization: dict | None = None):
-    """A ConfigError naming the first letter or option of `cfg` the vLLM plugin cannot serve, else nothing."""
+    """A ConfigError naming the first letter or option of `cfg` the vLLM plugin cannot serve, and why, else nothing.
+    (Imports the plugin's layers, and so vLLM: it runs in vLLM's process, when vLLM reads config.json.)"""
+    from .layers import LAYERS, NOT_SERVED, kind
     what = "the hybridlm vLLM plugin"
     if quantization:
         raise ConfigError(f"{what} serves float weights: this directory is quantized ({quantization.get('scheme')}); "
@@ -68,20 +61,17 @@ def check_servable(cfg: ModelConfig, quantization: dict | None = None):
         for letter in (it if isinstance(it, tuple) else (it,)):
             if isinstance(letter, Tagged):
                 raise ConfigError(f"{what} cannot serve weight sharing ({letter}@{letter.tag}) yet")
-            if letter not in SERVED:
-                raise ConfigError(f"{what} cannot serve letter {letter} ({LETTERS[letter].doc}) yet; it serves "
-                                  + ", ".join(SERVED) + ". Export a layout transformers has a class for with "
-                                  "`hybridlm convert --to-hf RUN --as-native` and serve that")
+            if letter not in LAYERS:
+                raise ConfigError(f"{what} cannot serve letter {letter} ({LETTERS[letter].doc}): "
+                                  f"{NOT_SERVED.get(letter, 'no layer for it')}; it serves " + ", ".join(LAYERS))
+    for i, letter in enumerate(flatten(parse_layout(cfg.layout, LETTERS.keys()))):
+        c = cfg.for_layer(i)
+        why = kind(str(letter), c).refuse(c, str(letter))
+        if why is not None:
+            raise ConfigError(f"{what} cannot serve letter {letter} (layer {i}) here: {why}")
     default = ModelConfig()
     for name in _DEFAULT_ONLY:
         if getattr(cfg, name) != getattr(default, name):
             raise ConfigError(f"{what} cannot serve {name}={getattr(cfg, name)!r} yet")
     if cfg.pos_embedding == "learned":
         raise ConfigError(f"{what} cannot serve pos_embedding='learned' yet (rope or none)")
-    if "S" in cfg.layout:
-        if cfg.ssd_norm != "gated":
-            raise ConfigError(f"{what}: vLLM's MambaMixer2 has the gated RMSNorm only, not ssd_norm={cfg.ssd_norm!r}")
-        if cfg.ssd_dt_limit is not None and tuple(cfg.ssd_dt_limit) != (0.0, float("inf")):
-            raise ConfigError(f"{what}: vLLM's MambaMixer2 has no dt clamp (ssd_dt_limit={cfg.ssd_dt_limit!r})")
-    if "M" in cfg.layout and cfg.mlp_gated and cfg.mlp_act not in ("silu", "gelu", "gelu_tanh"):
-        raise ConfigError(f"{what} serves gated MLPs with silu, gelu or gelu_tanh, not mlp_act={cfg.mlp_act!r}")

@@ -1,0 +1,416 @@
+"""The mixers of `HybridLMForCausalLM`: one class per mixer kind, one table keyed by letter (`LAYERS`).
+
+Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that layer's ModelConfig) and called as
+`forward(x [N, d], positions [N]) -> [N, d]` on the batch's tokens, flattened as vLLM runs them. A class says
+
+  refuse(cfg, letter)  why this layer cannot be served here (None: it can): checked at load, named;
+  state(cfg, letter, vllm_config)  (shapes, dtypes) of one request's recurrent state in vLLM's cache, or None;
+  renames              {our leaf name: its parameter's}: the model's WeightsMapper;
+  stacked              {our leaf name: cut(layer, tensor) -> [(its parameter, shard id, part)]}: our fused tensors
+                       cut into the shards of vLLM's stacked parameters (fused QKV, gate/up) or reshaped.
+
+    A, W      AttentionLayer   vLLM's Attention (its backends; window as its sliding window; a shared key expanded to
+                               the value heads), vLLM's get_rope, tensor-parallel QKV / output
+    F, L, A+dynamic mask
+              OwnAttentionLayer  our projections (inner-function values, MLA's latent up-projected per head, the
+                               dynamic mask's per-key bias as one more key channel) and vLLM's Attention with its
+                               KV cache; replicated under tensor parallelism
+    S         Mamba2Layer      vLLM's MambaMixer2 (its SSD kernels and state)
+    C         ShortConvLayer   vLLM's ShortConv (LFM2's gated short convolution)
+    R G K B   RecurrentLayer   ours, with (conv tail, state) in vLLM's cache (state.py); replicated
+    M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
+    E O       ChannelLayer     ours as it is (no state); replicated
+
+G, K, B, L and O are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
+is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs, its CPU MLA only a
+512 + 64 latent); vLLM's GPU layers for them (and FusedMoE for O) are not wired in yet.
+
+Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
+served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
+beyond its largest the letter is refused at load.
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                               ReplicatedLinear, RowParallelLinear)
+from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+from vllm.model_executor.layers.mamba.short_conv import ShortConv
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.platforms import current_platform
+
+from ..context import SeqContext
+from ..layers.mlp import ACTIVATIONS
+from ..layers.norm import make_norm
+from ..models.config import ModelConfig
+from ..models.registry import LETTERS
+from .state import RecurrentState, state_shapes
+
+
+# --- head dims ----------------------------------------------------------------------------------------------
+def attention_head_sizes() -> list[int] | None:
+    """The head sizes this platform's attention backend computes, or None when it takes any (CUDA backends)."""
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        return sorted(CPUAttentionBackend.get_supported_head_sizes())
+    return None
+
+
+def served_head_dim(d: int) -> int | None:
+    """The head size a head of `d` channels is computed at: d, or the next the backend has; None if none."""
+    sizes = attention_head_sizes()
+    return d if sizes is None else next((s for s in sizes if s >= d), None)
+
+
+def _refuse_head(d: int, what: str) -> str | None:
+    if served_head_dim(d) is None:
+        return (f"{what} has heads of {d} channels; vLLM's attention on this platform computes at most "
+                f"{attention_head_sizes()[-1]}")
+    return None
+
+
+def _pad(t: Tensor, heads: int, d: int, to: int) -> Tensor:
+    """[N, heads * d] or [N, heads, d] -> [N, heads * to], zeros after each head's d channels."""
+    t = t.reshape(t.shape[0], heads, d)
+    return (F.pad(t, (0, to - d)) if to > d else t).reshape(t.shape[0], heads * to)
+
+
+class Mixer(nn.Module):
+    """What every mixer kind declares (see the module docstring)."""
+    renames: dict[str, str] = {}       # "" -> "own.": every name of the layer moves under `own`
+    stacked: dict[str, tuple] = {}
+
+    @classmethod
+    def refuse(cls, cfg: ModelConfig, letter: str) -> str | None:
+        return None
+
+    @classmethod
+    def state(cls, cfg: ModelConfig, letter: str, vllm_config: VllmConfig):
+        return None
+
+    def cut(self, leaf: str, w: Tensor) -> list[tuple[str, object, Tensor]]:
+        """(parameter leaf, shard id or None, tensor) for our tensor `leaf` (a name already renamed)."""
+        return self.stacked[leaf](self, w) if leaf in self.stacked else [(leaf, None, w)]
+
+
+# --- attention ----------------------------------------------------------------------------------------------
+def _qkv_shards(mod, w, kind):
+    """Our fused [q; k; v] -> vLLM's QKV shards, or (a shared key) qv's two shards and the replicated key."""
+    q, k, v = w.split((mod.H * mod.G * mod.D, mod.Hk * mod.D, mod.Hv * mod.D))
+    if mod.shared_key:
+        return [(f"qv.{kind}", 0, q), (f"qv.{kind}", 1, v), (f"k.{kind}", None, k)]
+    return [(f"qkv.{kind}", "q", q), (f"qkv.{kind}", "k", k), (f"qkv.{kind}", "v", v)]
+
+
+class AttentionLayer(Mixer):
+    """A / W: keys of `n_k_heads` < value heads (shared-key attention) are computed once (replicated) and expanded to
+    this rank's value heads: vLLM's Attention pairs each value head with a key head. Qwen3-Next's output gate: the
+    q rows hold, per head, [query | gate] (2 heads' worth to vLLM's QKV, so a shard keeps each pair together)."""
+    stacked = {"qkv.weight": lambda mod, w: _qkv_shards(mod, w, "weight"),
+               "qkv.bias": lambda mod, w: _qkv_shards(mod, w, "bias")}
+
+    @classmethod
+    def refuse(cls, cfg, letter):
+        if cfg.attn_output_gate and cfg.attn_shared_key:
+            return "attn_output_gate with attn_shared_key"
+        return _refuse_head(cfg.attn_head_dim, "the attention")
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        H, Hv, D = cfg.n_heads, cfg.kv_heads, cfg.attn_head_dim
+        Hk = cfg.n_k_heads or (1 if cfg.attn_shared_key else Hv)
+        self.shared_key = Hk != Hv
+        self.G = 1 + cfg.attn_output_gate          # q rows per head: query (and gate)
+        self.H, self.Hv, self.Hk, self.D, self.P = H, Hv, Hk, D, served_head_dim(D)
+        if self.shared_key:     # q and v sharded by head, the shared key replicated
+            self.qv = MergedColumnParallelLinear(cfg.d_model, [H * D, Hv * D], bias=cfg.attn_bias,
+                                                 prefix=f"{prefix}.qv")
+            self.k = ReplicatedLinear(cfg.d_model, Hk * D, bias=cfg.attn_bias, prefix=f"{prefix}.k")
+            hv = Hv // tp
+            self.register_buffer("key_of_head", (rank * hv + torch.arange(hv)) // (Hv // Hk), persistent=False)
+        else:
+            self.qkv = QKVParallelLinear(cfg.d_model, D, H * self.G, Hv, bias=cfg.attn_bias, prefix=f"{prefix}.qkv")
+        self.out = RowParallelLinear(H * D, cfg.d_model, bias=cfg.attn_bias, prefix=f"{prefix}.out")
+        self.q_norm = make_norm("rms", D, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = make_norm("rms", D, cfg.norm_eps) if cfg.qk_norm else None
+        rope_dim = (cfg.rope_dim if cfg.rope_dim is not None else D) if cfg.pos_embedding == "rope" else 0
+        self.rotary = get_rope(D, max_position=cfg.max_seq_len, is_neox_style=not cfg.rope_interleaved,
+                               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
+                                                "rope_dim": rope_dim}) if rope_dim else None
+        self.h, self.hv = H // tp, max(1, Hv // tp)      # fewer key/value heads than ranks: vLLM replicates them
+        window = cfg.swa_window if letter == "W" else cfg.window
+        self.attn = Attention(self.h, self.P, D ** -0.5, num_kv_heads=self.hv,
+                              cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
+                              per_layer_sliding_window=window, prefix=f"{prefix}.attn")
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        N, D = x.shape[0], self.D
+        if self.shared_key:
+            qv, _ = self.qv(x)
+            q, v = qv.split((self.h * D, self.hv * D), dim=-1)
+            k = self.k(x)[0].view(N, self.Hk, D)
+        else:
+            qkv, _ = self.qkv(x)
+            q, k, v = qkv.split((self.h * self.G * D, self.hv * D, self.hv * D), dim=-1)
+            k = k.view(N, self.hv, D)
+        gate = None
+        if self.G == 2:
+            q, gate = q.view(N, self.h, 2 * D).chunk(2, dim=-1)
+            q, gate = q.reshape(N, self.h * D), gate.reshape(N, self.h * D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q.view(N, self.h, D)).flatten(1), self.k_norm(k)
+        if self.shared_key:
+            k = k[:, self.key_of_head]
+        k = k.reshape(N, -1)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        if self.P != D:
+            q, k, v = _pad(q, self.h, D, self.P), _pad(k, self.hv, D, self.P), _pad(v, self.hv, D, self.P)
+        o = self.attn(q, k, v)
+        if self.P != D:
+            o = o.view(N, self.h, self.P)[..., :D].reshape(N, self.h * D)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.out(o)[0]
+
+
+def _dyn_mask(cfg) -> bool:
+    return cfg.wm_dyn_mask != "none"
+
+
+class OwnAttentionLayer(Mixer):
+    """F, L and A with a dynamic mask: our module makes q [N, H, Dq], k [N, Hk, Dq], v [N, Hk, Dv] (through its own
+    parameters and our RoPE at vLLM's positions), vLLM's Attention attends over them with its KV cache, our module's
+    output projection closes. Per kind:
+      F / dynamic mask (Wonderful Matrices, Doge: Shi et al., 2024): values from the inner function; the "position"
+        mask scales each value by l[head, its position]; the "dt" mask's per-key bias b is one more key channel
+        (b / scale, against a query channel of 1), so softmax(q·k · scale + b) is plain attention over D + 1 channels.
+      L (MLA, DeepSeek-V3): the latent up-projected to per-head keys [k_nope, k_rope] and values (the expanded form;
+        the cache holds them per head, not the latent).
+    The whole layer is computed on every rank under tensor parallelism (its cache too)."""
+    renames = {"": "own."}      # our module, its names under `own`
+
+    @classmethod
+    def refuse(cls, cfg, letter):
+        if letter == "L":
+            from ..models.mixers_deepseek import mla_sizes
+            s = mla_sizes(cfg)
+            return _refuse_head(max(s["qk_nope_dim"] + s["rope_dim"], s["v_dim"]), "the latent attention (L)")
+        if cfg.wm_keep_window is not None:
+            return "wm_keep_window (each query keeps its top keys by the dynamic-mask bias: not a vLLM attention)"
+        return _refuse_head(cfg.attn_head_dim + (cfg.wm_dyn_mask == "dt"), "the attention")
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        self.own = LETTERS[letter].build(cfg, idx)
+        self.mla = letter == "L"
+        m = self.own
+        if self.mla:
+            self.H, self.Hk, self.Dq, self.Dv = m.n_heads, m.n_heads, m.nope + m.rope, m.v_dim
+            scale = m.scale
+        else:
+            self.H, self.Hk, self.Dq, self.Dv = m.n_heads, m.n_kv_heads, m.head_dim, m.head_dim
+            scale = m.head_dim ** -0.5
+            self.Dq += m.dyn_mask == "dt"          # the bias channel
+        self.scale = scale
+        self.P = served_head_dim(max(self.Dq, self.Dv))
+        window = None if self.mla else m.window
+        self.attn = Attention(self.H, self.P, scale, num_kv_heads=self.Hk, cache_config=vllm_config.cache_config,
+                              quant_config=vllm_config.quant_config, per_layer_sliding_window=window,
+                              prefix=f"{prefix}.attn")
+
+    def _mla_qkv(self, x: Tensor, ctx: SeqContext):
+        from ..ops.rope import apply_rope
+        m, N = self.own, x.shape[1]
+        H, R = m.n_heads, m.kv_lora_rank
+        q = m.q_b(m.query_latent(x)) if hasattr(m, "q_a") else m.q_proj(x)
+        q_nope, q_rope = q.view(1, N, H, m.nope + m.rope).split((m.nope, m.rope), dim=-1)
+        c, k_rope = m.kv_a(x).split((R, m.rope), dim=-1)
+        c = m.kv_norm(c)
+        if m.rotate:
+            cos, sin = ctx.rope(m.rope, m.rope_base)
+            q_rope = apply_rope(q_rope, cos, sin, interleaved=m.rope_interleaved)
+            k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=m.rope_interleaved).squeeze(2)
+        k_nope, v = m.kv_b(c).view(1, N, H, m.nope + m.v_dim).split((m.nope, m.v_dim), dim=-1)
+        k = torch.cat((k_nope, k_rope.unsqueeze(2).expand(1, N, H, m.rope)), -1)
+        return torch.cat((q_nope, q_rope), -1)[0], k[0], v[0]
+
+    def _wm_qkv(self, x: Tensor, ctx: SeqContext):
+        from ..layers.attention import norm_and_rope
+        m, N = self.own, x.shape[1]
+        H, Hk, D = m.n_heads, m.n_kv_heads, m.head_dim
+        parts = m.qkv(x).split(m.split, dim=-1)
+        q, k = parts[0].view(1, N, H, D), parts[1].view(1, N, Hk, D)
+        v = m.values(x, parts[2] if len(parts) == 3 else None)
+        q, k = norm_and_rope(m, q, k, ctx)
+        q, k, v = q[0], k[0], v[0]
+        if m.dyn_mask == "position":
+            v = v * m.pos_mask.t()[ctx.positions[0]].unsqueeze(-1).to(v.dtype)
+        elif m.dyn_mask == "dt":
+            b = torch.exp(m.A * F.softplus(m.dt_proj(v.reshape(N, Hk * D))))          # [N, Hk]
+            q = torch.cat((q, q.new_ones(N, H, 1)), -1)
+            k = torch.cat((k, (b / self.scale).unsqueeze(-1).to(k.dtype)), -1)
+        return q, k, v
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        N = x.shape[0]
+        ctx = SeqContext(positions=positions[None])
+        q, k, v = (self._mla_qkv if self.mla else self._wm_qkv)(x[None], ctx)
+        P = self.P
+        o = self.attn(_pad(q, self.H, self.Dq, P), _pad(k, self.Hk, self.Dq, P), _pad(v, self.Hk, self.Dv, P))
+        o = o.view(N, self.H, P)[..., : self.Dv].reshape(N, self.H * self.Dv)
+        return self.own.out(o)
+
+
+# --- recurrent ----------------------------------------------------------------------------------------------
+
+
+class Mamba2Layer(Mixer, MambaMixer2):
+    """S: vLLM's MambaMixer2 sized from our config."""
+    renames = {"conv.weight": "conv1d.weight", "conv.bias": "conv1d.bias", "A_log": "A", "norm_weight": "norm.weight"}
+    stacked = {"conv1d.weight": lambda mod, w: [("conv1d.weight", None, w.unsqueeze(1))]}   # [C, K] -> [C, 1, K]
+
+    @classmethod
+    def refuse(cls, cfg, letter):
+        if cfg.wm_ssd_rope:
+            return "wm_ssd_rope (Cheems' SSD, RoPE on C and B: vLLM's MambaMixer2 has no such option)"
+        if cfg.ssd_norm != "gated":
+            return f"ssd_norm={cfg.ssd_norm!r} (vLLM's MambaMixer2 has the gated RMSNorm only)"
+        if cfg.ssd_dt_limit is not None and tuple(cfg.ssd_dt_limit) != (0.0, float("inf")):
+            return f"ssd_dt_limit={cfg.ssd_dt_limit!r} (vLLM's MambaMixer2 has no dt clamp)"
+        return None
+
+    @classmethod
+    def state(cls, cfg, letter, vllm_config):
+        d_inner = cfg.ssd_d_inner or cfg.ssd_expand * cfg.d_model
+        cache, dtype = vllm_config.cache_config, vllm_config.model_config.dtype
+        return (MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=vllm_config.parallel_config.tensor_parallel_size, intermediate_size=d_inner,
+            n_groups=cfg.ssd_ngroups, num_heads=d_inner // cfg.ssd_headdim, head_dim=cfg.ssd_headdim,
+            state_size=cfg.ssd_d_state, conv_kernel=cfg.d_conv, num_spec=vllm_config.num_speculative_tokens),
+            MambaStateDtypeCalculator.mamba2_state_dtype(dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype))
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        d_inner = cfg.ssd_d_inner or cfg.ssd_expand * cfg.d_model
+        MambaMixer2.__init__(self, hidden_size=cfg.d_model, ssm_state_size=cfg.ssd_d_state,
+                             conv_kernel_size=cfg.d_conv, intermediate_size=d_inner, use_conv_bias=cfg.ssd_conv_bias,
+                             use_bias=cfg.ssd_bias, n_groups=cfg.ssd_ngroups, num_heads=d_inner // cfg.ssd_headdim,
+                             head_dim=cfg.ssd_headdim, rms_norm_eps=cfg.norm_eps, activation="silu",
+                             model_config=vllm_config.model_config, cache_config=vllm_config.cache_config,
+                             quant_config=vllm_config.quant_config, prefix=prefix)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return MambaMixer2.forward(self, x)
+
+
+class ShortConvLayer(Mixer, ShortConv):
+    """C: vLLM's ShortConv (in_proj -> B, C, x; out_proj(C ⊙ conv(B ⊙ x)), as layers/gated_conv.py)."""
+    stacked = {"conv.weight": lambda mod, w: [("conv.weight", None, w.unsqueeze(1))],      # [C, K] -> [C, 1, K]
+               **{f"in_proj.{n}": (lambda mod, w, n=n: [(f"in_proj.{n}", i, p) for i, p in enumerate(w.chunk(3))])
+                  for n in ("weight", "bias")}}
+
+    @classmethod
+    def state(cls, cfg, letter, vllm_config):
+        return (MambaStateShapeCalculator.short_conv_state_shape(
+            tp_world_size=vllm_config.parallel_config.tensor_parallel_size, intermediate_size=cfg.d_model,
+            conv_kernel=cfg.d_conv, num_spec=vllm_config.num_speculative_tokens),
+            MambaStateDtypeCalculator.short_conv_state_dtype(vllm_config.model_config.dtype,
+                                                             vllm_config.cache_config.mamba_cache_dtype))
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        from types import SimpleNamespace
+        ShortConv.__init__(self, SimpleNamespace(conv_L_cache=cfg.d_conv, conv_bias=cfg.conv_bias), cfg.d_model,
+                           idx, model_config=vllm_config.model_config, cache_config=vllm_config.cache_config,
+                           quant_config=vllm_config.quant_config, prefix=prefix)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        ShortConv.forward(self, x, out)        # writes into `out` (behind vLLM's custom op)
+        return out
+
+
+class RecurrentLayer(Mixer):
+    """R, G, K, B: our layer (its parameters under `own.`), its state in vLLM's cache (state.py)."""
+    renames = {"": "own."}      # our module, its names under `own`
+
+    @classmethod
+    def state(cls, cfg, letter, vllm_config):
+        return state_shapes(letter, cfg), (vllm_config.model_config.dtype, torch.float32)
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        self.own = LETTERS[letter].build(cfg, idx)
+        self.cache = RecurrentState(self.own, letter, cfg, prefix, vllm_config.model_config.dtype)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.cache(x, positions)
+
+
+# --- channel mixers -----------------------------------------------------------------------------------------
+def _gate_up(mod, w, kind):
+    gate, up = w.chunk(2)
+    return [(f"w_in.{kind}", 0, gate), (f"w_in.{kind}", 1, up)]
+
+
+class MLPLayer(Mixer):
+    """M: gated (gate and up in one merged column-parallel matmul, then act(gate) * up) or plain."""
+
+    @classmethod
+    def refuse(cls, cfg, letter):
+        if cfg.mlp_gated and cfg.mlp_act not in ("silu", "gelu", "gelu_tanh"):
+            return f"mlp_act={cfg.mlp_act!r} in a gated MLP (vLLM's are silu, gelu, gelu_tanh)"
+        return None
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        d, h = cfg.d_model, cfg.mlp_hidden_size
+        self.gated = cfg.mlp_gated
+        if self.gated:
+            self.w_in = MergedColumnParallelLinear(d, [h, h], bias=cfg.mlp_bias, prefix=f"{prefix}.w_in")
+            self.act = SiluAndMul() if cfg.mlp_act == "silu" else \
+                GeluAndMul(approximate="tanh" if cfg.mlp_act == "gelu_tanh" else "none")
+            self.stacked = {f"w_in.{n}": (lambda mod, w, n=n: _gate_up(mod, w, n)) for n in ("weight", "bias")}
+        else:
+            self.w_in = ColumnParallelLinear(d, h, bias=cfg.mlp_bias, prefix=f"{prefix}.w_in")
+            self.act = ACTIVATIONS[cfg.mlp_act]       # elementwise: the same on every shard
+        self.w_out = RowParallelLinear(h, d, bias=cfg.mlp_bias, prefix=f"{prefix}.w_out")
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.w_out(self.act(self.w_in(x)[0]))[0]
+
+
+class ChannelLayer(Mixer):
+    """E (CDMoE), O (routed MoE): our module as it is (no state; replicated under tensor parallelism)."""
+    renames = {"": "own."}      # our module, its names under `own`
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        self.own = LETTERS[letter].build(cfg, idx)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.own(x)
+
+
+# --- the table ----------------------------------------------------------------------------------------------
+LAYERS: dict[str, type[Mixer]] = {
+    "A": AttentionLayer, "W": AttentionLayer, "F": OwnAttentionLayer, "L": OwnAttentionLayer,
+    "S": Mamba2Layer, "C": ShortConvLayer,
+    "R": RecurrentLayer, "G": RecurrentLayer, "K": RecurrentLayer, "B": RecurrentLayer,
+    "M": MLPLayer, "E": ChannelLayer, "O": ChannelLayer,
+}
+# why the letters outside the table are refused
+NOT_SERVED = {"I": "the lightning indexer's top-k key selection (DeepSeek-V3.2) is not a vLLM attention",
+              "Z": "Zamba2's shared blocks read the embeddings beside the stream"}
+
+
+def kind(letter: str, cfg: ModelConfig) -> type[Mixer]:
+    """The class serving `letter` built from `cfg` (A with a dynamic mask is our attention)."""
+    if letter == "A" and _dyn_mask(cfg):
+        return OwnAttentionLayer
+    return LAYERS[letter]
