@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from hybridlm.bench import decode_profile
 from hybridlm.dtypes import cpu_flags
 from hybridlm.ops import cpu_kernels, quant
 from hybridlm.runtime import cpu_model
@@ -37,13 +38,8 @@ def best(fn, repeats: int, timer=None) -> float:
 
 
 def read_bandwidth(repeats: int) -> float:
-    """GB/s of the faster of two float32 sums over 512 MB (torch's, and the kernels' plain streaming `read_sum`),
-    best of `repeats` each."""
-    big = torch.ones(128 << 20)
-
-    def stream():
-        return cpu_kernels._lib.read_sum(big.data_ptr(), big.numel())
-    return big.numel() * 4 / min(best(big.sum, repeats), best(stream, repeats)) / 1e9
+    """GB/s of a float32 sum over 512 MB on this script's clock (bench/decode_profile.py's read limit)."""
+    return decode_profile.read_bandwidth(repeats, clock=clock)
 
 
 def interleaved(fns: dict, repeats: int) -> dict:

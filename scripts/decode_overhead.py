@@ -13,8 +13,8 @@ experts) a model of
   before  the same step with the fused one-token ops off, their PyTorch references instead, alternated with the
           fused step call by call: (step - kernel) / layers (its state updates are PyTorch ops, counted in).
 With --small, the per-layer time where the kernels have next to nothing to do (d_model 256): the slope of step
-time over 1 and 9 layers, in three modes alternated: PyTorch's small ops, the fused one-token ops, the whole-mixer
-steps (ops/cpu_mixers.py) (the cleaner figure of the framework's cost).
+time over 1 and 9 layers, in two modes alternated: PyTorch's small ops, the whole-mixer steps (layers/cpu_steps.py)
+(the cleaner figure of the framework's cost).
 With --profile, torch.profiler's top ops by self CPU time for each letter (the kernels show as `cpu_kernels`).
 
     python scripts/decode_overhead.py [--letters ASRGKCMO] [--layers 4] [--repeats 20] [--threads 1] [--profile] [--small]
@@ -27,7 +27,8 @@ import torch
 from hybridlm.models import presets
 from hybridlm.models.causal_lm import CausalLM
 from hybridlm.models.quantize import use_cpu_kernels_
-from hybridlm.ops import cpu_decode, cpu_kernels, cpu_mixers
+from hybridlm.layers import cpu_steps
+from hybridlm.ops import cpu_decode, cpu_kernels
 
 from cpu_kernel_speed import best as best_of          # scripts/ is on the path of a script run from it
 
@@ -139,13 +140,13 @@ def measure(letter: str, n: int, repeats: int, profile: bool) -> dict:
     return out
 
 
-MODES = ("pytorch", "fused", "mixer")     # the layer's PyTorch ops; its fused one-token ops; its whole-mixer step
+MODES = ("pytorch", "mixer")     # the layer's PyTorch ops; its whole-mixer step
 
 
 def slope(letter: str, repeats: int, layers: int = 9) -> dict:
     """Framework time per layer where the kernels have almost nothing to do (d_model 256, vocab 64): (step of
-    `layers` layers - step of 1) / (layers - 1), in each of MODES (the fused ops' PyTorch references; the fused
-    one-token ops of ops/cpu_decode.py; the whole-mixer steps of ops/cpu_mixers.py), alternated."""
+    `layers` layers - step of 1) / (layers - 1), in each of MODES (PyTorch's ops; the whole-mixer steps of
+    layers/cpu_steps.py), alternated."""
     preset = KINDS[letter][0]
     steps = {}
     for n in (1, layers):
@@ -164,13 +165,13 @@ def slope(letter: str, repeats: int, layers: int = 9) -> dict:
             for n, (m, tok, cache) in steps.items():
                 for mode in MODES:
                     cpu_decode.serves = serves if mode != "pytorch" else (lambda *a: False)
-                    cpu_mixers.enabled = mode == "mixer"
+                    cpu_steps.enabled = mode == "mixer"
                     try:
                         s = clock()
                         m.decode_step(tok, cache)
                         dt = clock() - s
                     finally:
-                        cpu_decode.serves, cpu_mixers.enabled = serves, True
+                        cpu_decode.serves, cpu_steps.enabled = serves, True
                     t[n, mode] = min(t.get((n, mode), float("inf")), dt)
     return {f: 1e3 * (t[layers, f] - t[1, f]) / (layers - 1) for f in MODES}
 
@@ -198,10 +199,10 @@ def main():
           f"{'wall' if clock is time.perf_counter else 'thread CPU'} time, best of {a.repeats}")
     if a.small:
         print("per layer at d_model 256 (the kernels' work negligible): (step of 9 layers - step of 1) / 8\n"
-              "| kind | ms / layer, PyTorch small ops | fused ops | whole-mixer step |\n|---|---|---|---|")
+              "| kind | ms / layer, PyTorch small ops | whole-mixer step |\n|---|---|---|")
         for letter in a.letters:
             r = slope(letter, a.repeats)
-            print(f"| {letter} | {r['pytorch']:.3f} | {r['fused']:.3f} | {r['mixer']:.3f} |", flush=True)
+            print(f"| {letter} | {r['pytorch']:.3f} | {r['mixer']:.3f} |", flush=True)
         return
     print("| kind | matvec kernels ms | step ms, PyTorch small ops | step ms, fused ops | of it in fused ops ms | "
           "other ms / layer, before | after |\n|---|---|---|---|---|---|---|")

@@ -13,4 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# FLA's kernels autotune on first use (2-16 s a kernel; a delta-rule preset's first training step took over 100 s on
+# an H200): keep the winners on disk with the compiled kernels, so a second run, or a run given this folder back
+# (TRITON_CACHE_DIR; same GPU, Triton and FLA), skips the tuning
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/runs/gpu/triton-cache}
 exec "$PY" -m hybridlm bench --suite gpu "$@"

@@ -92,3 +92,45 @@ def test_release_bench_quick(tmp_path):
     rows = {(r["model"], r["weights"]) for r in res["decode"]}
     assert rows == {(m, w) for m in ("rodimus+", "transformer++") for w in ("float", "int8", "int4")}
     assert all(r["decode_tokens_per_s"] > 0 and r["dtype"] == "float32" for r in res["decode"])
+
+
+def test_decode_profile_parts_add_up_and_bytes_are_the_weights(tmp_path):
+    """`--suite decode-profile --quick`: each model's parts add up to its instrumented step, the bytes are the
+    matrices read (a Llama's MLPs by their module, the lm head by its kernel call), the library and the modules are
+    left as found,
+    and `scripts/decode_profile.py` (the same module from its file) runs against the installed package."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    import torch
+
+    from hybridlm.bench import decode_profile
+    from hybridlm.ops import cpu_kernels
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built")
+    out, threads = tmp_path / "dp.json", torch.get_num_threads()
+    lib = cpu_kernels._lib
+    try:
+        assert main(["bench", "--suite", "decode-profile", "--quick", "--threads", "1", "--families", "llama",
+                     "--formats", "bf16,int4", "--steps", "2", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_kernels._lib is lib
+    res = json.loads(out.read_text())
+    assert [r["format"] for r in res["rows"]] == ["bf16", "int4"] and res["read_gb_per_s"] > 0
+    model = decode_profile.build("llama", "bf16", 32, quick=True)
+    mlp_bytes = sum(b.mixer.w_in.weight.nbytes + b.mixer.w_out.weight.nbytes for b in model.blocks
+                    if type(b.mixer).__name__ == "MLP")
+    for r in res["rows"]:
+        assert abs(sum(p["ms"] for p in r["parts"].values()) - r["instrumented_ms"]) < 1e-6
+        assert all(p["native_ms"] <= p["ms"] + 1e-9 for p in r["parts"].values())
+    bf16 = res["rows"][0]
+    assert abs(bf16["parts"]["MLP"]["mb"] * 1e6 - mlp_bytes) < 1
+    assert abs(bf16["kernels"]["mv_bf16_io"]["mb"] * 1e6 - model.lm_head.weight.nbytes) < 1
+    assert abs(bf16["parts"]["lm head"]["mb"] * 1e6 - model.lm_head.weight.nbytes) < 1
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    script = subprocess.run([sys.executable, "scripts/decode_profile.py", "--quick", "--families", "llama",
+                             "--formats", "int8", "--steps", "1"], capture_output=True, text=True,
+                            cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+    assert script.returncode == 0 and "| llama | int8 |" in script.stdout, script.stderr[-2000:]

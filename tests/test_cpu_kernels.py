@@ -80,6 +80,32 @@ def test_quantized_formats_equal_the_reference(level):
             assert ((y - quant.linear_reference(x, "int4", t, b)).abs() <= q8_bound(x, t)).all()
 
 
+def test_products_split_over_threads_equal_one_thread():
+    """A weight large enough to be split over threads (past gemm.cpp's SMALL) gives, in every format and at 1 and 3
+    rows, exactly the numbers of one thread (each output is one thread's sum) and the reference's."""
+    torch.manual_seed(0)
+    N, K = 301, 256
+    w = torch.randn(N, K)
+    t8, t4 = quant.quantize(w, "int8"), quant.quantize(w, "int4", 64)
+    packed = cpu_kernels.int4_pack(*t4)
+    threads = torch.get_num_threads()
+    for M in (1, 3):
+        x = torch.randn(M, K)
+        calls = [lambda: cpu_kernels.linear(x, w), lambda: cpu_kernels.linear(x, w.bfloat16()),
+                 lambda: cpu_kernels.linear(x.bfloat16(), w.bfloat16()), lambda: cpu_kernels.int8_linear(x, *t8),
+                 lambda: cpu_kernels.int4_linear(x, packed, N, K, K // 64)]
+        try:
+            torch.set_num_threads(1)
+            one = [f() for f in calls]
+            torch.set_num_threads(2)
+            two = [f() for f in calls]
+        finally:
+            torch.set_num_threads(threads)
+        for a, b in zip(one, two):
+            assert torch.equal(a, b), M
+        assert ((one[0] - x @ w.T).abs() <= 1e-5 * (x.abs() @ w.abs().T) + 1e-5).all()
+
+
 def test_every_level_compiles_and_a_forced_level_loads(tmp_path):
     """Every level builds on this host (a pool's other CPUs); HYBRIDLM_CPU_ISA forces each level this CPU runs at
     load, and one it cannot run, or no level at all, is refused with a warning that names it (PyTorch's path runs)."""

@@ -249,10 +249,14 @@ def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     client.completions.create(model="tiny", prompt="hello", max_tokens=3)
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    for name in ("requests_total", "generation_tokens_total", "requests_running", "requests_waiting",
-                 "slot_occupancy", "prefix_cache_hits_total", "time_to_first_token_seconds_bucket",
-                 "time_per_output_token_seconds_count"):
-        assert f"hybridlm_{name}" in text, name
+    for name in ('request_success_total{finished_reason="length"}', "generation_tokens_total",
+                 "num_requests_running", "num_requests_waiting", "slot_occupancy", "prefix_cache_hits_total",
+                 "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_sum"):
+        assert f"hybridlm:{name}" in text, name
+    from prometheus_client.parser import text_string_to_metric_families
+    assert {f.name for f in text_string_to_metric_families(text)} >= {"hybridlm:num_requests_running",
+                                                                      "hybridlm:request_success"}
 
 
 def test_disconnect_frees_the_slot(model):
@@ -268,6 +272,23 @@ def test_disconnect_frees_the_slot(model):
         assert c.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"ignore_eos": True}) \
             .usage.completion_tokens == 3                # the one slot serves the next request
         assert sch.metrics.requests.get("abort") == 1
+
+
+def test_model_names():
+    from hybridlm.commands.serve import model_names
+    assert model_names("runs/m2a/", None) == ["runs/m2a/", "m2a"]
+    assert model_names("runs/m2a", ["prod", "m2a"]) == ["prod", "m2a", "runs/m2a"]
+    from hybridlm.serve import Engine, Scheduler
+    from hybridlm.serve.api import create_app
+    app = create_app(Scheduler(Engine(tiny("mamba2"), eos_id=256, block=8)), ChatBytes(), ["runs/m2a", "m2a"])
+    from starlette.testclient import TestClient
+    with TestClient(app) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["runs/m2a", "m2a"]
+        for name in ("runs/m2a", "m2a"):
+            r = c.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == name
+        r = c.post("/v1/completions", json={"model": "m2", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404 and "'runs/m2a', 'm2a'" in r.json()["error"]["message"]
 
 
 def _checkpoint(tmp_path, name="mamba2"):

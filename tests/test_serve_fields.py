@@ -316,13 +316,98 @@ def check_user(url, client, model):
     assert a.choices[0].text == b.choices[0].text
 
 
+def _constrained(url, body, pattern, route="completions"):
+    """A request with a constraint field: the text matches `pattern`; a bad value of the field is a 400 naming it."""
+    import re
+    r = post(url, {**base(route), "max_tokens": 60, "temperature": 1, "seed": 1, **body}, route)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    text = c["message"]["content"] if route == "chat" else c["text"]
+    assert re.fullmatch(pattern, text) and c["finish_reason"] == "stop", (body, text)
+
+
+def _refused(url, body, route="completions"):
+    name = next(iter(body))
+    r = post(url, {**base(route), "max_tokens": 2, **body}, route)
+    assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+
+
 def check_response_format(url, client, model):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        response_format={"type": "text"})
     assert r.choices[0].finish_reason in ("stop", "length")
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
-        r = post(url, {**base("chat"), "response_format": fmt}, "chat")
-        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    _constrained(url, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+                 r'\{"a": [12]\}', "chat")
+    _refused(url, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}})
+
+
+def check_json_schema(url, client, model):
+    _constrained(url, {"json_schema": SCHEMA}, r'\{"a": [12]\}')
+    _refused(url, {"json_schema": {"type": "nope"}})
+
+
+def check_guided_json(url, client, model):
+    _constrained(url, {"guided_json": json.dumps(SCHEMA)}, r'\{"a": [12]\}', "chat")
+    _refused(url, {"guided_json": "{"})
+
+
+def check_grammar(url, client, model):
+    _constrained(url, {"grammar": 'root ::= "x" [0-3]{1,4}'}, r"x[0-3]{1,4}")
+    _refused(url, {"grammar": "root ::= ("})
+
+
+def check_guided_grammar(url, client, model):
+    _constrained(url, {"guided_grammar": 'root ::= ("no" | "yes") "."'}, r"(no|yes)\.", "chat")
+    _refused(url, {"guided_grammar": "x"})
+
+
+def check_guided_regex(url, client, model):
+    _constrained(url, {"guided_regex": "[ab]{2,3}"}, "[ab]{2,3}")
+    _refused(url, {"guided_regex": "[a"})
+
+
+def check_guided_choice(url, client, model):
+    _constrained(url, {"guided_choice": ["left", "right"]}, "left|right")
+    _refused(url, {"guided_choice": [1]})
+
+
+def check_guided_decoding_backend(url, client, model):
+    _constrained(url, {"guided_decoding_backend": "xgrammar", "guided_choice": ["z"]}, "z")
+    _refused(url, {"guided_decoding_backend": "outlines"})
+
+
+def check_structured_outputs(url, client, model):
+    _constrained(url, {"structured_outputs": {"choice": ["p", "q"]}}, "p|q")
+    _refused(url, {"structured_outputs": {"json_object": True, "regex": "a"}})
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+
+
+def check_tools(url, client, model):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=90,
+                                       tools=[TOOL], tool_choice="required")
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "f" and json.loads(call.function.arguments) in ({"a": 1}, {"a": 2})
+    _refused(url, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, "chat")
+
+
+def check_tool_choice(url, client, model):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=90,
+                                       tools=[TOOL, {"type": "function", "function": {"name": "g"}}],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "g"
+    _refused(url, {"tool_choice": "required"}, "chat")                     # no tools
+
+
+def check_parallel_tool_calls(url, client, model):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=90,
+                                       tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    assert len(r.choices[0].message.tool_calls) == 1
+    _refused(url, {"parallel_tool_calls": "yes"}, "chat")
 
 
 SUPPORTED = {k: f for k, f in FIELDS.items() if f.supported}

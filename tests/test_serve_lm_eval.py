@@ -49,3 +49,47 @@ def test_lm_eval_local_completions_equals_hybridlm_eval(tmp_path):
     for (la, ga), (lb, gb) in zip(*(sum(responses(r, "hybridlm_recall"), []) for r in (local, served))):
         assert la == pytest.approx(lb, abs=1e-3) and ga == gb
     assert responses(local, "hybridlm_copy_gen") == responses(served, "hybridlm_copy_gen")
+
+
+@pytest.mark.slow
+def test_docs_lm_eval_command_with_a_relative_path(tmp_path, monkeypatch):
+    """docs/serving.md's `lm_eval --model local-completions --model_args model=RUN,...,tokenizer=RUN` as typed, RUN a
+    relative path: `hybridlm serve --checkpoint RUN` answers to RUN (and to its directory's name)."""
+    import argparse
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from hybridlm.cli import build_parser
+    from hybridlm.commands.serve import build
+    from serve_helpers import free_port
+    monkeypatch.chdir(tmp_path)
+    save_checkpoint("runs/m2a", tiny("mamba2", max_seq_len=256), tokenizer=ByteTokenizer())
+    args = build_parser().parse_args(["serve", "--checkpoint", "runs/m2a", "--dtype", "float32", "--max-slots", "2"])
+    app, _ = build(argparse.Namespace(**vars(args)))
+    sock = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    server.install_signal_handlers = lambda: None
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["runs/m2a", "m2a"]
+        r = httpx.post(url + "/v1/completions", json={"model": "m2a", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "m2a"
+        import lm_eval
+        import lm_eval.models.openai_completions  # noqa: F401
+        from hybridlm.eval.harness_tasks import task_manager, task_specs
+        tm = task_manager(["hybridlm_recall"])
+        res = lm_eval.simple_evaluate(
+            model="local-completions", tasks=task_specs(tm, ["hybridlm_recall"]), task_manager=tm, limit=4,
+            model_args=f"model=runs/m2a,base_url={url}/v1/completions,tokenizer=runs/m2a/checkpoint,max_retries=1",
+            bootstrap_iters=0)
+        assert 0 <= res["results"]["hybridlm_recall"]["acc,none"] <= 1
+    finally:
+        server.should_exit = True
+        th.join(20)
+        sock.close()

@@ -6,6 +6,7 @@ arguments: the model builds it once per call, and the rotary tables it hands out
 """
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from .ops.rope import rope_cos_sin
@@ -29,6 +30,7 @@ class SeqContext:
                spans the whole preallocated cache [B, max_tokens] and hides the unwritten tail.
     lengths    [B] long or None: the cache's rows hold their own lengths (the serving batch): tokens row b held
                before this call; its T new tokens go to columns [lengths[b], lengths[b] + T).
+    cpu_steps  True on a CPU decode step the blocks hand to the mixers' whole C++ steps (layers/cpu_steps.py).
     """
     positions: Tensor
     pad_mask: Tensor | None = None
@@ -38,11 +40,25 @@ class SeqContext:
     embeddings: Tensor | None = None
     cache_pos: Tensor | None = None
     lengths: Tensor | None = None
-    _rope: dict = field(default_factory=dict, repr=False)
+    cpu_steps: bool = False
+    _memo: dict = field(default_factory=dict, repr=False)     # per forward: rotary tables, left pads
 
     def rope(self, dim: int, base: float) -> tuple[Tensor, Tensor]:
         """cos, sin [B, T, dim/2], computed once per (dim, base) per forward and shared by layers."""
         key = (dim, base)
-        if key not in self._rope:
-            self._rope[key] = rope_cos_sin(self.positions, dim, base)
-        return self._rope[key]
+        if key not in self._memo:
+            self._memo[key] = rope_cos_sin(self.positions, dim, base)
+        return self._memo[key]
+
+    def left_pads(self) -> "Tensor | None | bool":
+        """How many pad tokens lead each row's keys, int64 [B], when the key mask is a left padding (pads, then only
+        real tokens); None without a key mask; False for any other mask. Computed once per forward."""
+        if "left_pads" not in self._memo:
+            km = self.key_mask
+            if km is None:
+                self._memo["left_pads"] = None
+            else:
+                lo = (~km).sum(1)
+                prefix = torch.arange(km.shape[1], device=km.device) >= lo[:, None]
+                self._memo["left_pads"] = lo.to(torch.int64).contiguous() if bool((prefix == km).all()) else False
+        return self._memo["left_pads"]

@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import os
 
+from . import decode_profile
 from .measure import write_results
 
 
@@ -75,6 +76,13 @@ SUITES = {
                  help=dict(dry_run="run every part on the CPU at tiny sizes under Triton's interpreter (~1 minute)",
                            parts="only these parts (correctness, kernels, training, decode, memory, steps)",
                            time_limit="scale the parts' time budgets to add up to this many seconds (default ~400)")),
+    "decode-profile": Suite("where one CPU decode step's time goes: each part's and kernel's ms, bytes and GB/s "
+                            "against the read limit, per family shape and stored format",
+                            "decode_profile:decode_profile_suite", decode_profile.DEFAULTS, quick=decode_profile.QUICK,
+                            help=dict(formats="stored formats, a comma list of bf16, f32, int8, int4",
+                                      run="profile this checkpoint instead of the families' shapes",
+                                      check="also time one large bf16 matrix against the read limit",
+                                      read_mb="MB the read limit's float32 sum reads")),
     "quantize": Suite("float vs int8 vs int4 weights: prefill and decode tokens/s, a profile of one step",
                       "quantized:quantize_suite", QUANTIZE,
                       quick=dict(TINY, context=16, steps=4, repeats=1, group_size=32)),
@@ -96,11 +104,11 @@ SUITES = {
                         params="125M", d_model=None, n_layers=None, prompt_len=64, max_tokens=48, requests=None,
                         time_limit=120.0, prefix_len=2048, context=4096, memory_budget_mb=1024.0, burst=16,
                         burst_min=64, burst_max=2048, dtype="auto", quantize="", url="", llama_server="",
-                        llamacpp_src="", decode_steps=0, decode_only=False,
-                        dir=os.path.join("runs", "serve")),
+                        llamacpp_src="", schema="", schema_tokenizer="", schema_steps=64, decode_steps=0,
+                        decode_only=False, dir=os.path.join("runs", "serve")),
                    quick=dict(presets="mamba2", concurrency=(1, 2), params="", d_model=64, n_layers=2,
                               prompt_len=8, max_tokens=4, prefix_len=0, context=256, time_limit=30.0, burst=4,
-                              burst_min=8, burst_max=64, decode_steps=2),
+                              burst_min=8, burst_max=64, schema_steps=4, decode_steps=2),
                    types=dict(d_model=int, n_layers=int, requests=int),
                    help=dict(concurrency="concurrent requests per level, a comma list",
                              params="size every preset to about this many parameters ('' with --d-model)",
@@ -113,6 +121,13 @@ SUITES = {
                              llama_server="llama.cpp's llama-server binary: serve a TinyLlama-shaped Llama from "
                                           "the same weights with both (needs --llamacpp-src)",
                              quantize="int8 or int4 weights",
+                             schema="a JSON schema file, or 'builtin' (three): instead of HTTP load, the grammar "
+                                    "mask's cost per decode step beside the step at each --concurrency, and compile "
+                                    "times (bench/structured.py)",
+                             schema_tokenizer="the tokenizer the schema compiles against: byte (default), bpe:N "
+                                              "(trained on hybridlm's own sources), a tokenizer.json or a run; its "
+                                              "vocabulary sets the mask's cost",
+                             schema_steps="decode steps timed per batch size (--schema)",
                              decode_steps="also the decode figures, in process: ms per decode step of 1 stream, "
                                           "--burst streams, --burst streams of --burst-min to --burst-max tokens "
                                           "and of their mean; steps per timed call (0: skip)",

@@ -97,7 +97,7 @@ class ServerProcess:
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
             if line and not line.startswith("#") and "{" not in line:
                 name, value = line.split()
-                vals[name.removeprefix("hybridlm_")] = float(value)
+                vals[name.removeprefix("hybridlm:")] = float(value)
         return vals
 
     def stop(self):
@@ -412,7 +412,8 @@ def _plot(result: dict, path: str):
 def serve_suite(s: dict, log=print) -> dict:
     """`hybridlm bench --suite serve`. Settings (registry.py): presets, concurrency, params, d_model, n_layers,
     prompt_len, max_tokens, requests, time_limit, prefix_len, context, memory_budget_mb, dtype, quantize, url (load
-    a running server instead), llama_server (also compare with llama.cpp's server), decode_steps / decode_only (the
+    a running server instead), llama_server (also compare with llama.cpp's server), schema / schema_tokenizer /
+    schema_steps (the cost of constrained decoding instead: bench/structured.py), decode_steps / decode_only (the
     in-process decode figures)."""
     from ..errors import ConfigError
     if min(s["concurrency"]) < 1 or s["max_tokens"] < 1 or s["prompt_len"] < 1:
@@ -431,6 +432,9 @@ def serve_suite(s: dict, log=print) -> dict:
         return out
     if s["llama_server"]:
         return compare_llama_server(s, log)
+    if s["schema"]:         # constrained decoding: the grammar mask beside the decode step (bench/structured.py)
+        from .structured import structured_cost
+        return structured_cost(s, log)
     return run_serve_bench(s["presets"].split(","), s["concurrency"], params=s["params"] or None,
                            d_model=s["d_model"], n_layers=s["n_layers"], prefix_len=s["prefix_len"],
                            context=s["context"], memory_budget_mb=s["memory_budget_mb"], burst=s["burst"],

@@ -6,14 +6,15 @@ from .common import add_quantize_args, add_tokenizer_arg
 
 
 def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8, top_k=None, top_p=None,
-                seed: int = 0, out=None, compile: bool = False) -> str:
-    """Write prompt + continuation to `out` (default stdout) as tokens arrive; returns the continuation."""
+                seed: int = 0, out=None, compile: bool = False, **constraint) -> str:
+    """Write prompt + continuation to `out` (default stdout) as tokens arrive; returns the continuation.
+    `constraint`: json_schema= / regex= / grammar= (CausalLM.stream's constrained decoding)."""
     import torch
     out = out or sys.stdout
     ids = tok.encode(prompt) or [tok.eos_id]
     gen = torch.Generator().manual_seed(seed)
     steps = model.stream(torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         eos_token_id=tok.eos_id, generator=gen, compile=compile)
+                         eos_token_id=tok.eos_id, generator=gen, compile=compile, tokenizer=tok, **constraint)
     new, shown = [], 0
     for i, nxt in enumerate(steps):
         if i == 0:  # the prompt passed the model's checks: show it
@@ -62,8 +63,26 @@ def main(args) -> int:
         prompt = apply_chat_template(tok, [{"role": "user", "content": args.prompt}])
     torch.manual_seed(args.seed)
     stream_text(model, tok, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, compile=args.compile)
+                top_p=args.top_p, seed=args.seed, compile=args.compile, **constraint_args(args))
     return 0
+
+
+def constraint_args(args) -> dict:
+    """--json-schema FILE / --regex TEXT / --grammar FILE as generate's keyword arguments (one clear error for a
+    file that cannot be read)."""
+    from ..errors import InputError
+    out = {}
+    for flag, key in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        path = getattr(args, flag)
+        if path:
+            try:
+                with open(path) as f:
+                    out[key] = f.read()
+            except OSError as e:
+                raise InputError(f"--{flag.replace('_', '-')} {path}: {e.strerror}") from None
+    if args.regex:
+        out["regex"] = args.regex
+    return out
 
 
 def add_arguments(p):
@@ -81,4 +100,8 @@ def add_arguments(p):
                         "AVX512-BF16, else float32")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the one-token decode step (pays off for long outputs; needs a C++ compiler)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to this JSON schema (xgrammar; the serve extra)")
+    p.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+    p.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to this EBNF / GBNF grammar")
     add_quantize_args(p)

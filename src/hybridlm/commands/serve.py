@@ -33,9 +33,11 @@ def build(args):
         engine = Engine(model, eos_id=tok.eos_id, block=args.prefix_block,
                         prefix_cache_bytes=int(args.prefix_cache_mb * mb), max_slots=args.max_slots,
                         memory_bytes=int(args.memory_mb * mb) if args.memory_mb else None)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    if args.chat_template:
+        tok.chat_template = read_template(args.chat_template)
+    names = model_names(args.checkpoint, args.served_model_name)
     cfg = model.config
-    out(f"model      {name}: {cfg.layout}, {model.num_parameters() / 1e6:.1f}M parameters, "
+    out(f"model      {' | '.join(names)}: {cfg.layout}, {model.num_parameters() / 1e6:.1f}M parameters, "
         f"{next(model.parameters()).dtype}, {device}")
     out(f"state      {human(engine.fixed_bytes)} fixed + {engine.token_bytes:,} bytes/token per request "
         f"({human(engine.slot_bytes(cfg.max_seq_len))} at the full context of {cfg.max_seq_len})")
@@ -47,14 +49,31 @@ def build(args):
         + f"; prefix cache {args.prefix_cache_mb} MiB in blocks of {args.prefix_block} tokens")
     scheduler = Scheduler(engine, max_queue=args.max_queue)
     key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = create_app(scheduler, tok, name, api_key=key, max_body_bytes=int(args.max_body_mb * mb))
+    app = create_app(scheduler, tok, names, api_key=key, max_body_bytes=int(args.max_body_mb * mb))
     return app, scheduler
+
+
+def model_names(checkpoint: str, extra: list[str] | None) -> list[str]:
+    """The ids the served model answers to: `--served-model-name`s first (the first is the one responses name),
+    then `--checkpoint` as typed (`runs/m2a`: what lm-eval's `model=RUN` sends) and its directory's name."""
+    return list(dict.fromkeys([*(extra or []), checkpoint, os.path.basename(os.path.normpath(checkpoint))]))
+
+
+def read_template(path: str) -> str:
+    """A jinja chat template file's text (one clear error when it cannot be read)."""
+    from ..errors import InputError
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"--chat-template {path}: {e.strerror}") from None
 
 
 def require_serve_extra():
     """One clear error when the serve extra (starlette, uvicorn) is not installed."""
     from ..errors import InputError
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
@@ -120,7 +139,12 @@ def add_arguments(p):
                    help="checkpoint directory (or the run directory holding one), or a transformers directory of a "
                         "family `convert --from-hf` reads (converted on load)")
     add_tokenizer_arg(p)
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="more ids clients may send as `model` (the first names the responses); the model always "
+                        "answers to --checkpoint as typed and to its directory's name")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template for /v1/chat/completions (for a tokenizer that has none, or to replace "
+                        "its own); it renders `tools` as transformers' apply_chat_template(tools=...) does")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every route but /health "

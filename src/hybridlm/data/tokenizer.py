@@ -149,16 +149,17 @@ class BPETokenizer:
         _write_json(os.path.join(directory, CONFIG_FILE), _hf_config(self))
 
 
-def apply_chat_template(tok, messages: list[dict]) -> str:
+def apply_chat_template(tok, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The prompt text of `messages` ([{"role": ..., "content": ...}]) ending where the assistant speaks, rendered
-    from the tokenizer's jinja chat template by transformers' renderer."""
+    from the tokenizer's jinja chat template by transformers' renderer; `tools` (OpenAI function definitions) are
+    handed to the template as transformers' `apply_chat_template(tools=...)` hands them."""
     template = getattr(tok, "chat_template", None)
     if not template:
         raise InputError("this tokenizer has no chat template (none in its tokenizer_config.json)")
     try:
         from transformers.utils.chat_template_utils import render_jinja_template
-        rendered, _ = render_jinja_template([messages], chat_template=template, add_generation_prompt=True,
-                                            eos_token=tok.eos_token)
+        rendered, _ = render_jinja_template([messages], tools=tools or None, chat_template=template,
+                                            add_generation_prompt=True, eos_token=tok.eos_token)
     except ImportError:  # transformers, or the jinja2 it renders with, is missing
         raise InputError("chat templates are rendered by transformers with jinja2: pip install 'hybridlm[hf]' jinja2") \
             from None

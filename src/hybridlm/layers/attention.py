@@ -1,5 +1,4 @@
 """Multi-head / grouped-query / multi-query / shared-key softmax attention with RoPE and a KV cache."""
-import inspect
 from functools import partial
 
 import torch
@@ -7,7 +6,6 @@ from torch import Tensor, nn
 
 from ..cache import KVCache, WindowKVCache
 from ..context import SeqContext
-from ..ops import cpu_decode, cpu_mixers
 from ..ops.attention import attention, decode_attention
 from ..ops.indexer_loss import attention_target
 from ..ops.rope import apply_rope
@@ -77,17 +75,6 @@ def _own_rows(slot, k: Tensor, v: Tensor, ctx: SeqContext, window: int | None, r
     return k, v, True, window, ctx.lengths[:, None] - P + torch.arange(P + T, device=k.device) >= 0
 
 
-def _rows_decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
-    """One query per row over its first lengths[b] keys: the C++ form where it takes per-row lengths and serves
-    these tensors, else the reference."""
-    if _CPU_LENGTHS and cpu_decode.serves(q, k, v) and cpu_decode.short_cache(q, k):
-        return cpu_decode.decode_attention(q, k, v, lengths=lengths)
-    return decode_attention(q, k, v, lengths=lengths)
-
-
-_CPU_LENGTHS = "lengths" in inspect.signature(cpu_decode.decode_attention).parameters
-
-
 class Attention(nn.Module):
     """x [B, T, d] -> [B, T, d]. n_kv_heads < n_heads gives GQA (1 = MQA). rope_dim=0 disables RoPE
     (for models with learned absolute positions); window limits each query to its last `window` keys and
@@ -126,13 +113,6 @@ class Attention(nn.Module):
         gradient: the lightning indexer's training target)."""
         B, T, _ = x.shape
         H, Hk, Hv, D = self.n_heads, self.n_k_heads, self.n_kv_heads, self.head_dim
-        if (T == 1 and cache is not None and self.window is None and bias is None and not need_weights
-                and ctx.cache_pos is None and ctx.key_mask is None and ctx.segment_ids is None
-                and not (self.training and isinstance(self.drop, nn.Dropout)) and cpu_mixers.serves(x)):
-            # decode on a CPU: projections, norms, RoPE, the KV append and attention in one C++ call
-            y = cpu_mixers.attention(self, x, ctx, cache.layer(self.layer_idx, KVCache))
-            if y is not None:
-                return y
         qkv, gate = self.qkv(x), None
         if self.output_gate:
             qg, k, v = qkv.split((2 * H * D, Hk * D, Hv * D), dim=-1)
@@ -154,13 +134,11 @@ class Attention(nn.Module):
         masks = dict(causal=causal, key_mask=key_mask, window=window, segment_ids=ctx.segment_ids, bias=bias)
         if T == 1 and cache is not None and window is None and key_mask is None and bias is None \
                 and ctx.segment_ids is None and not need_weights:
-            # one query sees every cached key: read them once, unexpanded (one C++ call on a CPU)
-            fast = cpu_decode.serves(q, k, v) and cpu_decode.short_cache(q, k)
-            y = (cpu_decode.decode_attention if fast else decode_attention)(q, k, v)
+            y = decode_attention(q, k, v)          # one query sees every cached key: read them once, unexpanded
         elif T == 1 and ctx.lengths is not None and bias is None and ctx.segment_ids is None and not need_weights:
             # rows at their own lengths: each reads its own keys (a ring's first min(length, window) slots)
             n = ctx.lengths + 1
-            y = _rows_decode_attention(q, k, v, n if self.window is None else n.clamp(max=self.window))
+            y = decode_attention(q, k, v, lengths=n if self.window is None else n.clamp(max=self.window))
         else:
             if Hk != Hv:  # shared keys: the cache keeps Hk heads, every value head reads its group's key
                 k = k.expand(-1, -1, Hv, -1) if Hk == 1 else k.repeat_interleave(Hv // Hk, dim=2)

@@ -11,7 +11,6 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_mixers
 from .init import normal_
 from .short_conv import ShortConv
 
@@ -35,10 +34,5 @@ class GatedShortConv(nn.Module):
 
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None) -> Tensor:
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
-        if (slot is not None and x.shape[1] == 1 and slot.conv is not None and ctx.pad_mask is None
-                and cpu_mixers.serves(x)):
-            y = cpu_mixers.gated_conv(self, x, slot)        # decode on a CPU: the whole step in one C++ call
-            if y is not None:
-                return y
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
         return self.out_proj(c * self.conv(b * h, ctx, slot))

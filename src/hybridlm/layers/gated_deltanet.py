@@ -18,7 +18,6 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode, cpu_mixers
 from ..ops.delta_rule import delta_rule, delta_rule_step, expand_key_heads
 from ..ops.flops import delta_rule_flops
 from ..ops.norm import gated_rms_norm, l2_norm
@@ -66,20 +65,11 @@ class GatedDeltaNet(nn.Module):
         hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.r
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
-        if step and ctx.pad_mask is None and cpu_mixers.serves(x):
-            y = cpu_mixers.gated_deltanet(self, x, slot)      # decode on a CPU: the whole step in one C++ call
-            if y is not None:
-                return y
         q, k, v, z = self.in_proj_qkvz(x).view(B, T, hk, -1).split((dk, dk, r * dv, r * dv), -1)
         b, a = self.in_proj_ba(x).view(B, T, hk, 2 * r).split((r, r), -1)
         qkv = torch.cat((q.reshape(B, T, hk * dk), k.reshape(B, T, hk * dk), v.reshape(B, T, hv * dv)), -1)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
         qkv = F.silu(self.conv(qkv, ctx, slot))
-        if step and mask is None and cpu_decode.serves(qkv, slot.state):
-            # decode on a CPU: the norms, gates and state update below in one C++ call
-            o, slot.state = cpu_decode.gated_delta_step(qkv[:, 0], b.reshape(B, hv), a.reshape(B, hv), self.A_log,
-                                                        self.dt_bias, slot.state, key_heads=hk, head_k=dk)
-            return self._output(o.unsqueeze(1), z, x)
         q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), -1)
         q, k = l2_norm(q.view(B, T, hk, dk)), l2_norm(k.view(B, T, hk, dk))   # each serves r value heads
         v = v.reshape(B, T, hv, dv)
@@ -89,8 +79,7 @@ class GatedDeltaNet(nn.Module):
             beta, g = beta * mask, g * mask
         if step:
             q, k = expand_key_heads(q, k, hv)
-            args = (q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], slot.state)
-            o, slot.state = (cpu_decode.delta_rule_step if cpu_decode.serves(*args) else delta_rule_step)(*args)
+            o, slot.state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], slot.state)
             o = o.unsqueeze(1)
         else:
             o, final = delta_rule(q, k, v, beta, g, initial_state=slot.state if slot is not None else None,
@@ -103,6 +92,5 @@ class GatedDeltaNet(nn.Module):
         """o [B, T, hv, dv] -> out_proj(RMSNorm(o) · silu(z)) [B, T, d_model]."""
         B, T = x.shape[:2]
         o, z = o.to(x.dtype), z.reshape(B, T, self.hv, self.dv)
-        norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(o, z) else gated_rms_norm
-        o = norm(o, gate=z, weight=self.norm_weight, eps=self.norm_eps, norm_before_gate=True)
+        o = gated_rms_norm(o, gate=z, weight=self.norm_weight, eps=self.norm_eps, norm_before_gate=True)
         return self.out_proj(o.reshape(B, T, self.hv * self.dv))

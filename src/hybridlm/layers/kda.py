@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode, cpu_mixers
 from ..ops.delta_rule import delta_rule, delta_rule_step
 from ..ops.flops import delta_rule_flops
 from ..ops.norm import l2_norm
@@ -69,20 +68,9 @@ class KimiDeltaAttention(nn.Module):
         H, D = self.n_heads, self.head_dim
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
-        if step and ctx.pad_mask is None and cpu_mixers.serves(x):
-            y = cpu_mixers.kda(self, x, slot)                 # decode on a CPU: the whole step in one C++ call
-            if y is not None:
-                return y
         qkv = self.qkv(x)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
         qkv = F.silu(self.conv(qkv, ctx, slot))
-        if step and mask is None and cpu_decode.serves(qkv, slot.state):
-            # decode on a CPU: the norms, gates and state update below in one C++ call
-            f = self.f_b(self.f_a(x))
-            o, slot.state = cpu_decode.gated_delta_step(qkv[:, 0], self.b_proj(x)[:, 0], f[:, 0].view(B, H, D),
-                                                        self.A_log, self.dt_bias, slot.state, key_heads=H, head_k=D,
-                                                        scale=D ** -0.5)
-            return self._output(o.unsqueeze(1), x)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q, k = l2_norm(q), l2_norm(k)                                  # float32 (at least), as FLA
 
@@ -96,9 +84,8 @@ class KimiDeltaAttention(nn.Module):
 
         scale = D ** -0.5
         if step:
-            args = (q[:, 0], k[:, 0], v[:, 0], beta[:, 0], log_a[:, 0], slot.state)
-            o, slot.state = (cpu_decode.delta_rule_step if cpu_decode.serves(*args) else delta_rule_step)(
-                *args, scale=scale)
+            o, slot.state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], log_a[:, 0], slot.state,
+                                            scale=scale)
             o = o.unsqueeze(1)
         else:
             o, final = delta_rule(q, k, v, beta, log_a, scale=scale,
@@ -113,10 +100,6 @@ class KimiDeltaAttention(nn.Module):
         H, D = self.n_heads, self.head_dim
         f32 = torch.promote_types(x.dtype, torch.float32)
         gate = self.g_b(self.g_a(x)).view(B, T, H, D)
-        if T == 1 and cpu_decode.serves(o, gate):
-            y = cpu_decode.rms_norm(o.to(f32), self.norm_weight, self.norm_eps, gate=gate, norm_before_gate=True,
-                                    sigmoid_gate=True)
-            return self.o_proj(y.to(x.dtype).reshape(B, T, H * D))
         # gated RMSNorm per head: norm in float32, weight, then sigmoid output gate
         of = o.to(f32)
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(f32)

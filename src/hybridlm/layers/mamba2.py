@@ -11,7 +11,6 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode, cpu_mixers
 from ..ops.flops import gla_flops
 from ..ops.norm import gated_rms_norm
 from ..ops.ssd import ssd_chunked, ssd_step
@@ -69,24 +68,12 @@ class Mamba2(nn.Module):
         B, T, _ = x.shape
         h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
-        if (slot is not None and T == 1 and slot.state is not None and slot.conv is not None
-                and ctx.pad_mask is None and cpu_mixers.serves(x)):
-            y = cpu_mixers.mamba2(self, x, slot)            # decode on a CPU: the whole step in one C++ call
-            if y is not None:
-                return y
         z, xBC, dt = self.in_proj(x).split((self.d_inner, self.d_inner + 2 * g * n, h), dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1).to(x.dtype) if ctx.pad_mask is not None else None
         xBC = F.silu(self.conv(xBC, ctx, slot))
         if mask is not None:  # padded positions must not reach the state
             xBC = xBC * mask
         xs, Bm, Cm = xBC.split((self.d_inner, g * n, g * n), dim=-1)
-        if slot is not None and T == 1 and slot.state is not None and mask is None \
-                and cpu_decode.serves(xs, dt, slot.state) and not torch.is_grad_enabled():
-            # decode on a CPU: dt, A, the state update and the D skip below in one C++ call
-            y, slot.state = cpu_decode.ssd_gated_step(xs.view(B, h, p), dt.view(B, h), self.dt_bias, self.A_log,
-                                                      self.D, Bm.view(B, g, n), Cm.view(B, g, n), slot.state,
-                                                      dt_limit=self.dt_limit)
-            return self._output(y.view(B, T, self.d_inner), z)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.dt_limit is not None:
             dt = dt.clamp(*self.dt_limit)
@@ -95,11 +82,8 @@ class Mamba2(nn.Module):
         A = -torch.exp(self.A_log.float())
         xs = xs.view(B, T, h, p)
         if slot is not None and T == 1 and slot.state is not None:
-            args = (xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state)
-            if cpu_decode.serves(*args) and not torch.is_grad_enabled():      # one C++ call, in place
-                y, slot.state = cpu_decode.ssd_step(*args)
-            else:
-                y, slot.state = ssd_step(*args, inplace=not torch.is_grad_enabled())
+            y, slot.state = ssd_step(xs[:, 0], dt[:, 0], A, Bm.view(B, g, n), Cm.view(B, g, n), slot.state,
+                                     inplace=not torch.is_grad_enabled())
             y = y.unsqueeze(1)
         else:
             y, final = ssd_chunked(xs, dt, A, Bm.view(B, T, g, n), Cm.view(B, T, g, n), chunk_size=self.chunk_size,
@@ -115,7 +99,6 @@ class Mamba2(nn.Module):
         if self.norm_weight is None:
             y = (y.float() * F.silu(z.float())).to(y.dtype)
         else:
-            norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(y, z) else gated_rms_norm
-            y = norm(y, gate=z, weight=self.norm_weight, group_size=self.d_inner // g, eps=self.norm_eps,
+            y = gated_rms_norm(y, gate=z, weight=self.norm_weight, group_size=self.d_inner // g, eps=self.norm_eps,
                      norm_before_gate=self.norm == "norm_gate")
         return self.out_proj(y)

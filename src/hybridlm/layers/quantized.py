@@ -6,7 +6,8 @@ Buffers (what the state dict and a checkpoint hold): int8: `weight_q` int8 [N, K
 uint8 [N, K' / 2], `scale`, `zero` [N, K' / group_size] (K' = K padded to a multiple of the group); `bias` [N] if
 any. The float buffers follow `model.to(dtype)` like any parameter. On a CPU every call (decode, a serving batch,
 a prompt: `cpu_kernels.ROWS`) reads the weight with the project's GEMM (ops/cpu_kernels.py): int8 as stored, int4
-repacked once in memory on first use (`cpu_kernels.int4_pack`; the buffers stay the checkpoint's form). Without
+repacked once in memory on first use (`int4_kernel`: the one packed copy, which the CPU decode steps of
+layers/cpu_steps.py read too; the buffers stay the checkpoint's form). Without
 the kernels, decode-sized inputs run PyTorch's int8 / int4 kernels and longer ones dequantize the weight once into
 the activations' dtype for one matmul. Other devices run the reference form (dequantize, then F.linear).
 """
@@ -64,9 +65,10 @@ class QuantizedLinear(nn.Module):
         """What a packed copy of the stored weight depends on: the buffers' storage and in-place versions."""
         return tuple((t.data_ptr(), t._version) for t in self.stored()) + extra
 
-    def _int4_kernel(self) -> tuple:
+    def int4_kernel(self) -> tuple:
         """(packed, N, K', G): the stored int4 weight in our kernel's layout (packed at `kernel_layout_` or first
-        use, kept; repacked when a buffer changes; under torch.compile the packed copy as it is)."""
+        use, kept; repacked when a buffer changes; under torch.compile the packed copy as it is). The one packed
+        copy: this layer's products and its mixer's whole decode step (layers/cpu_steps.py) both read it."""
         if not torch.compiler.is_compiling():
             key = self._key()
             if self._q4 is None or self._q4[0] != key:
@@ -78,7 +80,7 @@ class QuantizedLinear(nn.Module):
         if not enable or self.scheme != "int4":
             self._q4 = None
         elif self.weight_q.device.type == "cpu" and cpu_kernels.available():
-            self._int4_kernel()
+            self.int4_kernel()
 
     def _int4_packed(self, dtype: torch.dtype):
         """PyTorch's int4 kernel layout of the stored weight (built on first use, kept; only without our kernel)."""
@@ -95,7 +97,7 @@ class QuantizedLinear(nn.Module):
                                                    or self.scheme == "int8"):     # our GEMM reads the weight
             if self.scheme == "int8":
                 return cpu_kernels.int8_linear(x, self.weight_q, self.scale, self.bias)
-            return cpu_kernels.int4_linear(x, *self._int4_kernel(), self.bias)
+            return cpu_kernels.int4_linear(x, *self.int4_kernel(), self.bias)
         if cpu_kernels.decode_sized(x):     # decode without a compiler: PyTorch's kernels
             xs = x.to(self.scale.dtype)
             if self.scheme == "int8":
@@ -138,7 +140,7 @@ class QuantizedExperts(nn.Module):
             self.register_buffer("weight_q", torch.empty(E, N, G * group_size // 2, dtype=torch.uint8, device=device))
             self.register_buffer("scale", torch.empty(E, N, G, dtype=dtype, device=device))
             self.register_buffer("zero", torch.empty(E, N, G, dtype=dtype, device=device))
-        self._q4 = {}          # int4 with our kernel: expert -> (key, its packed weight), packed on first use
+        self._q4 = None        # int4 with our kernel: (key, every expert's packed weight [E, bytes]), on first use
 
     @classmethod
     @torch.no_grad()
@@ -158,17 +160,24 @@ class QuantizedExperts(nn.Module):
         return torch.stack([quant.dequantize(self.scheme, tuple(t[e] for t in self.stored()))[:, :self.in_features].T
                             for e in range(self.num_experts)])
 
+    def int4_kernel(self) -> tuple:
+        """(packed [E, bytes], N, K', G): every expert's stored int4 weight in our kernel's layout, packed on first
+        use and kept (repacked when a buffer changes). The one packed copy: `expert` and the routed experts' whole
+        decode step (layers/cpu_steps.py) both read it."""
+        key = tuple((t.data_ptr(), t._version) for t in self.stored())
+        if self._q4 is None or self._q4[0] != key:
+            self._q4 = (key, torch.stack([cpu_kernels.int4_pack(*(t[e] for t in self.stored()))
+                                          for e in range(self.num_experts)]))
+        return self._q4[1], self.out_features, self.weight_q.shape[2] * 2, self.scale.shape[2]
+
     def expert(self, e: int, rows: Tensor) -> Tensor:
         """rows [n, d_in] -> [n, d_out] through expert e."""
         stored = tuple(t[e] for t in self.stored())
         if cpu_kernels.serves(rows, self.scheme) and (self.scheme == "int8" or not torch.compiler.is_compiling()):
             if self.scheme == "int8":
                 return cpu_kernels.int8_linear(rows, *stored)
-            key = tuple((t.data_ptr(), t._version) for t in self.stored())
-            if self._q4.get(e, (None,))[0] != key:
-                self._q4[e] = (key, cpu_kernels.int4_pack(*stored))
-            return cpu_kernels.int4_linear(rows, self._q4[e][1], self.out_features, stored[0].shape[1] * 2,
-                                           stored[1].shape[1])
+            packed, N, Kp, G = self.int4_kernel()
+            return cpu_kernels.int4_linear(rows, packed[e], N, Kp, G)
         if rows.device.type == "cpu" and cpu_kernels.decode_sized(rows) and self.scheme == "int8":
             return quant.int8_linear(rows.to(self.scale.dtype), *stored).to(rows.dtype)   # no compiler: PyTorch's
         return F.linear(rows, quant.dequantize(self.scheme, stored)[:, :self.in_features].to(rows.dtype))

@@ -3,7 +3,18 @@
 import torch
 from torch import Tensor, nn
 
+from . import cpu_steps
 from .init import reset_
+
+
+def mix(mixer: nn.Module, h: Tensor, ctx, cache, token: bool = True) -> Tensor:
+    """A mixer's output for its normed input h: on a CPU decode step (`ctx.cpu_steps`) its whole step in one C++ call
+    where layers/cpu_steps.py has one that covers it, else the mixer itself (a token mixer with ctx and cache)."""
+    if ctx is not None and ctx.cpu_steps:
+        y = cpu_steps.step(mixer, h, ctx, cache)
+        if y is not None:
+            return y
+    return mixer(h, ctx=ctx, cache=cache) if token else mixer(h)
 
 
 class Residual(nn.Module):
@@ -25,8 +36,7 @@ class Residual(nn.Module):
             self.res_weight.fill_(1.0)
 
     def branch(self, x: Tensor, ctx, cache) -> Tensor:
-        h = self.norm(x)
-        return self.mixer(h, ctx=ctx, cache=cache) if self.token else self.mixer(h)
+        return mix(self.mixer, self.norm(x), ctx, cache, self.token)
 
     def forward(self, x: Tensor, ctx, cache) -> Tensor:
         skip = x if self.res_weight is None else x * self.res_weight
@@ -44,7 +54,7 @@ class ParallelResidual(Residual):
         h = self.norm(x)
         out = None
         for m in self.mixer:
-            y = m(h, ctx=ctx, cache=cache)
+            y = mix(m, h, ctx, cache)
             out = y if out is None else out + y
         return out
 
@@ -67,10 +77,10 @@ class TwoHopResidual(nn.Module):
             m.init_weights(std, out_std)
 
     def _hops(self, x: Tensor, ctx, cache) -> tuple[Tensor, Tensor, Tensor]:
-        h = self.mixer(self.norm1(x), ctx=ctx, cache=cache)
+        h = mix(self.mixer, self.norm1(x), ctx, cache)
         r = x + h
-        a = self.attn(self.norm2(r), ctx=ctx, cache=cache)
-        return h, r, self.ffn(self.norm3(a + r))
+        a = mix(self.attn, self.norm2(r), ctx, cache)
+        return h, r, mix(self.ffn, self.norm3(a + r), ctx, cache, token=False)
 
     def branch(self, x: Tensor, ctx, cache) -> Tensor:
         h, _, f = self._hops(x, ctx, cache)

@@ -23,7 +23,6 @@ from torch import Tensor, nn
 
 from ..cache import RecurrentCache
 from ..context import SeqContext
-from ..ops import cpu_decode, cpu_mixers
 from ..ops.flops import gla_flops
 from ..ops.gla import gla_chunked, gla_step
 from ..ops.gla_product import gla_product_chunked, gla_product_step
@@ -107,10 +106,6 @@ class Rodimus(nn.Module):
         n = self.d_state
         slot = cache.layer(self.layer_idx, RecurrentCache) if cache is not None else None
         step = slot is not None and T == 1 and slot.state is not None
-        if step and slot.conv is not None and ctx.pad_mask is None and cpu_mixers.serves(x):
-            y = cpu_mixers.rodimus(self, x, slot)           # decode on a CPU: the whole step in one C++ call
-            if y is not None:
-                return y
         xi, z = self.fc(x).chunk(2, dim=-1)
         mask = ctx.pad_mask.unsqueeze(-1) if ctx.pad_mask is not None else None
         if mask is not None:  # padded positions must not reach the state through u = β̂ ⊙ x (nor the conv taps)
@@ -135,8 +130,7 @@ class Rodimus(nn.Module):
         scale = n ** -0.5
         if step:
             if log_b is None:
-                args = (q[:, 0], k[:, 0], u[:, 0], log_a[:, 0], slot.state)
-                o, slot.state = (cpu_decode.gla_step if cpu_decode.serves(*args) else gla_step)(*args, scale=scale)
+                o, slot.state = gla_step(q[:, 0], k[:, 0], u[:, 0], log_a[:, 0], slot.state, scale=scale)
             else:
                 o, slot.state = gla_product_step(q[:, 0], k[:, 0], u[:, 0], log_a[:, 0], log_b[:, 0], slot.state,
                                                  scale=scale)
@@ -152,6 +146,5 @@ class Rodimus(nn.Module):
             if slot is not None:
                 slot.state = final
         o = o.squeeze(2) + xc * self.residual_weight.to(xc.dtype)
-        norm = cpu_decode.rms_norm if T == 1 and cpu_decode.serves(o, z) else gated_rms_norm
-        y = norm(o, gate=z, weight=self.norm_weight, eps=self.norm_eps)
+        y = gated_rms_norm(o, gate=z, weight=self.norm_weight, eps=self.norm_eps)
         return self.out_proj(y)

@@ -16,7 +16,7 @@ swaps each for a `layers.quantized.QuantizedExperts` (int8 / int4 per expert) un
 import torch
 from torch import Tensor, nn
 
-from ..ops import cpu_kernels, cpu_mixers
+from ..ops import cpu_kernels
 from ..ops.moe import float_experts, load_balancing_loss, route_topk, routed_experts, routed_experts_selected
 from .init import normal_
 from .mlp import ACTIVATIONS, MLP
@@ -83,11 +83,6 @@ class RoutedMoE(nn.Module):
                 and not (torch.is_grad_enabled() and self.w_up.requires_grad))
 
     def forward(self, x: Tensor) -> Tensor:
-        if cpu_mixers.serves(x) and self._selected(x):
-            y = cpu_mixers.routed_moe(self, x)               # a CPU decode step: router and experts in one C++ call
-            if y is not None:
-                self.aux_loss = None                         # (training's; a decode step has none to give)
-                return y
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids, probs = route_topk(self.router(x), self.top_k, bias=self.router_bias, **self.route)

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cache import InferenceCache
 from ..context import SeqContext
 from ..errors import ConfigError, InputError
+from ..layers import cpu_steps
 from ..layers.init import normal_, reset_
 from ..layers.norm import make_norm
 from ..layers.residual import Fed, ParallelResidual, Residual
@@ -356,6 +357,8 @@ class CausalLM(nn.Module):
             x = x + self.pos_embed(ctx.positions)
         x = self.drop(x)
         ctx.embeddings = x                        # what Zamba2's shared blocks concatenate to their input
+        # a CPU decode step: the blocks hand each mixer to its whole C++ step (layers/cpu_steps.py), decided once here
+        ctx.cpu_steps = ctx.cache_pos is None and cpu_steps.serves(x, cache)
         if self.hc_head is not None:
             x = self.hc_head.expand(x)            # [B, T, n, d]: n residual streams
         for blk in self.blocks:
@@ -516,16 +519,25 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, attention_mask: Tensor | None = None, eos_token_id: int | None = None,
-               generator: torch.Generator | None = None, compile: bool = False, static: bool | None = None):
+               generator: torch.Generator | None = None, compile: bool = False, static: bool | None = None,
+               json_schema=None, regex: str | None = None, grammar: str | None = None, tokenizer=None):
         """Yield the next token ids [B] one step at a time (prefill once, then one-token decode). The cache is
         sized for prompt + max_new_tokens up front, so decode never reallocates it; `compile` runs the decode
         step under torch.compile (see `compiled_decode_step`). `static` decodes with fixed shapes over the whole
         preallocated cache (`static_decode_step`); default: when compiling on CUDA, where it runs as a CUDA graph.
         On a CPU the decode steps run the project's matrix-vector kernels (`quantize.cpu_kernels_by_default_`; they
-        leave training as it was; HYBRIDLM_CPU_KERNELS=0 turns them off)."""
+        leave training as it was; HYBRIDLM_CPU_KERNELS=0 turns them off).
+        `json_schema` (a dict or its text), `regex` or `grammar` (EBNF / GBNF) constrains every row's output
+        (models/structured.py; needs the `tokenizer`): a row ends at its end-of-text token once the grammar is
+        complete."""
         from .generation import sample_next
         from .quantize import cpu_kernels_by_default_
+        from .structured import constraints_for, mask_logits
         cpu_kernels_by_default_(self)
+        held = constraints_for(tokenizer, self.config.vocab_size, input_ids.shape[0], json_schema=json_schema,
+                               regex=regex, grammar=grammar)
+        if held is not None and eos_token_id is None:
+            eos_token_id = tokenizer.eos_id
         if max_new_tokens < 0:
             raise InputError("max_new_tokens must be >= 0")
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
@@ -541,7 +553,14 @@ class CausalLM(nn.Module):
             step = self.compiled_decode_step() if compile else self.decode_step
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for i in range(max_new_tokens):
+            if held is not None:      # rows still running: their matchers' masks
+                live = [b for b, d in enumerate(done.tolist()) if not d]
+                logits = mask_logits(logits.float(), [held[b] for b in live], live)
             nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            if held is not None:
+                for c, t, d in zip(held, nxt.tolist(), done.tolist()):
+                    if not d:
+                        c.accept(t)
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id
@@ -553,9 +572,12 @@ class CausalLM(nn.Module):
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, *, attention_mask: Tensor | None = None,
                  eos_token_id: int | None = None, generator: torch.Generator | None = None,
-                 compile: bool = False, static: bool | None = None) -> Tensor:
-        """Prompt + new ids [B, T + n]. temperature 0 is greedy."""
+                 compile: bool = False, static: bool | None = None, json_schema=None, regex: str | None = None,
+                 grammar: str | None = None, tokenizer=None) -> Tensor:
+        """Prompt + new ids [B, T + n]. temperature 0 is greedy. json_schema / regex / grammar (with the
+        `tokenizer`): constrained decoding, as `stream`."""
         new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                attention_mask=attention_mask, eos_token_id=eos_token_id, generator=generator,
-                               compile=compile, static=static))
+                               compile=compile, static=static, json_schema=json_schema, regex=regex,
+                               grammar=grammar, tokenizer=tokenizer))
         return torch.cat([input_ids] + [t[:, None] for t in new], dim=1) if new else input_ids

@@ -1,6 +1,7 @@
 """One-token decode ops on a CPU as single C++ calls (csrc/decode_ops.cpp, built into the kernels' library by
-ops/cpu_kernels.py): at batch 1 the reference forms below cost a few microseconds of dispatch per small PyTorch op,
-30-80 ops a layer, more than the layer's matrix-vector kernels on small models. Each function has its reference's
+ops/cpu_kernels.py, whose public functions they call with the tensors' pointers): at batch 1 the reference forms
+below cost a few microseconds of dispatch per small PyTorch op, 30-80 ops a layer, more than the layer's
+matrix-vector kernels on small models. The whole-mixer steps (layers/cpu_steps.py) run the same C++ inside one call. Each function has its reference's
 signature and semantics (the reference named in its docstring; tests/test_cpu_decode.py holds them together):
 
     ssd_step            ops/ssd.ssd_step (inplace)           state float32 [B, H, P, N], updated in place
@@ -10,7 +11,7 @@ signature and semantics (the reference named in its docstring; tests/test_cpu_de
     gated_delta_step    the same with Gated DeltaNet's / KDA's L2 norms and gates computed inside (the layers'
                         decode lines before delta_rule_step)
     conv_step           ops/conv.causal_conv1d_step (+ SiLU) conv tail [B, W-1, C] in x's dtype, shifted in place
-    decode_attention    ops/attention.decode_attention       reads the KV cache as stored, through its strides
+    decode_attention    ops/attention.decode_attention       reads each row's own keys as stored (strides, lengths)
     rms_norm            ops/norm.rms_norm / gated_rms_norm   (+ the residual add before it)
 
 Sums are float32 (the references' bf16 paths round some intermediates to bf16: the fast forms differ from them by
@@ -59,7 +60,7 @@ def ssd_step(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tens
     state = owned(state, torch.float32)
     xf, dtf, Af, Bf, Cf = (_f32(t) for t in (x, dt, A, B, C))
     y = torch.empty(b, h, p)
-    cpu_kernels._lib.dec_ssd_step(xf.data_ptr(), dtf.data_ptr(), Af.data_ptr(), Bf.data_ptr(), Cf.data_ptr(),
+    cpu_kernels.dec_ssd_step(xf.data_ptr(), dtf.data_ptr(), Af.data_ptr(), Bf.data_ptr(), Cf.data_ptr(),
                                   state.data_ptr(), y.data_ptr(), b, h, p, g, n)
     return y.to(x.dtype), state
 
@@ -76,7 +77,7 @@ def ssd_gated_step(x: Tensor, dt: Tensor, dt_bias: Tensor, A_log: Tensor, D: Ten
     lo, hi = dt_limit if dt_limit is not None else (0.0, float("inf"))
     xf, dtf, bf, af, df, Bf, Cf = (_f32(t) for t in (x, dt, dt_bias, A_log, D, B, C))
     y = torch.empty(b, h, p)
-    cpu_kernels._lib.dec_ssd_gated(xf.data_ptr(), dtf.data_ptr(), bf.data_ptr(), af.data_ptr(), df.data_ptr(), lo, hi,
+    cpu_kernels.dec_ssd_gated(xf.data_ptr(), dtf.data_ptr(), bf.data_ptr(), af.data_ptr(), df.data_ptr(), lo, hi,
                                    Bf.data_ptr(), Cf.data_ptr(), state.data_ptr(), y.data_ptr(), b, h, p, g, n)
     return y.to(x.dtype), state
 
@@ -91,7 +92,7 @@ def gla_step(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, state: Tensor, 
     state = owned(state, torch.float32)
     qf, kf, vf, lf = (_f32(t) for t in (q, k, v, log_decay))
     o = torch.empty(B, H, V)
-    cpu_kernels._lib.dec_gla_step(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), lf.data_ptr(), state.data_ptr(),
+    cpu_kernels.dec_gla_step(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), lf.data_ptr(), state.data_ptr(),
                                   o.data_ptr(), B, H, K, V, scale)
     return o.to(q.dtype), state
 
@@ -106,7 +107,7 @@ def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Te
     state = owned(state, torch.float32)
     qf, kf, vf, bf, lf = (_f32(t) for t in (q, k, v, beta, log_decay))
     o = torch.empty(B, H, V)
-    cpu_kernels._lib.dec_delta_step(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), bf.data_ptr(), lf.data_ptr(),
+    cpu_kernels.dec_delta_step(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), bf.data_ptr(), lf.data_ptr(),
                                     int(log_decay.dim() == 3), state.data_ptr(), o.data_ptr(), B, H, K, V, scale)
     return o.to(q.dtype), state
 
@@ -124,7 +125,7 @@ def gated_delta_step(qkv: Tensor, b: Tensor, a: Tensor, A_log: Tensor, dt_bias: 
     state = owned(state, torch.float32)
     qf, bf, af, Af, df = (_f32(t) for t in (qkv, b, a, A_log, dt_bias))
     o = torch.empty(B, H, V)
-    cpu_kernels._lib.dec_delta_gated(qf.data_ptr(), bf.data_ptr(), af.data_ptr(), Af.data_ptr(), df.data_ptr(),
+    cpu_kernels.dec_delta_gated(qf.data_ptr(), bf.data_ptr(), af.data_ptr(), Af.data_ptr(), df.data_ptr(),
                                      int(a.dim() == 3), state.data_ptr(), o.data_ptr(), B, H, key_heads, K, V,
                                      K ** -0.5 if scale is None else scale, eps)
     return o.to(qkv.dtype), state
@@ -141,35 +142,30 @@ def conv_step(x: Tensor, state: Tensor, weight: Tensor, bias: Tensor | None = No
     xc, w = x.contiguous(), weight.to(dt).contiguous()
     b = bias.to(dt).contiguous() if bias is not None else None
     y = torch.empty(Bn, C, dtype=dt)
-    cpu_kernels._lib.dec_conv_step(xc.data_ptr(), state.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None
+    cpu_kernels.dec_conv_step(xc.data_ptr(), state.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None
                                    else None, y.data_ptr(), Bn, C, W, int(silu), int(dt == torch.bfloat16))
     return y, state
 
 
-# decode attention's C++ form wins while the cache is short (dispatch dominates: 10 against 43 us at 8 heads x 20
-# keys, 53 against 60 at 32 x 100 on a Zen 4); past ~200 keys at 32 heads torch's batched matmuls read the cache
-# faster (420 against 322 us at 32 x 1000), so callers take it up to this many query-head x key pairs
-ATTENTION_PAIRS = 8192
-
-
-def short_cache(q: Tensor, k: Tensor) -> bool:
-    """True when decode_attention's C++ form is the faster: q [B, 1, Hq, D], k [B, S, Hk, D]."""
-    return q.shape[2] * k.shape[1] <= ATTENTION_PAIRS
-
-
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-    """ops/attention.decode_attention: q [B, 1, Hq, D]; k [B, S, Hk, D], v [B, S, Hv, Dv] (views of the cache: any
-    batch, time and head strides, each head's row contiguous), Hk and Hv dividing Hq -> [B, 1, Hq, Dv]."""
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
+                     lengths: Tensor | None = None) -> Tensor:
+    """ops/attention.decode_attention: q [B, 1, Hq, D]; k [B, S, Hk, D], v [B, S, Hv, Dv] (the cache's buffers: any
+    batch, time and head strides, each head's row contiguous), Hk and Hv dividing Hq; `lengths` [B] int64: row b
+    attends its first lengths[b] keys (None: all S) -> [B, 1, Hq, Dv]. Reads only each row's own keys, in runs split
+    over the threads with an online softmax (a long cache or one key head still uses every thread)."""
     B, _, Hq, D = q.shape
     S, Hk, Hv, Dv = k.shape[1], k.shape[2], v.shape[2], v.shape[3]
     dt = k.dtype
     if v.dtype != dt or k.stride(3) != 1 or v.stride(3) != 1:
         k, v = k.to(dt).contiguous(), v.to(dt).contiguous()
     qc = q.to(dt).contiguous()
+    n = torch.full((B,), S, dtype=torch.int64) if lengths is None else lengths.to(torch.int64).contiguous()
+    if lengths is not None and not bool(((n >= 0) & (n <= S)).all()):
+        raise ValueError(f"decode_attention: lengths {n.tolist()} outside the cache's 0..{S} keys")
     o = torch.empty(B, 1, Hq, Dv, dtype=dt)
-    cpu_kernels._lib.dec_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), B, S, Hq, Hk, Hv, D, Dv,
-                                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                                   D ** -0.5 if scale is None else scale, int(dt == torch.bfloat16))
+    cpu_kernels.dec_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), B, Hq, Hk, Hv, D, Dv,
+                              k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), None,
+                              n.data_ptr(), 0, D ** -0.5 if scale is None else scale, int(dt == torch.bfloat16))
     return o.to(q.dtype)
 
 
@@ -188,7 +184,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6, *, gate: Tenso
     r = residual.to(dt).contiguous() if residual is not None else None
     y = torch.empty_like(xc)
     mode = 0 if gate is None else (3 if sigmoid_gate else 2 if norm_before_gate else 1)
-    cpu_kernels._lib.dec_rms_norm(xc.data_ptr(), r.data_ptr() if r is not None else None,
+    cpu_kernels.dec_rms_norm(xc.data_ptr(), r.data_ptr() if r is not None else None,
                                   z.data_ptr() if z is not None else None, w.data_ptr() if w is not None else None,
                                   y.data_ptr(), xc.numel() // d, d, group_size or d, mode, eps,
                                   int(dt == torch.bfloat16))

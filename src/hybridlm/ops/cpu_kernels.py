@@ -152,10 +152,9 @@ def bind(lib):
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.mv_f32.argtypes = lib.mv_bf16.argtypes = lib.mv_bf16_f32.argtypes = [p, i64, i64, p, i64, p]
     lib.mv_int8.argtypes = [p, i64, i64, p, p, i64, p]
-    lib.mv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
     lib.q4_linear.argtypes = [p, i64, i64, p, i64, i64, i64, p]
     lib.q4_pack.argtypes = [p, p, p, i64, i64, i64, p]
-    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.mv_int4, lib.q4_linear, lib.q4_pack):
+    for fn in (lib.mv_f32, lib.mv_bf16, lib.mv_bf16_f32, lib.mv_int8, lib.q4_linear, lib.q4_pack):
         fn.restype = None
     lib.q4_packed_bytes.argtypes, lib.q4_packed_bytes.restype = [i64, i64, i64], i64
     lib.cpu_level.argtypes, lib.cpu_level.restype = [], ctypes.c_char_p
@@ -164,19 +163,66 @@ def bind(lib):
     lib.mv_bf16_io.argtypes, lib.mv_bf16_io.restype = [p, i64, i64, p, i64, p, p], None
     lib.mv_bf16_dot.argtypes, lib.mv_bf16_dot.restype = [], ctypes.c_int
     lib.read_sum.argtypes, lib.read_sum.restype = [p, i64], ctypes.c_float
-    f32, i32 = ctypes.c_float, ctypes.c_int
-    decode = {"dec_ssd_step": [p, p, p, p, p, p, p, i64, i64, i64, i64, i64],
-              "dec_ssd_gated": [p, p, p, p, p, f32, f32, p, p, p, p, i64, i64, i64, i64, i64],
-              "dec_gla_step": [p, p, p, p, p, p, i64, i64, i64, i64, f32],
-              "dec_delta_step": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, f32],
-              "dec_delta_gated": [p, p, p, p, p, i32, p, p, i64, i64, i64, i64, i64, f32, f32],
-              "dec_conv_step": [p, p, p, p, p, i64, i64, i64, i32, i32],
-              "dec_attention": [p, p, p, p, *[i64] * 13, f32, i32],
-              "dec_rms_norm": [p, p, p, p, p, i64, i64, i64, i32, f32, i32]}
-    for name, args in decode.items():
+    for name, args in _STEPS.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     return lib
+
+
+# the one-token decode ops (csrc/decode_ops.cpp) and the whole-mixer steps (csrc/mixers.cpp): C arguments, in order
+# (p: a pointer, i: int64, f: float, b: int); each has a public function below (ops/cpu_decode.py and
+# layers/cpu_steps.py call them with the tensors' pointers)
+_p, _i, _f, _b = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_STEPS = {"dec_ssd_step": [_p] * 7 + [_i] * 5,
+          "dec_ssd_gated": [_p] * 5 + [_f, _f] + [_p] * 4 + [_i] * 5,
+          "dec_gla_step": [_p] * 6 + [_i] * 4 + [_f],
+          "dec_delta_step": [_p] * 5 + [_b, _p, _p] + [_i] * 4 + [_f],
+          "dec_delta_gated": [_p] * 5 + [_b, _p, _p] + [_i] * 5 + [_f, _f],
+          "dec_conv_step": [_p] * 5 + [_i] * 3 + [_b, _b],
+          "dec_attention": [_p] * 4 + [_i] * 12 + [_p, _p, _i, _f, _b],
+          "dec_rms_norm": [_p] * 5 + [_i] * 3 + [_b, _f, _b],
+          "mix_gated_deltanet": [_p, _p, _i, _i, _b] + [_p] * 4 + [_i, _p, _p, _p, _f, _p, _p] + [_i] * 4,
+          "mix_kda": [_p, _p, _i, _i, _b, _p, _p, _p, _i] + [_p] * 8 + [_f, _p, _p, _i, _i],
+          "mix_moe": [_p, _p, _i, _i, _b, _b, _p, _p, _b, _b, _f, _i, _i, _i, _p, _p, _p, _p, _p, _b, _p, _p, _b,
+                      _p],
+          "mix_mlp": [_p, _p, _i, _i, _b, _p, _p, _b, _b],
+          "mix_attention": [_p, _p, _i, _i, _b, _p, _p] + [_i] * 4 + [_b, _p, _p, _f, _i, _b] + [_p] * 4
+                           + [_i] * 6 + [_p, _p, _i, _f],
+          "mix_mla": [_p, _p, _i, _i, _b, _p, _p, _p, _p, _p, _f, _p, _b, _p] + [_i] * 5 + [_b, _b] + [_p] * 3
+                     + [_i, _i, _p, _p, _f],
+          "mix_mamba2": [_p, _p, _i, _i, _b] + [_p] * 4 + [_i] + [_p] * 3 + [_f, _f, _b, _p, _f, _p, _p] + [_i] * 4,
+          "mix_gated_conv": [_p, _p, _i, _i, _b] + [_p] * 4 + [_i, _p],
+          "mix_rodimus": [_p, _p, _i, _i, _b] + [_p] * 4 + [_i, _p, _p, _b] + [_p] * 6 + [_f, _p, _p, _i, _i]}
+
+
+def _step(name: str):
+    def call(*args) -> None:
+        if not available():
+            raise RuntimeError("hybridlm's CPU kernels are not available (see the warning given when they were "
+                               "loaded)")
+        getattr(_lib, name)(*args)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"csrc's `{name}` (its arguments: `_STEPS`, the C comment above it), on the tensors' pointers."
+    return call
+
+
+dec_ssd_step, dec_ssd_gated, dec_gla_step = _step("dec_ssd_step"), _step("dec_ssd_gated"), _step("dec_gla_step")
+dec_delta_step, dec_delta_gated = _step("dec_delta_step"), _step("dec_delta_gated")
+dec_conv_step, dec_attention, dec_rms_norm = _step("dec_conv_step"), _step("dec_attention"), _step("dec_rms_norm")
+mix_gated_deltanet, mix_kda, mix_moe = _step("mix_gated_deltanet"), _step("mix_kda"), _step("mix_moe")
+mix_attention, mix_mla, mix_mamba2 = _step("mix_attention"), _step("mix_mla"), _step("mix_mamba2")
+mix_gated_conv, mix_rodimus, mix_mlp = _step("mix_gated_conv"), _step("mix_rodimus"), _step("mix_mlp")
+
+
+class Lin(ctypes.Structure):
+    """One linear layer's stored weight as csrc/mixers.cpp reads it (its `struct Lin`): fmt 0 float32, 1 bf16, 2 int8
+    (scale [N] float32), 3 int4 packed by `int4_pack` (K the padded K', G groups); W [N, K] at `w`, a float32 bias or
+    null; a stack of experts: expert e's weight `w_step` bytes, its scales `s_step` floats after expert e - 1's."""
+    _fields_ = [("fmt", _i), ("N", _i), ("K", _i), ("G", _i), ("w", _p), ("scale", _p), ("zero", _p),
+                ("bias", _p), ("w_step", _i), ("s_step", _i)]
+
+
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3}      # a weight's `Lin.fmt`
 
 
 def available() -> bool:

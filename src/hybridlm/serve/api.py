@@ -3,7 +3,8 @@ in the scheduler's thread and is never waited on by the event loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), GET /v1/models,
 POST /tokenize and /detokenize (vLLM's and llama-server's), GET /tokenizer_info (vLLM's), GET /health (no key
-needed), GET /metrics (Prometheus text). The request fields: serve/fields.py (every one supported or refused).
+needed), GET /metrics (Prometheus, through prometheus_client). The request fields: serve/fields.py (every one
+supported or refused, each with its own check); structured output and tool calls: serve/structured.py.
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 no or wrong key,
 404 unknown model or route, 413 body too large, 429 queue full and 503 shutting down (both with Retry-After), 500
 a generation that failed; a stream that fails ends with an `error` event (as vLLM's do) and `data: [DONE]`.
@@ -23,12 +24,12 @@ from starlette.routing import Route
 
 from ..errors import HybridLMError
 from .engine import Request, SamplingParams
+from .fields import Check, FieldError, parse
 from .fields import check as check_fields
 from .scheduler import NotAccepting, QueueFull
+from .structured import Tools, constraint, messages, parse_calls, tools
 from .text import TextStream, token_text
 
-MAX_LOGPROBS = 20
-MAX_STOP = 16
 LOGPROB_FLOOR = -9999.0          # JSON has no -inf (vLLM's floor)
 
 
@@ -53,24 +54,60 @@ _MISSING = object()
 
 
 def _get(body: dict, name: str, types, default=_MISSING, check=None, why: str = ""):
-    """body[name] checked to be of `types` (bool is not a number) and to pass `check`; 400 otherwise."""
-    v = body.get(name, _MISSING)
-    if v is _MISSING or (v is None and default is not _MISSING):
+    """body[name] (a field outside the table) checked to be of `types` and to pass `check`; 400 otherwise."""
+    v = body.get(name)
+    if v is None:
         if default is _MISSING:
             raise APIError(400, f"'{name}' is required", name)
         return default
-    types = types if isinstance(types, tuple) else (types,)
-    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
-        names = " or ".join({int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-                             list: "an array", dict: "an object"}[t] for t in types)
-        raise APIError(400, f"'{name}' must be {names}, got {json.dumps(v)[:50]}", name)
-    if check is not None and not check(v):
-        raise APIError(400, f"'{name}' {why}, got {json.dumps(v)[:50]}", name)
-    return v
+    return Check(types if isinstance(types, tuple) else (types,), check, why)(name, v)
 
 
-def _number(body, name, default, lo, hi, why):
-    return float(_get(body, name, (int, float), default, lambda v: lo <= v <= hi, why))
+@dataclass(frozen=True)
+class Shape:
+    """The response's form, chosen once per request: a text completion, a chat message, or a chat message whose
+    tool calls are parsed out of its text (`tools`: the text is held back while streaming and sent, with the calls,
+    at the end)."""
+    chat: bool = False
+    tools: bool = False
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def logprobs(self, entries: list) -> dict:
+        return _chat_logprobs(entries) if self.chat else _completion_logprobs(entries)
+
+    def message(self, text: str, reason: str) -> tuple[dict, str]:
+        """(the non-streaming choice's body, finish_reason) of a finished choice's whole text."""
+        if not self.chat:
+            return {"text": text}, reason
+        content, calls = parse_calls(text) if self.tools else (text, [])
+        if calls:
+            return {"message": {"role": "assistant", "content": content, "tool_calls": calls}}, "tool_calls"
+        return {"message": {"role": "assistant", "content": text}}, reason
+
+    def delta(self, piece: str, role: bool) -> dict:
+        """A streamed piece of text."""
+        if not self.chat:
+            return {"text": piece}
+        return {"delta": {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})}
+
+    def closing(self, text: str, reason: str) -> tuple[list[dict], str]:
+        """(the deltas of a tools shape's held text at the end: its content, then each call as OpenAI streams
+        them, its id and name first and its arguments after; finish_reason)."""
+        content, calls = parse_calls(text)
+        out = [{"content": content}] if content else []
+        for k, c in enumerate(calls):
+            f = c["function"]
+            out.append({"tool_calls": [{"index": k, "id": c["id"], "type": "function",
+                                        "function": {"name": f["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": k, "function": {"arguments": f["arguments"]}}]})
+        return out, "tool_calls" if calls else reason
 
 
 @dataclass
@@ -83,64 +120,69 @@ class Options:
     include_usage: bool = False
     logprobs: int | None = None      # alternatives per token (0: the chosen token's own); None: no logprobs
     echo: bool = False
+    shape: Shape = Shape()
+    constraint: tuple | None = None  # (models.structured.Spec, the field that asked for it)
+    tools: Tools | None = None
 
 
-def parse_options(body: dict, route: str, default_max_tokens: int) -> Options:
-    """The sampling and response fields of a request body (after fields.check has passed it)."""
+def parse_options(body: dict, route: str, default_max_tokens: int, want_tools: Tools | None = None) -> Options:
+    """The sampling and response fields of a request body (after fields.check has passed it), each through its
+    field's check (serve/fields.py); `want_tools`: the chat request's tools (structured.tools)."""
     chat = route == "chat"
-    n = _get(body, "n", int, 1, lambda v: 1 <= v <= 128, "must be in 1..128")
-    stop = _get(body, "stop", (str, list), [])
+    for name in body:                 # every field's type and range, once (chat's logprobs: a boolean, below)
+        if not (chat and name == "logprobs"):
+            parse(body, name)
+    n = parse(body, "n", 1)
+    stop = parse(body, "stop", [])
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, f"'stop' must be a string or an array of up to {MAX_STOP} strings", "stop")
-    echo = False if chat else _get(body, "echo", bool, False)
+    echo = False if chat else parse(body, "echo", False)
     if chat:
-        want = _get(body, "logprobs", bool, False)
-        top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in 0..{MAX_LOGPROBS}")
+        want = Check((bool,))("logprobs", body["logprobs"]) if body.get("logprobs") is not None else False
+        top = parse(body, "top_logprobs")
         if top is not None and not want:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         logprobs = (top or 0) if want else None
     else:
-        logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS,
-                        f"must be in 0..{MAX_LOGPROBS}")
+        logprobs = parse(body, "logprobs")
     name = "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
-    low = 0 if echo else 1
-    max_tokens = _get(body, name, int, default_max_tokens, lambda v: v >= low, f"must be >= {low}"
-                      + ("" if echo else " (0 only with echo)"))
-    fmt = _get(body, "response_format", dict, {"type": "text"})
-    if fmt.get("type") != "text":
-        raise APIError(400, f"'response_format' {json.dumps(fmt)[:60]} is not supported: only {{\"type\": \"text\"}} "
-                            "(no grammar-constrained decoder)", "response_format")
-    stream = _get(body, "stream", bool, False)
-    opts = _get(body, "stream_options", dict, None)
+    max_tokens = parse(body, name, default_max_tokens)
+    if max_tokens < (0 if echo else 1):
+        raise APIError(400, f"'{name}' must be >= 1 (0 only with echo), got {max_tokens}", name)
+    parse(body, "response_format")
+    stream = parse(body, "stream", False)
+    opts = parse(body, "stream_options")
     if opts is not None and (not stream or set(opts) - {"include_usage"}):
         raise APIError(400, "'stream_options' goes with 'stream': true and takes 'include_usage' only",
                        "stream_options")
-    rep = _penalty(body)
-    top_k = _get(body, "top_k", int, None, lambda v: v >= -1, "must be >= 1 (0 or -1: off)")
-    top_p = _number(body, "top_p", 1.0, 1e-9, 1, "must be in (0, 1]")
-    min_p = _number(body, "min_p", 0.0, 0, 1, "must be in [0, 1]")
+    fixed = constraint(body)
+    if want_tools is not None and want_tools.spec is not None:
+        if fixed is not None:
+            raise APIError(400, f"'tool_choice' {want_tools.choice} and '{fixed[1]}' both constrain the output: "
+                                "give one", "tool_choice")
+        fixed = (want_tools.spec, "tools")
+    top_k = parse(body, "top_k")
+    top_p = parse(body, "top_p", 1.0)
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0, 2, "must be in [0, 2]"),
-        top_p=None if top_p == 1.0 else top_p,
+        temperature=float(parse(body, "temperature", 1.0)),
+        top_p=None if top_p == 1.0 else float(top_p),
         top_k=None if top_k in (None, 0, -1) else top_k,
-        min_p=min_p,
-        repetition_penalty=rep,
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2, "must be in [-2, 2]"),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2, "must be in [-2, 2]"),
-        seed=_get(body, "seed", int, None),
-        ignore_eos=_get(body, "ignore_eos", bool, False),
+        min_p=float(parse(body, "min_p", 0.0)),
+        repetition_penalty=_penalty(body),
+        presence_penalty=float(parse(body, "presence_penalty", 0.0)),
+        frequency_penalty=float(parse(body, "frequency_penalty", 0.0)),
+        seed=parse(body, "seed"),
+        ignore_eos=parse(body, "ignore_eos", False),
         logprobs=logprobs,
         prompt_logprobs=(logprobs if logprobs is not None else 0) if echo and (logprobs is not None or not max_tokens)
         else None)
-    return Options(params, stop, n, stream, bool(opts and opts.get("include_usage")), logprobs, echo)
+    return Options(params, stop, n, stream, bool(opts and opts.get("include_usage")), logprobs, echo,
+                   Shape(chat, want_tools is not None), fixed, want_tools)
 
 
 def _penalty(body: dict) -> float:
     """repetition_penalty (vLLM) or repeat_penalty (llama-server): one value > 0 (1: off)."""
-    vals = {k: _number(body, k, 1.0, 1e-9, 100, "must be > 0 (1: off)")
-            for k in ("repetition_penalty", "repeat_penalty") if body.get(k) is not None}
+    vals = {k: float(parse(body, k)) for k in ("repetition_penalty", "repeat_penalty") if body.get(k) is not None}
     if len(set(vals.values())) > 1:
         raise APIError(400, "'repetition_penalty' and 'repeat_penalty' disagree (give one)", "repeat_penalty")
     return next(iter(vals.values()), 1.0)
@@ -172,15 +214,18 @@ def _finish_reason(req: Request) -> str:
 
 
 class Server:
-    """The routes over one scheduler and tokenizer. `model_name`: the id clients send as `model`."""
+    """The routes over one scheduler and tokenizer. `model_name`: the id clients send as `model`, or several (the
+    first is the one /v1/models lists first and a response names when the request names none)."""
 
-    def __init__(self, scheduler, tokenizer, model_name: str, api_key: str | None = None,
+    def __init__(self, scheduler, tokenizer, model_name: str | list[str], api_key: str | None = None,
                  max_body_bytes: int = 4 << 20):
-        self.scheduler, self.tok, self.model_name = scheduler, tokenizer, model_name
+        names = [model_name] if isinstance(model_name, str) else list(dict.fromkeys(model_name))
+        self.scheduler, self.tok, self.model_name, self.model_names = scheduler, tokenizer, names[0], names
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.created = int(time.time())
         self.draining = False
         self._token_text: dict[int, str] = {}
+        self._grammars = None
 
     # -------------------------------------------------------------- plumbing
     async def _json(self, request: HTTPRequest) -> dict:
@@ -200,9 +245,9 @@ class Server:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         model = _get(body, "model", str, None)
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist (this server has '{self.model_name}')",
-                           "model", "model_not_found")
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"the model '{model}' does not exist (this server has "
+                                f"{', '.join(repr(n) for n in self.model_names)})", "model", "model_not_found")
         return body
 
     async def _fields(self, request: HTTPRequest, route: str) -> dict:
@@ -227,6 +272,27 @@ class Server:
             raise APIError(400, f"token id {bad} is out of range for vocab_size {V}", param)
         return ids
 
+    @property
+    def grammars(self):
+        """The compile cache of this tokenizer and model vocabulary (made on first use: xgrammar loads then)."""
+        if self._grammars is None:
+            from ..models.structured import Grammars
+            try:
+                self._grammars = Grammars(self.tok, self.scheduler.engine.model.config.vocab_size)
+            except HybridLMError as e:
+                raise APIError(400, f"no constrained decoding here: {e}") from None
+        return self._grammars
+
+    def _compile(self, constraint: tuple):
+        """The Spec of (Spec, field), compiled once; a bad one is a 400 naming the field."""
+        from ..models.structured import GrammarError
+        spec, name = constraint
+        try:
+            self.grammars.compile(spec)
+        except GrammarError as e:
+            raise APIError(400, f"'{name}': {e}", name) from None
+        return spec
+
     def token_text(self, t: int) -> tuple[str, bytes | None]:
         """(text, bytes) of one token for logprobs (text.token_text), remembered."""
         s = self._token_text.get(t)
@@ -236,14 +302,16 @@ class Server:
 
     # -------------------------------------------------------------- generation
     def _submit(self, prompts: list[tuple[list[int], str]], o: Options, loop, queue) -> list[Choice]:
-        """n Requests per prompt into the scheduler at once (rows of one batch); all or none."""
+        """n Requests per prompt into the scheduler at once (rows of one batch); all or none. A constrained
+        request's grammar is compiled (or found in the cache) first; each Request gets its own matcher."""
+        spec = self._compile(o.constraint) if o.constraint is not None else None
         choices = []
         try:
             for ids, text in prompts:
                 for j in range(o.n):
                     params = o.params if o.n == 1 else _with_seed(o.params, j)
                     req = Request(ids, params, on_token=partial(_on_token, loop, queue, len(choices)),
-                                  id=uuid.uuid4().hex)
+                                  id=uuid.uuid4().hex, constraint=self.grammars.constraint(spec) if spec else None)
                     self.scheduler.submit(req)
                     choices.append(Choice(len(choices), req, text, TextStream(self.tok, o.stop)))
         except (HybridLMError, QueueFull, NotAccepting) as e:
@@ -321,12 +389,12 @@ class Server:
                 return
             await asyncio.sleep(0.25)
 
-    async def _generate(self, request: HTTPRequest, prompts: list[tuple[list[int], str]], o: Options, chat: bool):
+    async def _generate(self, request: HTTPRequest, prompts: list[tuple[list[int], str]], o: Options, model: str):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         choices = self._submit(prompts, o, loop, queue)
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + choices[0].req.id, "model": self.model_name}
+        head = {"id": ("chatcmpl-" if o.shape.chat else "cmpl-") + choices[0].req.id, "model": model}
         if o.stream:
-            return StreamingResponse(self._stream(choices, o, queue, head, chat), media_type="text/event-stream",
+            return StreamingResponse(self._stream(choices, o, queue, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.ensure_future(self._watch(request, choices))
         try:
@@ -338,47 +406,54 @@ class Server:
             self._cleanup(choices)
         out = []
         for c in choices:
-            text = "".join(c.pieces)
-            shape = _chat_logprobs if chat else _completion_logprobs
-            lp = None if o.logprobs is None else shape(c.entries)
-            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            out.append({"index": c.index, **body, "logprobs": lp, "finish_reason": c.reason})
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "choices": out, "usage": _usage(choices)})
+            body, reason = o.shape.message("".join(c.pieces), c.reason)
+            lp = None if o.logprobs is None else o.shape.logprobs(c.entries)
+            out.append({"index": c.index, **body, "logprobs": lp, "finish_reason": reason})
+        return JSONResponse({**head, "object": o.shape.object, "created": int(time.time()), "choices": out,
+                             "usage": _usage(choices)})
 
-    async def _stream(self, choices: list[Choice], o: Options, queue, head: dict, chat: bool):
+    async def _stream(self, choices: list[Choice], o: Options, queue, head: dict):
         """Server-sent events: per choice a first chunk (chat: the role), text pieces, a chunk with finish_reason;
-        then the usage chunk (include_usage) and [DONE]. A failure: an error event, then [DONE]."""
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        then the usage chunk (include_usage) and [DONE]. The tools shape holds a choice's text and logprobs back
+        and sends them at its end, its calls as tool-call deltas. A failure: an error event, then [DONE]."""
+        shape = o.shape
         usage = {"usage": None} if o.include_usage else {}
 
-        def chunk(c, piece, entries, reason=None, role=False):
-            if chat:
-                delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
-                lp = _chat_logprobs(entries) if o.logprobs is not None and entries else None
-                choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
-            else:
-                lp = _completion_logprobs(entries) if o.logprobs is not None and entries else None
-                choice = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": reason}
-            return _sse({**head, "object": obj, "created": int(time.time()), "choices": [choice], **usage})
+        def chunk(c, body: dict, entries, reason=None):
+            lp = shape.logprobs(entries) if o.logprobs is not None and entries else None
+            choice = {"index": c.index, **body, "logprobs": lp, "finish_reason": reason}
+            return _sse({**head, "object": shape.chunk_object, "created": int(time.time()), "choices": [choice],
+                         **usage})
 
         try:
             first = set()
             try:
                 async for c, piece, entries in self._events(choices, o, queue):
-                    role = chat and c.index not in first
+                    role = shape.chat and c.index not in first
                     first.add(c.index)
+                    if shape.tools:
+                        c.pieces.append(piece)
+                        c.entries += entries
+                        piece, entries = "", []
                     if c.reason is None or piece or entries or role:
-                        yield chunk(c, piece, entries, role=role)
-                    if c.reason is not None:
-                        yield chunk(c, "", [], c.reason)
+                        yield chunk(c, shape.delta(piece, role), entries)
+                    if c.reason is None:
+                        continue
+                    reason = c.reason
+                    if shape.tools:
+                        deltas, reason = shape.closing("".join(c.pieces), c.reason)
+                        for k, d in enumerate(deltas):
+                            yield chunk(c, {"delta": d}, c.entries if k == 0 else [])
+                        if not deltas and c.entries:
+                            yield chunk(c, {"delta": {}}, c.entries)
+                    yield chunk(c, shape.delta("", False), [], reason)
             except APIError as e:
                 self._cleanup(choices)
                 yield _sse(e.body())
                 yield "data: [DONE]\n\n"
                 return
             if o.include_usage:
-                yield _sse({**head, "object": obj, "created": int(time.time()), "choices": [],
+                yield _sse({**head, "object": shape.chunk_object, "created": int(time.time()), "choices": [],
                             "usage": _usage(choices)})
             yield "data: [DONE]\n\n"
         finally:                          # the client went away (cancelled) or the stream ended
@@ -398,34 +473,24 @@ class Server:
                 ids = self._token_ids(p, "prompt")
                 prompts.append((ids, self.tok.decode(ids)))
         o = parse_options(body, "completions", 16)
-        return await self._generate(request, prompts, o, chat=False)
+        return await self._generate(request, prompts, o, body.get("model") or self.model_name)
 
     async def chat_completions(self, request: HTTPRequest):
         body = await self._fields(request, "chat")
-        messages = _get(body, "messages", list, check=lambda v: len(v) > 0, why="must not be empty")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
-            content = m.get("content")
-            if isinstance(content, list):               # content parts: the text ones
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise APIError(400, f"messages[{i}].content must be a string", "messages")
-            clean.append({"role": m["role"], "content": content})
+        clean = messages(parse(body, "messages"))
+        want_tools = tools(body)
+        if want_tools is not None:
+            self._compile((want_tools.every, "tools"))
         from ..data.tokenizer import apply_chat_template
         try:
-            text = apply_chat_template(self.tok, clean)
+            text = apply_chat_template(self.tok, clean, want_tools.functions if want_tools else None)
         except HybridLMError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:                          # the template's own error (jinja raise_exception)
             raise APIError(400, f"the chat template failed: {e}", "messages") from None
         ids = self._encode(text, "messages")
-        o = parse_options(body, "chat", max(1, self.scheduler.engine.context - len(ids)))
-        return await self._generate(request, [(ids, text)], o, chat=True)
+        o = parse_options(body, "chat", max(1, self.scheduler.engine.context - len(ids)), want_tools)
+        return await self._generate(request, [(ids, text)], o, body.get("model") or self.model_name)
 
     async def tokenize(self, request: HTTPRequest):
         """vLLM's {"prompt"} or {"messages"}, llama-server's {"content"} -> {"tokens", "count", "max_model_len"}."""
@@ -439,7 +504,7 @@ class Server:
             _get(body, name, bool, False)
         if "messages" in body:
             from ..data.tokenizer import apply_chat_template
-            text = apply_chat_template(self.tok, _get(body, "messages", list))
+            text = apply_chat_template(self.tok, messages(_get(body, "messages", list)))
         else:
             key = "content" if "content" in body else "prompt"
             text = _get(body, key, str)
@@ -468,8 +533,8 @@ class Server:
 
     async def models(self, request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "hybridlm",
-             "max_model_len": self.scheduler.engine.context}]})
+            {"id": name, "object": "model", "created": self.created, "owned_by": "hybridlm",
+             "max_model_len": self.scheduler.engine.context} for name in self.model_names]})
 
     async def health(self, request: HTTPRequest):
         if self.draining or not self.scheduler.accepting:
@@ -500,6 +565,8 @@ def _submit_error(e: Exception) -> APIError:
     if isinstance(e, NotAccepting):
         return APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"})
     msg = str(e)
+    if isinstance(e, FieldError):
+        return APIError(400, msg, e.param)
     context = "context" in msg
     return APIError(400, msg, "max_tokens" if context else None, "context_length_exceeded" if context else None)
 
@@ -553,7 +620,7 @@ class _Guard:
         return await self.app(scope, receive, send)
 
 
-def create_app(scheduler, tokenizer, model_name: str, api_key: str | None = None,
+def create_app(scheduler, tokenizer, model_name: str | list[str], api_key: str | None = None,
                max_body_bytes: int = 4 << 20) -> Starlette:
     """The ASGI app; its lifespan starts the scheduler's thread and, at shutdown, drains and stops it."""
     from contextlib import asynccontextmanager
@@ -565,6 +632,8 @@ def create_app(scheduler, tokenizer, model_name: str, api_key: str | None = None
                 return await fn(request)
             except APIError as e:
                 return error_response(e)
+            except FieldError as e:
+                return error_response(APIError(400, str(e), e.param))
         return route
 
     async def not_found(request, exc: HTTPException):

@@ -30,11 +30,10 @@ import torch
 from ..cache import InferenceCache, allocated_bytes
 from ..errors import InputError
 from ..models.generation import filter_logits, penalize
+from ..models.structured import mask_logits
+from .fields import check_sampling
 from .prefix_cache import PrefixCache, block_hashes
 from .slots import RowTable
-
-
-MAX_LOGPROBS = 20                     # alternatives per token at most (OpenAI's top_logprobs bound)
 
 
 @dataclass
@@ -87,6 +86,9 @@ class Request:
     cached_tokens: int = 0            # prompt tokens resumed from the prefix cache
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # its logits processor (models/structured.py's Constraint): masks the row's logits before sampling, accepts
+    # each sampled token, and ends the request ("stop") once `finished`
+    constraint: object = None
     # engine state
     cache: object = None              # its own batch-1 InferenceCache while it is prefilled
     prefilled: int = 0                # prompt tokens run so far
@@ -258,23 +260,7 @@ class Engine:
         if len(req.prompt) + p.max_tokens > self.context:
             raise InputError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
                              f"model's context of {self.context} tokens")
-        if p.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {p.temperature}")
-        if p.top_p is not None and not 0 < p.top_p <= 1:
-            raise InputError(f"top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k is not None and p.top_k < 1:
-            raise InputError(f"top_k must be >= 1, got {p.top_k}")
-        if not 0 <= p.min_p <= 1:
-            raise InputError(f"min_p must be in [0, 1], got {p.min_p}")
-        if not p.repetition_penalty > 0:
-            raise InputError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(p, name) <= 2:
-                raise InputError(f"{name} must be in [-2, 2], got {getattr(p, name)}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                raise InputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        check_sampling(p)
         need = self.peak_bytes([len(req.prompt) + p.max_tokens])
         if self.memory_bytes is not None and need > self.memory_bytes:
             raise InputError(f"the request needs {need} bytes of state, more than the memory budget of "
@@ -449,6 +435,9 @@ class Engine:
         ps = [r.params for r in reqs]
         dev = logits.device
         x = logits.float()
+        held = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        if held:                      # the mask first: the penalties and filters see only the allowed tokens
+            x = mask_logits(x.clone(), [reqs[i].constraint for i in held], held)
         pen = [i for i, p in enumerate(ps) if p.penalized]
         if pen:
             x = x.clone()
@@ -476,7 +465,9 @@ class Engine:
             r.output.append(t)
             if r.first_token_at is None:
                 r.first_token_at = now
-            if t == self.eos_id and not r.params.ignore_eos:
+            if r.constraint is not None and (not r.constraint.accept(t) or r.constraint.finished):
+                r.finish_reason = "stop"          # the grammar is complete (a rejected token cannot be sampled)
+            elif t == self.eos_id and not r.params.ignore_eos:
                 r.finish_reason = "stop"
             elif len(r.output) >= r.params.max_tokens:
                 r.finish_reason = "length"

@@ -1,5 +1,6 @@
-// What the one-token decode ops (decode_ops.cpp) and the whole-mixer steps (mixers.cpp) share: bf16 <-> float32,
-// typed loads and stores (float32, or bf16 as uint16_t), softplus, and the ops of decode_ops.cpp mixers.cpp calls.
+// What the library's C++ files share (gemm.cpp, the one-token decode ops of decode_ops.cpp, the whole-mixer steps of
+// mixers.cpp): bf16 <-> float32, typed loads and stores (float32, or bf16 as uint16_t), softplus, and the ops of
+// decode_ops.cpp mixers.cpp calls.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -30,6 +31,7 @@ extern "C" void dec_gla_step(const float* q, const float* k, const float* v, con
                              float* o, int64_t Bn, int64_t H, int64_t K, int64_t V, float scale);
 extern "C" void dec_rms_norm(void* x, const void* res, const void* z, const void* w, void* y, int64_t R, int64_t d,
                              int64_t group, int mode, float eps, int bf);
-extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t S,
-                              int64_t Hq, int64_t Hk, int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss,
-                              int64_t ksh, int64_t vsb, int64_t vss, int64_t vsh, float scale, int bf);
+extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t Hq, int64_t Hk,
+                              int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb,
+                              int64_t vss, int64_t vsh, const int64_t* lo, const int64_t* len, int64_t ring,
+                              float scale, int bf);

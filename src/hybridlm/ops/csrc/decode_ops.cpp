@@ -1,14 +1,18 @@
 // One-token decode ops on a CPU, each a single call in place of the many small PyTorch ops of its reference form
 // (ops/ssd.ssd_step, ops/gla.gla_step, ops/delta_rule.delta_rule_step, ops/conv.causal_conv1d_step,
 // ops/attention.decode_attention, ops/norm.rms_norm / gated_rms_norm): at batch 1 each of those ops costs a few
-// microseconds of dispatch for a few microseconds of work, and a layer ran 30-80 of them. Compiled with matvec.cpp
+// microseconds of dispatch for a few microseconds of work, and a layer ran 30-80 of them. Compiled with gemm.cpp
 // into one library by ops/cpu_kernels.py; ops/cpu_decode.py calls them and tests hold each to its reference.
 //
 // Recurrent states are float32 [B, H, K, V] and are updated in place (a decode cache owns its state); the small
 // inputs are float32 (the wrappers convert, a no-op for most); attention reads the KV cache as stored (float32 or
-// bf16, `bf` = 1) through its strides; every sum is in float32. Threads (OpenMP, torch's) split batch x heads.
-#include <cstdint>
+// bf16, `bf` = 1) through its strides; every sum is in float32. Threads (OpenMP, torch's) split batch x heads (and
+// attention's keys).
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -193,71 +197,163 @@ extern "C" void dec_conv_step(const void* x, void* state, const void* w, const v
     else conv_step((const float*)x, (float*)state, (const float*)w, (const float*)bias, (float*)y, Bn, C, W, silu);
 }
 
-// one query over every cached key: q [B, Hq, D]; k, v as stored in the cache, element strides (batch, time, head:
-// the cache is head-major) and each head's row contiguous; Hk and Hv divide Hq -> o [B, Hq, Dv] =
-// softmax(scale q kᵀ) v.
-// By key head, then by value head: each cached row is read and converted once for all the query heads it serves.
+// One query per row over its own cached keys (flash decoding): q [B, Hq, D]; k, v as stored in the cache, element
+// strides (batch, time, head; a KV cache is head-major), each head's row contiguous; Hk and Hv divide Hq ->
+// o [B, Hq, Dv] = softmax(scale q kᵀ) v over row b's keys. Row b reads key slots [lo[b], len[b]) (lo null: 0); with
+// `ring` = W > 0 the cache is a sliding-window ring (row b's token t in slot t % W): it reads slots
+// [0, min(len[b], W)), the slot s holding token len[b] - 1 - ((len[b] - 1 - s) mod W), skipped below lo[b].
+// Only a row's own keys are read: never the buffer's capacity, never another row's length.
+// Work items are (row, key head, run of keys): a long cache or a single key head (shared keys, MLA's latent) still
+// splits over the threads; each item walks its keys in tiles with an online softmax (running max and sum), reading
+// each key and value row once for every query head it serves; the items' partial sums are merged at the end.
 template <typename T>
-static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t S, int64_t Hq, int64_t Hk,
-                   int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb,
-                   int64_t vss, int64_t vsh, float scale) {
+static void attend(const T* q, const T* k, const T* v, T* o, int64_t Bn, int64_t Hq, int64_t Hk, int64_t Hv,
+                   int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb, int64_t vss,
+                   int64_t vsh, const int64_t* lo, const int64_t* len, int64_t ring, float scale) {
+    constexpr int64_t TILE = 32;
     const int64_t gk = Hq / Hk, gv = Hq / Hv;
-    std::vector<float> P(Bn * Hq * S);
-#pragma omp parallel for schedule(static)
-    for (int64_t bk = 0; bk < Bn * Hk; bk++) {
-        const int64_t b = bk / Hk, hk = bk % Hk;
-        std::vector<float> qf(gk * D), kf(D);
-        std::vector<uint32_t> bits(D);
+    int64_t span = 0;                                      // the most key slots a row reads
+    for (int64_t b = 0; b < Bn; b++) {
+        const int64_t n = ring ? std::min(len[b], ring) : len[b] - (lo ? lo[b] : 0);
+        span = std::max(span, n);
+    }
+    // runs of keys: enough items for the threads (twice over), none under 256 keys
+    const int64_t threads = omp_get_max_threads(), heads = Bn * Hk;
+    const int64_t want = std::max<int64_t>(1, (2 * threads + heads - 1) / heads);
+    const int64_t run = std::max<int64_t>(256, (span + want - 1) / want);
+    const int64_t runs = std::max<int64_t>(1, (span + run - 1) / run);
+    const int64_t part = 2 + Dv;                           // per query head of an item: max, sum, Σ p v
+    const bool wide = gk >= 8;                             // scores as vectors across the query heads of a key head
+    std::vector<float> parts(heads * runs * gk * part);
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t it = 0; it < heads * runs; it++) {
+        const int64_t b = it / (Hk * runs), hk = (it / runs) % Hk, c = it % runs;
+        const int64_t first = ring ? 0 : (lo ? lo[b] : 0), last = ring ? std::min(len[b], ring) : len[b];
+        const int64_t s0 = first + c * run, s1 = std::min(last, s0 + run);
+        float* mine = parts.data() + it * gk * part;
+        std::vector<float> qf(gk * D), qt(wide ? D * gk : 0), dots(4 * gk), sc(gk * TILE), m(gk, -INFINITY), l(gk, 0.f),
+            acc(gk * Dv, 0.f), kf(4 * D), vf(Dv);
         for (int64_t j = 0; j < gk; j++)
             for (int64_t d = 0; d < D; d++) qf[j * D + d] = ld(q, (b * Hq + hk * gk + j) * D + d) * scale;
-        for (int64_t s = 0; s < S; s++) {
-            const T* kr = k + b * ksb + s * kss + hk * ksh;
-            row_f32(kr, D, kf.data(), bits.data());
-            for (int64_t j = 0; j < gk; j++) {
-                const float* qj = qf.data() + j * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qj[d] * kf[d];
-                P[(b * Hq + hk * gk + j) * S + s] = dot;
+        if (wide)
+            for (int64_t j = 0; j < gk; j++)
+                for (int64_t d = 0; d < D; d++) qt[d * gk + j] = qf[j * D + d];
+        const int64_t hv0 = hk * gk / gv, hv1 = (hk * gk + gk - 1) / gv;      // the value heads these queries read
+        for (int64_t t0 = s0; t0 < s1; t0 += TILE) {
+            const int64_t nt = std::min(TILE, s1 - t0);
+            for (int64_t i0 = 0; i0 < nt; i0 += 4) {            // scores of 4 keys at a time: independent sums
+                const int64_t nu = std::min<int64_t>(4, nt - i0);
+                const T* kr[4];
+                for (int64_t u = 0; u < 4; u++) kr[u] = k + b * ksb + (t0 + i0 + std::min(u, nu - 1)) * kss + hk * ksh;
+                if (wide) {                                    // many query heads: vectors across the heads
+                    std::fill(dots.begin(), dots.end(), 0.f);
+                    for (int64_t d = 0; d < D; d++) {
+                        const float k0 = ld(kr[0], d), k1 = ld(kr[1], d), k2 = ld(kr[2], d), k3 = ld(kr[3], d);
+                        const float* qd = qt.data() + d * gk;
+                        float *s0 = dots.data(), *s1 = s0 + gk, *s2 = s1 + gk, *s3 = s2 + gk;
+#pragma omp simd
+                        for (int64_t j = 0; j < gk; j++) {
+                            s0[j] += qd[j] * k0;
+                            s1[j] += qd[j] * k1;
+                            s2[j] += qd[j] * k2;
+                            s3[j] += qd[j] * k3;
+                        }
+                    }
+                    for (int64_t u = 0; u < nu; u++)
+                        for (int64_t j = 0; j < gk; j++) sc[j * TILE + i0 + u] = dots[u * gk + j];
+                } else {                                       // few: along the channels, each row converted once
+                    for (int64_t u = 0; u < 4; u++)
+                        for (int64_t d = 0; d < D; d++) kf[u * D + d] = ld(kr[u], d);
+                    const float *f0 = kf.data(), *f1 = f0 + D, *f2 = f1 + D, *f3 = f2 + D;
+                    for (int64_t j = 0; j < gk; j++) {
+                        const float* qj = qf.data() + j * D;
+                        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+                        for (int64_t d = 0; d < D; d++) {
+                            a0 += qj[d] * f0[d];
+                            a1 += qj[d] * f1[d];
+                            a2 += qj[d] * f2[d];
+                            a3 += qj[d] * f3[d];
+                        }
+                        const float got[4] = {a0, a1, a2, a3};
+                        for (int64_t u = 0; u < nu; u++) sc[j * TILE + i0 + u] = got[u];
+                    }
+                }
+                if (ring && lo && lo[b] > 0)                   // a padded row's ring: its pads' slots skipped
+                    for (int64_t u = 0; u < nu; u++) {
+                        const int64_t s = t0 + i0 + u;
+                        if (len[b] - 1 - (len[b] - 1 - s) % ring < lo[b])
+                            for (int64_t j = 0; j < gk; j++) sc[j * TILE + i0 + u] = -INFINITY;
+                    }
             }
-        }
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t bh = 0; bh < Bn * Hq; bh++) {
-        float* p = P.data() + bh * S;
-        float mx = -INFINITY, sum = 0.f;
-        for (int64_t s = 0; s < S; s++) mx = p[s] > mx ? p[s] : mx;
+            for (int64_t j = 0; j < gk; j++) {                 // the online softmax: new max, rescale, weights
+                float* p = sc.data() + j * TILE;
+                float mx = m[j];
+                for (int64_t i = 0; i < nt; i++) mx = p[i] > mx ? p[i] : mx;
+                if (mx == -INFINITY) {
+                    for (int64_t i = 0; i < nt; i++) p[i] = 0.f;
+                    continue;
+                }
+                const float r = m[j] == -INFINITY ? 0.f : exp_neg(m[j] - mx);
+                float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t s = 0; s < S; s++) { p[s] = exp_neg(p[s] - mx); sum += p[s]; }
-        const float inv = 1.f / sum;
-        for (int64_t s = 0; s < S; s++) p[s] *= inv;
+                for (int64_t i = 0; i < nt; i++) { p[i] = p[i] == -INFINITY ? 0.f : exp_neg(p[i] - mx); sum += p[i]; }
+                l[j] = l[j] * r + sum;
+                m[j] = mx;
+                if (r != 1.f)
+                    for (int64_t d = 0; d < Dv; d++) acc[j * Dv + d] *= r;
+            }
+            // Σ p v, each value row read once, in the order the cache lies in: by head over a head-major buffer
+            // (a KV cache), by key over a time-major one (a window's ring)
+            const bool by_key = vss < vsh;
+            for (int64_t outer = 0; outer < (by_key ? nt : hv1 - hv0 + 1); outer++)
+                for (int64_t inner = 0; inner < (by_key ? hv1 - hv0 + 1 : nt); inner++) {
+                    const int64_t i = by_key ? outer : inner, hv = hv0 + (by_key ? inner : outer);
+                    const int64_t j0 = std::max<int64_t>(0, hv * gv - hk * gk);
+                    const int64_t j1 = std::min(gk, (hv + 1) * gv - hk * gk);     // its query heads
+                    const T* vr = v + b * vsb + (t0 + i) * vss + hv * vsh;
+                    for (int64_t d = 0; d < Dv; d++) vf[d] = ld(vr, d);
+                    for (int64_t j = j0; j < j1; j++) {
+                        const float w = sc[j * TILE + i];
+                        float* a = acc.data() + j * Dv;
+#pragma omp simd
+                        for (int64_t d = 0; d < Dv; d++) a[d] += w * vf[d];
+                    }
+                }
+        }
+        for (int64_t j = 0; j < gk; j++) {
+            mine[j * part] = m[j];
+            mine[j * part + 1] = l[j];
+            std::memcpy(mine + j * part + 2, acc.data() + j * Dv, Dv * 4);
+        }
     }
 #pragma omp parallel for schedule(static)
-    for (int64_t bv = 0; bv < Bn * Hv; bv++) {
-        const int64_t b = bv / Hv, hv = bv % Hv;
-        std::vector<float> acc(gv * Dv, 0.f), vf(Dv);
-        std::vector<uint32_t> bits(Dv);
-        for (int64_t s = 0; s < S; s++) {
-            const T* vr = v + b * vsb + s * vss + hv * vsh;
-            row_f32(vr, Dv, vf.data(), bits.data());
-            for (int64_t j = 0; j < gv; j++) {
-                const float w = P[(b * Hq + hv * gv + j) * S + s];
-                float* a = acc.data() + j * Dv;
-                for (int64_t d = 0; d < Dv; d++) a[d] += w * vf[d];
-            }
+    for (int64_t bh = 0; bh < Bn * Hq; bh++) {              // merge the runs of each query head
+        const int64_t b = bh / Hq, h = bh % Hq, hk = h / gk, j = h % gk;
+        const float* p0 = parts.data() + ((b * Hk + hk) * runs * gk + j) * part;
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t c = 0; c < runs; c++) mx = std::max(mx, p0[c * gk * part]);
+        std::vector<float> out(Dv, 0.f);
+        for (int64_t c = 0; c < runs; c++) {
+            const float* pc = p0 + c * gk * part;
+            if (pc[0] == -INFINITY) continue;
+            const float r = exp_neg(pc[0] - mx);
+            sum += pc[1] * r;
+            for (int64_t d = 0; d < Dv; d++) out[d] += pc[2 + d] * r;
         }
-        for (int64_t j = 0; j < gv; j++)
-            for (int64_t d = 0; d < Dv; d++) st(o, (b * Hq + hv * gv + j) * Dv + d, acc[j * Dv + d]);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;       // a row without keys: zeros
+        for (int64_t d = 0; d < Dv; d++) st(o, bh * Dv + d, out[d] * inv);
     }
 }
 
-extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t S,
-                              int64_t Hq, int64_t Hk, int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss,
-                              int64_t ksh, int64_t vsb, int64_t vss, int64_t vsh, float scale, int bf) {
-    if (bf) attend((const uint16_t*)q, (const uint16_t*)k, (const uint16_t*)v, (uint16_t*)o, Bn, S, Hq, Hk, Hv, D, Dv,
-                   ksb, kss, ksh, vsb, vss, vsh, scale);
-    else attend((const float*)q, (const float*)k, (const float*)v, (float*)o, Bn, S, Hq, Hk, Hv, D, Dv, ksb, kss, ksh,
-                vsb, vss, vsh, scale);
+extern "C" void dec_attention(const void* q, const void* k, const void* v, void* o, int64_t Bn, int64_t Hq, int64_t Hk,
+                              int64_t Hv, int64_t D, int64_t Dv, int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb,
+                              int64_t vss, int64_t vsh, const int64_t* lo, const int64_t* len, int64_t ring,
+                              float scale, int bf) {
+    if (bf) attend((const uint16_t*)q, (const uint16_t*)k, (const uint16_t*)v, (uint16_t*)o, Bn, Hq, Hk, Hv, D, Dv,
+                   ksb, kss, ksh, vsb, vss, vsh, lo, len, ring, scale);
+    else attend((const float*)q, (const float*)k, (const float*)v, (float*)o, Bn, Hq, Hk, Hv, D, Dv, ksb, kss, ksh,
+                vsb, vss, vsh, lo, len, ring, scale);
 }
 
 // (gated) RMSNorm of rows: x [R, d] -> y [R, d] = norm(x') · weight (float32 [d] or null), the mean of squares per group of `group`

@@ -2,8 +2,9 @@
 // in (float32, bfloat16, int8 per channel, int4 per group). One row (decode) is bound by how fast W streams from
 // memory; many rows (a serving batch, a prompt) by the multiply-adds, so the products go in register tiles of RM
 // rows of x by RN rows of W (tinyBLAS's form, llama.cpp's ggml-cpu/llamafile/sgemm.cpp): each load of W serves RM
-// rows and each load of x RN outputs, RM x RN independent sums hide the FMA latency. Threads (OpenMP: the runtime
-// torch loaded, so the two never compete) split the tiles.
+// rows and each load of x RN outputs, RM x RN independent sums hide the FMA latency; one row of x streams W a row at
+// a time instead (`rows`). Threads (OpenMP: the runtime torch loaded, so the two never compete, its team made once)
+// split the tiles or W's rows, each thread a contiguous share.
 //
 // Compiled once per instruction-set level by ops/cpu_kernels.py, which loads the one the CPU can run:
 //   portable     GCC/Clang vector types (SSE2 on x86, NEON on ARM)
@@ -20,6 +21,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "decode_common.h"                       // bf16 <-> float32
 #include "linear.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -47,14 +49,8 @@ typedef int32_t i8x __attribute__((vector_size(32)));
 typedef uint16_t h8 __attribute__((vector_size(16)));
 static inline f8 load(const float* p) { f8 v; std::memcpy(&v, p, 32); return v; }
 static inline float hsum(f8 v) { float s = 0.f; for (int i = 0; i < 8; i++) s += v[i]; return s; }
-static inline float bf_f(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline uint16_t f_bf(float f) {             // round to nearest even, as torch's .to(bfloat16)
-    uint32_t u; std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);       // NaN stays NaN
-    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 static inline float wone(float v) { return v; }
-static inline float wone(uint16_t v) { return bf_f(v); }
+static inline float wone(uint16_t v) { return bf2f(v); }
 
 // ---- float vectors of the level: V holds W floats; vload widens bf16 by a 16-bit shift ------------------------
 #if defined(L512)
@@ -153,12 +149,42 @@ struct FloatTile {
 template <int R, int C> using F32Tile = FloatTile<float>::At<R, C>;
 template <int R, int C> using BF16Tile = FloatTile<uint16_t>::At<R, C>;
 
+// fewer multiply-adds than this run on one thread: starting and joining the team costs about what they take (the
+// team itself is OpenMP's, made once and kept: torch's own threads)
+constexpr int64_t SMALL = 1 << 15;
+
+// One row of x (decode): each thread streams its share of W's rows one row after another, 8 vectors a step into 8
+// sums. A single stream per thread reads faster than a tile's 6 (whose rows, 4 KB apart at K = 2048 in bf16, share
+// L1 sets) and needs no software prefetch (which slowed it: the hardware's stream prefetcher keeps ahead); measured
+// on a Zen 4 at one thread, 0.85 against 0.72 of the read limit for the tile. `out(n, s)` stores row n's sum.
+template <typename T, typename Out>
+static void rows(const float* x, int64_t K, const T* w, int64_t N, Out out) {
+    constexpr int U = 8;
+    const int64_t Ku = K - K % (U * W), Kv = K - K % W;
+#pragma omp parallel for schedule(static) if (N * K >= SMALL)
+    for (int64_t n = 0; n < N; n++) {
+        const T* r = w + n * K;
+        V acc[U];
+        for (int u = 0; u < U; u++) acc[u] = vzero();
+        int64_t k = 0;
+        for (; k < Ku; k += U * W)
+            for (int u = 0; u < U; u++) acc[u] = vfma(vload(x + k + u * W), vload(r + k + u * W), acc[u]);
+        for (; k < Kv; k += W) acc[0] = vfma(vload(x + k), vload(r + k), acc[0]);
+        for (int u = 1; u < U; u++) acc[0] = acc[0] + acc[u];
+        float s = vsum(acc[0]);
+        for (; k < K; k++) s += x[k] * wone(r[k]);
+        out(n, s);
+    }
+}
+
 extern "C" void mv_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+    if (M == 1) return rows(x, K, w, N, [y](int64_t n, float s) { y[n] = s; });
     tiles<F32Tile, RM, RN>(M, N, x, K, w, N, y);
 }
 
 // the bf16 weights widened to float32 by a shift whatever the level (the loop the bf16 dot products are tested on)
 extern "C" void mv_bf16_f32(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+    if (M == 1) return rows(x, K, w, N, [y](int64_t n, float s) { y[n] = s; });
     tiles<BF16Tile, RM, RN>(M, N, x, K, w, N, y);
 }
 
@@ -194,6 +220,32 @@ struct BF16DotTile {
             for (int j = 0; j < C; j++) y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
     }
 };
+
+// one row of bf16 x (decode), as `rows` above: 8 vectors of 32 bf16 pairs a step, then 32 a step, then a masked tail
+template <typename Out>
+static void bf16_dot_rows(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, Out out) {
+    constexpr int U = 8;
+    const int64_t Ku = K - K % (U * 32), K32 = K & ~int64_t(31);
+    const __mmask32 tail = K > K32 ? __mmask32((1ull << (K - K32)) - 1) : 0;
+#pragma omp parallel for schedule(static) if (N * K >= SMALL)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t* r = w + n * K;
+        __m512 acc[U];
+        for (int u = 0; u < U; u++) acc[u] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k < Ku; k += U * 32)
+            for (int u = 0; u < U; u++)
+                acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(x + k + u * 32),
+                                          (__m512bh)_mm512_loadu_si512(r + k + u * 32));
+        for (; k < K32; k += 32)
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(r + k));
+        if (tail)
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(tail, x + K32),
+                                      (__m512bh)_mm512_maskz_loadu_epi16(tail, r + K32));
+        for (int u = 1; u < U; u++) acc[0] = _mm512_add_ps(acc[0], acc[u]);
+        out(n, _mm512_reduce_add_ps(acc[0]));
+    }
+}
 #endif
 
 extern "C" int mv_bf16_dot() {
@@ -207,7 +259,8 @@ extern "C" int mv_bf16_dot() {
 extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
 #if defined(L512) && defined(__AVX512BF16__)
     std::vector<uint16_t> xb(M * K);                 // x rounded to bf16 once (llama.cpp does the same)
-    for (int64_t i = 0; i < M * K; i++) xb[i] = f_bf(x[i]);
+    for (int64_t i = 0; i < M * K; i++) xb[i] = f2bf(x[i]);
+    if (M == 1) return bf16_dot_rows(xb.data(), K, w, N, [y](int64_t n, float s) { y[n] = s; });
     tiles<BF16DotTile, RM, RN>(M, N, (const uint16_t*)xb.data(), K, w, N, y);
 #else
     mv_bf16_f32(x, M, K, w, N, y);
@@ -218,16 +271,22 @@ extern "C" void mv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
 // (what y.float() + bias.float() -> .to(bf16) gives), so the caller converts nothing
 extern "C" void mv_bf16_io(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                            const uint16_t* bias, uint16_t* y) {
-    std::vector<float> yf(M * N);
+    auto store = [bias](uint16_t* yr) {
+        return [yr, bias](int64_t n, float s) { yr[n] = f2bf(s + (bias ? bf2f(bias[n]) : 0.f)); };
+    };
 #if defined(L512) && defined(__AVX512BF16__)
+    if (M == 1) return bf16_dot_rows(x, K, w, N, store(y));
+    std::vector<float> yf(M * N);
     tiles<BF16DotTile, RM, RN>(M, N, x, K, w, N, yf.data());
 #else
     std::vector<float> xf(M * K);
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf_f(x[i]);
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf2f(x[i]);
+    if (M == 1) return rows(xf.data(), K, w, N, store(y));
+    std::vector<float> yf(M * N);
     mv_bf16_f32(xf.data(), M, K, w, N, yf.data());
 #endif
     for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) y[m * N + n] = f_bf(yf[m * N + n] + (bias ? bf_f(bias[n]) : 0.f));
+        for (int64_t n = 0; n < N; n++) store(y + m * N)(n, yf[m * N + n]);
 }
 
 // ---- int8 W per channel: x rounded to int16 per row ---------------------------------------------------------------
@@ -239,9 +298,23 @@ static void round_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float*
     for (int64_t m = 0; m < M; m++) {
         const float* xm = x + m * K;
         float mx = 0.f;
-        for (int64_t k = 0; k < K; k++) mx = std::fmax(mx, std::fabs(xm[k]));
+        int64_t k = 0;
+#if defined(L512)                                  // (vector max and rounding: a scalar pass is 6 us at K = 2048)
+        __m512 vmx = _mm512_setzero_ps();
+        for (; k + 16 <= K; k += 16) vmx = _mm512_max_ps(vmx, _mm512_abs_ps(_mm512_loadu_ps(xm + k)));
+        mx = _mm512_reduce_max_ps(vmx);
+#endif
+        for (; k < K; k++) mx = std::fmax(mx, std::fabs(xm[k]));
         const float s = mx > 0.f ? mx / 32767.f : 1.f, inv = 1.f / s;
-        for (int64_t k = 0; k < K; k++) xq[m * K + k] = int16_t(std::nearbyint(xm[k] * inv));
+        k = 0;
+#if defined(L512)
+        const __m512 vi = _mm512_set1_ps(inv);
+        for (; k + 16 <= K; k += 16) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xm + k), vi), _MM_FROUND_TO_NEAREST_INT);
+            _mm256_storeu_si256((__m256i*)(xq + m * K + k), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
+        }
+#endif
+        for (; k < K; k++) xq[m * K + k] = int16_t(std::nearbyint(xm[k] * inv));
         xs[m] = s;
     }
 }
@@ -312,7 +385,7 @@ struct Int8Tile {
 // from memory than the tile's 4 streams give (measured: the 1.1B Llama's int8 decode 21 against 15 tok/s with tiles).
 static void int8_rows(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* q, const float* scale,
                       int64_t N, float* y) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * N * K >= SMALL)
     for (int64_t n = 0; n < N; n++) {
         const int8_t* row = q + n * K;
         for (int64_t m = 0; m < M; m++) {
@@ -416,17 +489,40 @@ static void q8_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t G,
     const int64_t nb = Kp / 32, group = Kp / G;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
-            float v[32], mx = 0.f, s = 0.f;
+            const int64_t k0 = b * 32;
+            float mx = 0.f, s = 0.f;
+            int8_t* q = xq + m * Kp + k0;
+#if defined(L512)                                  // a whole block in x: vector max, sum and rounding
+            if (k0 + 32 <= K) {
+                const __m512 v0 = _mm512_loadu_ps(x + m * K + k0), v1 = _mm512_loadu_ps(x + m * K + k0 + 16);
+                mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+                s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+                const float db = mx / 127.f;
+                if (db > 0.f) {
+                    const __m512 dv = _mm512_set1_ps(db);
+                    for (int h = 0; h < 2; h++) {
+                        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(h ? v1 : v0, dv), _MM_FROUND_TO_NEAREST_INT);
+                        _mm_storeu_si128((__m128i*)(q + 16 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+                    }
+                } else {
+                    std::memset(q, 0, 32);
+                }
+                d[m * nb + b] = db;
+                xsum[m * G + k0 / group] += s;
+                continue;
+            }
+#endif
+            float v[32];
             for (int j = 0; j < 32; j++) {
-                const int64_t k = b * 32 + j;
+                const int64_t k = k0 + j;
                 v[j] = k < K ? x[m * K + k] : 0.f;
                 mx = std::fmax(mx, std::fabs(v[j]));
                 s += v[j];
             }
             const float db = mx / 127.f;
-            for (int j = 0; j < 32; j++) xq[m * Kp + b * 32 + j] = db > 0.f ? int8_t(std::nearbyint(v[j] / db)) : 0;
+            for (int j = 0; j < 32; j++) q[j] = db > 0.f ? int8_t(std::nearbyint(v[j] / db)) : 0;
             d[m * nb + b] = db;
-            xsum[m * G + b * 32 / group] += s;
+            xsum[m * G + k0 / group] += s;
         }
 }
 
@@ -570,7 +666,7 @@ extern "C" void q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* p
     std::vector<int8_t> xq(M * Kp);
     std::vector<float> xd(M * nblk), xsum(M * G, 0.f);
     q8_rows(x, M, K, Kp, G, xq.data(), xd.data(), xsum.data());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * N * Kp >= SMALL)
     for (int64_t u = 0; u < T * mt; u++) {
         const int64_t t = u / mt, m0 = (u % mt) * QM;
         switch (std::min<int64_t>(QM, M - m0)) {
@@ -581,94 +677,6 @@ extern "C" void q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* p
                     break;
             case 4: if constexpr (QM >= 4) q4_tile<4>(m0, t, xq.data(), xd.data(), xsum.data(), Kp, G, packed, N, y);
                     break;
-        }
-    }
-}
-
-// ---- int4 as stored (no repacking): x rounded to int16 per row, one row of W at a time ---------------------------
-// x [M, K] float (K = G · group, the weight's padded width). Byte j of a row holds column 2j in its low nibble and
-// 2j + 1 in its high one. The AVX2 loop takes 32 bytes (64 columns, two groups of 32 or part of a larger one) a
-// step: its nibbles widen to int16 within each 128-bit half, so x is laid out in that order once per call
-// (`xp`: per 64 columns, the even columns of bytes 0-7 and 16-23, of bytes 8-15 and 24-31, then the odd ones) and
-// each half of the int32 sums belongs to one group. The zero points add sum_g (zero - 8 scale)[g] · (x summed over g).
-extern "C" void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
-                        const float* zero, int64_t G, int64_t N, float* y) {
-    const int64_t half = K / 2, hg = half / G, chunks = half / 32;   // bytes: a row, a group; 32-byte steps
-#if defined(__AVX2__)
-    const int64_t laid = chunks;       // 32-byte steps laid out for the vector loop; the scalar loop reads the rest
-#else
-    const int64_t laid = 0;
-#endif
-    std::vector<int16_t> xq(M * K), xp(M * K);
-    std::vector<float> xs(M), xsum(M * G, 0.f);
-    round_rows(x, M, K, xq.data(), xs.data());
-    for (int64_t m = 0; m < M; m++) {
-        const int16_t* a = xq.data() + m * K;
-        int16_t* p = xp.data() + m * K;
-        for (int64_t c = 0; c < laid; c++)
-            for (int64_t i = 0; i < 16; i++) {
-                const int64_t j = c * 32 + (i < 8 ? i : i + 8);      // bytes 0-7, 16-23, then +8
-                p[c * 64 + i] = a[2 * j];
-                p[c * 64 + 16 + i] = a[2 * (j + 8)];
-                p[c * 64 + 32 + i] = a[2 * j + 1];
-                p[c * 64 + 48 + i] = a[2 * (j + 8) + 1];
-            }
-        for (int64_t j = laid * 32; j < half; j++) {                   // the rest in column order
-            p[2 * j] = a[2 * j];
-            p[2 * j + 1] = a[2 * j + 1];
-        }
-        for (int64_t k = 0; k < K; k++) xsum[m * G + k / (2 * hg)] += x[m * K + k];
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* row = q + n * half;
-        const float* s = scale + n * G;
-        const float* z = zero + n * G;
-#if defined(__AVX2__)
-        for (int64_t i = 0; i < G; i += 16) {            // the next rows' scales and zeros, ahead of their use
-            _mm_prefetch((const char*)(s + 2 * G + i), _MM_HINT_T0);
-            _mm_prefetch((const char*)(z + 2 * G + i), _MM_HINT_T0);
-        }
-#endif
-        for (int64_t m = 0; m < M; m++) {
-            const int16_t* p = xp.data() + m * K;
-            const float* xg = xsum.data() + m * G;
-            float out = 0.f, bias = 0.f;
-            int64_t c = 0;
-#if defined(__AVX2__)
-            f8 acc8 = {};
-            const __m256i low = _mm256_set1_epi8(15), zero8 = _mm256_setzero_si256();
-            for (; c < chunks; c++) {
-                _mm_prefetch((const char*)(row + c * 32 + 1024), _MM_HINT_T0);
-                __m256i b = _mm256_loadu_si256((const __m256i*)(row + c * 32));
-                __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-                const int16_t* pc = p + c * 64;
-                __m256i sum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)pc),
-                                                _mm256_unpacklo_epi8(lo, zero8));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 16)),
-                                                              _mm256_unpackhi_epi8(lo, zero8)));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 32)),
-                                                              _mm256_unpacklo_epi8(hi, zero8)));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(pc + 48)),
-                                                              _mm256_unpackhi_epi8(hi, zero8)));
-                const int64_t g0 = c * 32 / hg, g1 = (c * 32 + 16) / hg;          // each 128-bit half's group
-                __m256 sv = _mm256_set_m128(_mm_set1_ps(s[g1]), _mm_set1_ps(s[g0]));
-                acc8 = (f8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sv, (__m256)acc8);
-            }
-            out = hsum(acc8);
-#endif
-            for (int64_t j = c * 32; j < half; j++)
-                out += s[j / hg] * float(int32_t(p[2 * j]) * (row[j] & 15) + int32_t(p[2 * j + 1]) * (row[j] >> 4));
-            int64_t g = 0;
-            f8 zb = {}, sb = {};
-            for (; g + 8 <= G; g += 8) {
-                f8 xv = load(xg + g);
-                zb += load(z + g) * xv;
-                sb += load(s + g) * xv;
-            }
-            bias = hsum(zb) - 8.f * hsum(sb);
-            for (; g < G; g++) bias += (z[g] - 8.f * s[g]) * xg[g];
-            y[m * N + n] = out * xs[m] + bias;
         }
     }
 }
@@ -709,7 +717,7 @@ extern "C" void dq_int4(const uint8_t* q, const float* scale, const float* zero,
                 w[2 * j + 1] = (float(b[j] >> 4) - 8.f) * s + z;
             }
             const int64_t k0 = n * K + g * group;
-            if (bf) for (int64_t k = 0; k < group; k++) ((uint16_t*)out)[k0 + k] = f_bf(w[k]);
+            if (bf) for (int64_t k = 0; k < group; k++) ((uint16_t*)out)[k0 + k] = f2bf(w[k]);
             else std::memcpy((float*)out + k0, w, group * 4);
         }
     }
@@ -720,7 +728,7 @@ extern "C" void dq_int8(const int8_t* q, const float* scale, int64_t N, int64_t 
     for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < K; k++) {
             const float w = float(q[n * K + k]) * scale[n];
-            if (bf) ((uint16_t*)out)[n * K + k] = f_bf(w);
+            if (bf) ((uint16_t*)out)[n * K + k] = f2bf(w);
             else ((float*)out)[n * K + k] = w;
         }
 }

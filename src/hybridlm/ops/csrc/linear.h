@@ -1,4 +1,4 @@
-// The linear products of gemm.cpp for the other C++ files of the library (decode_ops.cpp and its neighbours):
+// The linear products of gemm.cpp for the other C++ files of the library (mixers.cpp):
 // y[m, n] = sum_k x[m, k] W[n, k] for any number of rows M (1 for decode, a serving batch, a prompt), W read in the
 // form it is stored in. x [M, K] float32 (row-major, contiguous), y [M, N] float32 unless said; every function
 // splits its work over OpenMP threads itself (call it from outside a parallel region).
@@ -16,12 +16,7 @@ void mv_bf16_io(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
                 uint16_t* y);
 // int8 per output channel: W[n] = scale[n] q[n], q int8 [N, K], scale float32 [N]
 void mv_int8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N, float* y);
-// int4 per group as stored (ops/quant.py): q uint8 [N, K/2], scale, zero float32 [N, G], K = G * group; slower
-// than q4_* below, which reads the same weight repacked once
-void mv_int4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* zero,
-             int64_t G, int64_t N, float* y);
-
-// int4 repacked at load (the fast form): q4_pack turns the stored (q, scale, zero) of an [N, Kp] weight
+// int4 per group (ops/quant.py), repacked at load: q4_pack turns the stored (q, scale, zero) of an [N, Kp] weight
 // (Kp = G * group, group 32 / 64 / 128) into q4_packed_bytes(N, Kp, G) bytes; q4_linear then reads x [M, K]
 // (K <= Kp: the missing columns count as zeros), rounds it to int8 per block of 32 columns once per call (as
 // llama.cpp's Q8_0) and takes integer dot products against the packed nibbles.

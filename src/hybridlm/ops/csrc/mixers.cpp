@@ -1,7 +1,7 @@
 // Whole-mixer decode steps on a CPU: one call per mixer for a decode step of B rows, from the block's normed input to
-// the mixer's output (projections through the linear kernels of matvec.cpp, the conv tail, gates, norms and the
+// the mixer's output (projections through the linear kernels of gemm.cpp, the conv tail, gates, norms and the
 // recurrent update or the attention over the cache), in place of the 10-40 PyTorch calls of the layer's own decode.
-// ops/cpu_mixers.py describes each layer's weights (a `Lin` per linear: its stored format and pointers, no copy)
+// layers/cpu_steps.py describes each layer's weights (a `Lin` per linear: its stored format and pointers, no copy)
 // and holds each step to the layer's PyTorch decode (tests/test_cpu_decode.py).
 //
 // Activations x, y [B, d] are in the model's dtype (`bf` = 1: bf16 as uint16_t); sums are float32, and every value
@@ -10,12 +10,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "decode_common.h"
 #include "linear.h"
 
-// one linear layer's stored weight (ops/cpu_mixers.py's `Lin`): W [N, K] float32 (fmt 0) or bf16 (1), int8 with
+// one linear layer's stored weight (ops/cpu_kernels.py's `Lin`): W [N, K] float32 (fmt 0) or bf16 (1), int8 with
 // scale [N] (2), int4 repacked by q4_pack (3; K the padded K', G groups); bias float32 [N] or null. A stack of
 // experts: expert e's W starts w_step bytes, its scales s_step floats after expert e - 1's.
 struct Lin {
@@ -152,38 +153,86 @@ static float act(float v, int kind, int bf) {
     }
 }
 
-// a gated (`gate` non-null: down(act(gate x) · up x)) or plain (down(act(up x))) MLP of expert e on one row x [d]
-// -> out [d]; h [f] and hg [f] are scratch
-static void mlp(const Lin* gate, const Lin* up, const Lin* down, int64_t e, const float* x, int64_t d, int kind,
-                float* h, float* hg, float* out, int bf) {
+// a gated (`gate` non-null: down(act(gate x) · up x)) or plain (down(act(up x))) MLP of expert e on M rows x [M, d]
+// -> out [M, d]; h [M, f] and hg [M, f] are scratch
+static void mlp(const Lin* gate, const Lin* up, const Lin* down, int64_t e, const float* x, int64_t M, int64_t d,
+                int kind, float* h, float* hg, float* out, int bf) {
     const int64_t f = up->N;
-    linear(*up, e, x, 1, d, h, bf);
+    linear(*up, e, x, M, d, h, bf);
     if (gate) {
-        linear(*gate, e, x, 1, d, hg, bf);
-        for (int64_t i = 0; i < f; i++) h[i] = rb(act(hg[i], kind, bf) * h[i], bf);
+        linear(*gate, e, x, M, d, hg, bf);
+        for (int64_t i = 0; i < M * f; i++) h[i] = rb(act(hg[i], kind, bf) * h[i], bf);
     } else {
-        for (int64_t i = 0; i < f; i++) h[i] = act(h[i], kind, bf);
+        for (int64_t i = 0; i < M * f; i++) h[i] = act(h[i], kind, bf);
     }
-    linear(*down, e, h, 1, f, out, bf);
+    linear(*down, e, h, M, f, out, bf);
+}
+
+// layers/mlp.MLP on rows x [M, d] -> out [M, d]: w_in [(2) f, d] (holding [gate | up] when `gated`), the activation,
+// w_out; h [M, w_in.N] is scratch
+static void dense_mlp(const Lin& w_in, const Lin& w_out, int gated, int kind, const float* x, int64_t M, int64_t d,
+                      float* h, float* out, int bf) {
+    const int64_t n = w_in.N, f = gated ? n / 2 : n;
+    linear(w_in, 0, x, M, d, h, bf);
+    for (int64_t b = 0; b < M; b++) {
+        float* hb = h + b * n;
+        for (int64_t i = 0; i < f; i++) hb[i] = gated ? rb(act(hb[i], kind, bf) * hb[f + i], bf) : act(hb[i], kind, bf);
+        if (f != n) std::memmove(h + b * f, hb, f * 4);         // rows of f, in place (row b lands at or before it)
+    }
+    linear(w_out, 0, h, M, f, out, bf);
+}
+
+// MLP (layers/mlp.py: letter M, the channel mixer of most presets): x [B, d] -> y [B, d] in one call
+extern "C" void mix_mlp(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* w_in, const Lin* w_out,
+                        int gated, int kind) {
+    std::vector<float> xf(Bn * d), h(Bn * w_in->N), out(Bn * d);
+    load(x, Bn * d, xf.data(), bf);
+    dense_mlp(*w_in, *w_out, gated, kind, xf.data(), Bn, d, h.data(), out.data(), bf);
+    store(out.data(), Bn * d, y, bf);
+}
+
+// a group-limited choice (DeepSeek-V3): only the experts of the topk_group groups (of n_group) whose two best
+// choice scores sum highest stay choosable; the rest of `choice` [E] becomes -inf (ops/moe.route_topk)
+static void group_limit(float* choice, int64_t E, int64_t n_group, int64_t topk_group) {
+    const int64_t per = E / n_group;
+    std::vector<float> best(n_group);
+    for (int64_t gi = 0; gi < n_group; gi++) {
+        float a = -INFINITY, b = -INFINITY;                // the two largest of the group
+        for (int64_t e = gi * per; e < (gi + 1) * per; e++) {
+            const float c = choice[e];
+            if (c > a) { b = a; a = c; } else if (c > b) b = c;
+        }
+        best[gi] = per > 1 ? a + b : a;
+    }
+    std::vector<int64_t> order(n_group);
+    for (int64_t gi = 0; gi < n_group; gi++) order[gi] = gi;
+    std::partial_sort(order.begin(), order.begin() + topk_group, order.end(), [&](int64_t i, int64_t j) {
+        return best[i] > best[j] || (best[i] == best[j] && i < j);
+    });
+    std::vector<char> keep(n_group, 0);
+    for (int64_t i = 0; i < topk_group; i++) keep[order[i]] = 1;
+    for (int64_t e = 0; e < E; e++)
+        if (!keep[e / per]) choice[e] = -INFINITY;
 }
 
 // Routed experts (layers/routed_moe.py, letter O's experts): x [B, d] -> y [B, d]. The router (`route` 1: softmax or
-// sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, the top k, renormalised (`norm_topk`), times `scale`);
-// or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
+// sigmoid scores (`sigmoid`), plus `rbias` [E] to choose, group-limited when n_group > 1, the top k, renormalised
+// (`norm_topk`), times `scale`); or the choice made by the caller (`route` 0: ids [B, k] int64, weights float32 [B, k]). Then only the k chosen
 // experts' gated (gate non-null) or plain MLPs, Σ weight · expert(x) in float32; plus the shared expert (sh_in
 // non-null: an MLP whose w_in holds [gate | up] when `sh_gated`) scaled by sigmoid(sh_gate x) when sh_gate is given.
 extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, int route, const Lin* router,
-                        const float* rbias, int sigmoid, int norm_topk, float scale, int64_t k, int64_t* ids,
+                        const float* rbias, int sigmoid, int norm_topk, float scale, int64_t n_group,
+                        int64_t topk_group, int64_t k, int64_t* ids,
                         float* weights, const Lin* gate, const Lin* up, const Lin* down, int kind, const Lin* sh_in,
                         const Lin* sh_out, int sh_gated, const Lin* sh_gate) {
     const int64_t E = route ? router->N : 0, f = up->N, sf = sh_in ? sh_in->N / (sh_gated ? 2 : 1) : 0;
-    std::vector<float> xf(Bn * d), logits(Bn * E), h(std::max(f, 2 * sf)), hg(f), out(d), acc(d), s(d), gl(1);
+    std::vector<float> xf(Bn * d), logits(Bn * E);
     load(x, Bn * d, xf.data(), bf);
     if (route) linear(*router, 0, xf.data(), Bn, d, logits.data(), bf);
-    for (int64_t b = 0; b < Bn; b++) {
+    for (int64_t b = 0; b < Bn && route; b++) {
         int64_t* id = ids + b * k;
         float* w = weights + b * k;
-        if (route) {
+        {
             const float* lg = logits.data() + b * E;
             std::vector<float> sc(E), choice(E);
             if (sigmoid) {
@@ -195,6 +244,7 @@ extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, i
                 for (int64_t e = 0; e < E; e++) sc[e] /= sum;
             }
             for (int64_t e = 0; e < E; e++) choice[e] = sc[e] + (rbias ? rbias[e] : 0.f);
+            if (n_group > 1) group_limit(choice.data(), E, n_group, topk_group);
             std::vector<int64_t> order(E);
             for (int64_t e = 0; e < E; e++) order[e] = e;
             std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t i, int64_t j) {
@@ -207,26 +257,35 @@ extern "C" void mix_moe(const void* x, void* y, int64_t Bn, int64_t d, int bf, i
                 w[i] = rb(w[i] * scale, bf);
             }
         }
-        const float* xb = xf.data() + b * d;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t i = 0; i < k; i++) {
-            mlp(gate, up, down, id[i], xb, d, kind, h.data(), hg.data(), out.data(), bf);
-            for (int64_t c = 0; c < d; c++) acc[c] += out[c] * w[i];
-        }
-        for (int64_t c = 0; c < d; c++) acc[c] = rb(acc[c], bf);
-        if (sh_in) {
-            linear(*sh_in, 0, xb, 1, d, h.data(), bf);
-            if (sh_gated)
-                for (int64_t i = 0; i < sf; i++) h[i] = rb(act(h[i], kind, bf) * h[sf + i], bf);
-            else
-                for (int64_t i = 0; i < sf; i++) h[i] = act(h[i], kind, bf);
-            linear(*sh_out, 0, h.data(), 1, sf, s.data(), bf);
-            float g = 1.f;
-            if (sh_gate) { linear(*sh_gate, 0, xb, 1, d, gl.data(), bf); g = rb(sigm(gl[0]), bf); }
-            for (int64_t c = 0; c < d; c++) acc[c] = rb(acc[c] + (sh_gate ? rb(g * s[c], bf) : s[c]), bf);
-        }
-        store(acc.data(), d, (char*)y + b * d * (bf ? 2 : 4), bf);
     }
+    // each chosen expert once, on every row that chose it (its weights read once a step); pair (b, i)'s output kept
+    // apart, then summed per row in slot order (as one row's step sums them)
+    std::vector<int64_t> order(Bn * k);
+    for (int64_t p = 0; p < Bn * k; p++) order[p] = p;
+    std::stable_sort(order.begin(), order.end(), [ids](int64_t p, int64_t q) { return ids[p] < ids[q]; });
+    std::vector<float> xe(Bn * d), h(Bn * std::max(f, 2 * sf)), hg(Bn * f), oe(Bn * d), outs(Bn * k * d);
+    for (int64_t s0 = 0, s1; s0 < Bn * k; s0 = s1) {
+        for (s1 = s0; s1 < Bn * k && ids[order[s1]] == ids[order[s0]]; s1++)
+            std::copy(xf.data() + order[s1] / k * d, xf.data() + (order[s1] / k + 1) * d, xe.data() + (s1 - s0) * d);
+        mlp(gate, up, down, ids[order[s0]], xe.data(), s1 - s0, d, kind, h.data(), hg.data(), oe.data(), bf);
+        for (int64_t j = s0; j < s1; j++)
+            std::copy(oe.data() + (j - s0) * d, oe.data() + (j - s0 + 1) * d, outs.data() + order[j] * d);
+    }
+    std::vector<float> acc(Bn * d, 0.f), s(Bn * d), gl(Bn);
+    for (int64_t b = 0; b < Bn; b++)
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t c = 0; c < d; c++) acc[b * d + c] += outs[(b * k + i) * d + c] * weights[b * k + i];
+    for (auto& v : acc) v = rb(v, bf);
+    if (sh_in) {                                     // the shared expert: all rows in one product
+        dense_mlp(*sh_in, *sh_out, sh_gated, kind, xf.data(), Bn, d, h.data(), s.data(), bf);
+        if (sh_gate) linear(*sh_gate, 0, xf.data(), Bn, d, gl.data(), bf);
+        for (int64_t b = 0; b < Bn; b++) {
+            const float g = sh_gate ? rb(sigm(gl[b]), bf) : 1.f;
+            for (int64_t c = 0; c < d; c++)
+                acc[b * d + c] = rb(acc[b * d + c] + (sh_gate ? rb(g * s[b * d + c], bf) : s[b * d + c]), bf);
+        }
+    }
+    store(acc.data(), Bn * d, y, bf);
 }
 
 // RMSNorm of each of the n vectors of D channels of v (in place) with weight w [D], rounded as the norm's output
@@ -256,18 +315,21 @@ static void rope(float* v, int64_t n, int64_t D, int64_t r, const float* cs, con
     }
 }
 
-// Attention (layers/attention.py, letter A) at decode: x [B, d] -> y [B, d]. qkv (rows: q [H D], or per head
+// Attention (layers/attention.py, letters A and W) at decode: x [B, d] -> y [B, d]. qkv (rows: q [H D], or per head
 // [query D | gate D] with `gated` (Qwen3-Next's output gate); then k [Hk D], v [Hv D]); the per-head q/k RMSNorm
-// (qn, kn: weights [D], or null); RoPE on the first r channels (cos, sin [B, r/2]); k and v appended to the cache
-// (kc, vc: [B, S, H, D] buffers in the model's dtype, element strides of batch, time, head: ks*, vs*) at `pos`;
-// softmax(scale q kᵀ) v over the pos + 1 keys (dec_attention); · sigmoid(gate); out
+// (qn, kn: weights [D], or null); RoPE on the first r channels (cos, sin [B, r/2]); row b's k and v written into the
+// cache (kc, vc: buffers in the model's dtype, element strides of batch, time, head: ks*, vs*) at its own length
+// pos[b] (slot pos[b] % W of a sliding window's ring, `ring` = W > 0); softmax(scale q kᵀ) v over row b's keys
+// (dec_attention: tokens lo[b] (null: 0, else the first real token of a left-padded row) to pos[b]); · sigmoid(gate);
+// out
 extern "C" void mix_attention(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* qkv_p, const Lin* out,
                               int64_t H, int64_t Hk, int64_t Hv, int64_t D, int gated, const float* qn,
                               const float* kn, float eps, int64_t r, int inter, const float* cs, const float* sn,
                               void* kc, void* vc, int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb, int64_t vss,
-                              int64_t vsh, int64_t pos, float scale) {
+                              int64_t vsh, const int64_t* pos, const int64_t* lo, int64_t ring, float scale) {
     const int64_t nq = (1 + gated) * H * D, row = nq + (Hk + Hv) * D;
     std::vector<float> xf(Bn * d), t(Bn * row), q(Bn * H * D), g(gated ? Bn * H * D : 0), o(Bn * H * D), yf(Bn * d);
+    std::vector<int64_t> len(Bn);
     load(x, Bn * d, xf.data(), bf);
     linear(*qkv_p, 0, xf.data(), Bn, d, t.data(), bf);
     for (int64_t b = 0; b < Bn; b++) {
@@ -284,19 +346,91 @@ extern "C" void mix_attention(const void* x, void* y, int64_t Bn, int64_t d, int
             rope(qb, H, D, r, cs + b * r / 2, sn + b * r / 2, inter, bf);
             rope(kb, Hk, D, r, cs + b * r / 2, sn + b * r / 2, inter, bf);
         }
-        const int64_t es = bf ? 2 : 4;             // the cache's element size
-        for (int64_t h = 0; h < Hk; h++) store(kb + h * D, D, (char*)kc + (b * ksb + pos * kss + h * ksh) * es, bf);
+        const int64_t es = bf ? 2 : 4, at = ring ? pos[b] % ring : pos[b];     // the cache's element size, the slot
+        for (int64_t h = 0; h < Hk; h++) store(kb + h * D, D, (char*)kc + (b * ksb + at * kss + h * ksh) * es, bf);
         for (int64_t h = 0; h < Hv; h++)
-            store(kb + (Hk + h) * D, D, (char*)vc + (b * vsb + pos * vss + h * vsh) * es, bf);
+            store(kb + (Hk + h) * D, D, (char*)vc + (b * vsb + at * vss + h * vsh) * es, bf);
+        len[b] = pos[b] + 1;
     }
     std::vector<uint16_t> qh(bf ? Bn * H * D : 0), oh(bf ? Bn * H * D : 0);   // q and o in the cache's dtype
     if (bf) store(q.data(), Bn * H * D, qh.data(), 1);
-    dec_attention(bf ? (void*)qh.data() : (void*)q.data(), kc, vc, bf ? (void*)oh.data() : (void*)o.data(), Bn,
-                  pos + 1, H, Hk, Hv, D, D, ksb, kss, ksh, vsb, vss, vsh, scale, bf);
+    dec_attention(bf ? (void*)qh.data() : (void*)q.data(), kc, vc, bf ? (void*)oh.data() : (void*)o.data(), Bn, H, Hk,
+                  Hv, D, D, ksb, kss, ksh, vsb, vss, vsh, lo, len.data(), ring, scale, bf);
     if (bf) load(oh.data(), Bn * H * D, o.data(), 1);
     if (gated)
         for (int64_t i = 0; i < Bn * H * D; i++) o[i] = rb(o[i] * rb(sigm(g[i]), bf), bf);
     linear(*out, 0, o.data(), Bn, H * D, yf.data(), bf);
+    store(yf.data(), Bn * d, y, bf);
+}
+
+// MLA (layers/mla.py, letter L) at decode, absorbed (the layer's own decode path): x [B, d] -> y [B, d]. The query
+// q_b(RMSNorm(q_a x)) (q_a null: q_proj x, passed as q_b) [H, nope + rope]; [c | k_rope] = kv_a x, c RMSNorm'd
+// (kv_norm [R]); RoPE (`rotate`) on each head's rope part and on k_rope; [c | k_rope] written into the latent cache
+// (kc: [B, S, R + rope] in the model's dtype, element strides ksb, kss) at row b's own length pos[b]; W_uk folded
+// into the query (kv_b's weight wkv [H, nope + v, R], float32 or bf16 (`wbf`)), softmax over the one shared head
+// [c | k_rope] with values c (dec_attention: tokens lo[b] to pos[b]), W_uv folded into the output; out
+extern "C" void mix_mla(const void* x, void* y, int64_t Bn, int64_t d, int bf, const Lin* q_a, const float* qn_w,
+                        const Lin* q_b, const Lin* kv_a, const float* kvn_w, float eps, const void* wkv, int wbf,
+                        const Lin* out, int64_t H, int64_t R, int64_t nope, int64_t rdim, int64_t vdim, int rotate,
+                        int inter, const float* cs, const float* sn, void* kc, int64_t ksb, int64_t kss,
+                        const int64_t* pos, const int64_t* lo, float scale) {
+    const int64_t dq = nope + rdim, L = R + rdim, rank = q_a ? q_a->N : 0;
+    std::vector<float> xf(Bn * d), ql(Bn * rank), q(Bn * H * dq), kv(Bn * L), qf(Bn * H * L), ol(Bn * H * R),
+        o(Bn * H * vdim), yf(Bn * d);
+    std::vector<int64_t> len(Bn);
+    std::vector<float> wr(R);
+    auto w = [&](int64_t row) {                           // row `row` of kv_b's weight, in float32
+        wbf ? load_rows<uint16_t>((const uint16_t*)wkv + row * R, R, wr.data())
+            : load_rows<float>((const float*)wkv + row * R, R, wr.data());
+        return wr.data();
+    };
+    load(x, Bn * d, xf.data(), bf);
+    if (q_a) {
+        linear(*q_a, 0, xf.data(), Bn, d, ql.data(), bf);
+        head_norm(ql.data(), Bn, rank, qn_w, eps, bf);
+        linear(*q_b, 0, ql.data(), Bn, rank, q.data(), bf);
+    } else {
+        linear(*q_b, 0, xf.data(), Bn, d, q.data(), bf);
+    }
+    linear(*kv_a, 0, xf.data(), Bn, d, kv.data(), bf);
+    const int64_t es = bf ? 2 : 4;
+    for (int64_t b = 0; b < Bn; b++) {
+        float* qb = q.data() + b * H * dq;
+        float* kb = kv.data() + b * L;
+        head_norm(kb, 1, R, kvn_w, eps, bf);
+        if (rotate) {
+            rope(qb + nope, H, dq, rdim, cs + b * rdim / 2, sn + b * rdim / 2, inter, bf);
+            rope(kb + R, 1, L, rdim, cs + b * rdim / 2, sn + b * rdim / 2, inter, bf);
+        }
+        store(kb, L, (char*)kc + (b * ksb + pos[b] * kss) * es, bf);
+        len[b] = pos[b] + 1;
+        for (int64_t h = 0; h < H; h++) {                  // q_lat = W_ukᵀ q_nope, then the roped part
+            float* qh = qf.data() + (b * H + h) * L;
+            std::fill(qh, qh + R, 0.f);
+            for (int64_t n = 0; n < nope; n++) {
+                const float c = qb[h * dq + n], *wn = w(h * (nope + vdim) + n);
+                for (int64_t r = 0; r < R; r++) qh[r] += c * wn[r];
+            }
+            for (int64_t r = 0; r < R; r++) qh[r] = rb(qh[r], bf);
+            std::copy(qb + h * dq + nope, qb + (h + 1) * dq, qh + R);
+        }
+    }
+    std::vector<uint16_t> qh(bf ? Bn * H * L : 0), oh(bf ? Bn * H * R : 0);    // q and o in the cache's dtype
+    if (bf) store(qf.data(), Bn * H * L, qh.data(), 1);
+    dec_attention(bf ? (void*)qh.data() : (void*)qf.data(), kc, kc, bf ? (void*)oh.data() : (void*)ol.data(), Bn, H,
+                  1, 1, L, R, ksb, kss, 0, ksb, kss, 0, lo, len.data(), 0, scale, bf);
+    if (bf) load(oh.data(), Bn * H * R, ol.data(), 1);
+    for (int64_t b = 0; b < Bn; b++)                       // o = W_uv o_lat per head
+        for (int64_t h = 0; h < H; h++) {
+            const float* a = ol.data() + (b * H + h) * R;
+            for (int64_t j = 0; j < vdim; j++) {
+                const float* wj = w(h * (nope + vdim) + nope + j);
+                float s = 0.f;
+                for (int64_t r = 0; r < R; r++) s += a[r] * wj[r];
+                o[(b * H + h) * vdim + j] = rb(s, bf);
+            }
+        }
+    linear(*out, 0, o.data(), Bn, H * vdim, yf.data(), bf);
     store(yf.data(), Bn * d, y, bf);
 }
 
