@@ -106,17 +106,18 @@ def test_decode_profile_parts_add_up_and_bytes_are_the_weights(tmp_path):
     import torch
 
     from hybridlm.bench import decode_profile
+    from hybridlm.layers import cpu_steps
     from hybridlm.ops import cpu_kernels
     if not cpu_kernels.available():
         pytest.skip("the CPU kernels are not built")
     out, threads = tmp_path / "dp.json", torch.get_num_threads()
-    lib = cpu_kernels._lib
+    lib, steps = cpu_kernels._lib, dict(cpu_steps.STEPS)
     try:
         assert main(["bench", "--suite", "decode-profile", "--quick", "--threads", "1", "--families", "llama",
                      "--formats", "bf16,int4", "--steps", "2", "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
-    assert cpu_kernels._lib is lib
+    assert cpu_kernels._lib is lib and cpu_steps.STEPS == steps
     res = json.loads(out.read_text())
     assert [r["format"] for r in res["rows"]] == ["bf16", "int4"] and res["read_gb_per_s"] > 0
     model = decode_profile.build("llama", "bf16", 32, quick=True)

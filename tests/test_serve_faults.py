@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from hybridlm.cache import InferenceCache
+from hybridlm.models.speculative import ModelDrafter
 from hybridlm.serve import Engine, Request, SamplingParams, Scheduler
 from serve_helpers import tiny
 
@@ -48,16 +49,21 @@ def inject(eng: Engine, path: str, touched: list, monkeypatch):
         prefill = eng.prefill
         monkeypatch.setattr(eng, "prefill", lambda g: group.__setitem__(slice(None), g) or prefill(g))
         monkeypatch.setattr(InferenceCache, "cut", once(InferenceCache.cut, touched, lambda c, lo: list(group)))
+    elif path == "verify":           # the forward checking every row's drafts (after the snapshot)
+        monkeypatch.setattr(eng.model, "check_step", once(eng.model.check_step, touched, lambda ids, cache: (
+            eng.running if ids.shape[1] > 1 and len(eng.running) > 1 else None)))
     elif path == "start":            # resuming from the prefix cache
         monkeypatch.setattr(InferenceCache, "stitch", once(InferenceCache.stitch, touched, lambda parts, extra: [
             r for r in eng.staged.values() if r.cache is None and r.prefilled == 0][-1:] or None))
 
 
-@pytest.mark.parametrize("path", ["set_rows", "decode", "prefill", "sampling", "snapshot", "start"])
+@pytest.mark.parametrize("path", ["set_rows", "decode", "prefill", "sampling", "snapshot", "start", "verify"])
 def test_a_fault_fails_exactly_the_requests_it_touched(path, monkeypatch):
     m = tiny("mamba2-attention")
+    # "verify": speculative decoding with a smaller draft model that agrees only in part (checks cut short)
+    spec = ModelDrafter(tiny("mamba2-attention", n_layers=1), 2) if path == "verify" else None
     eng = Engine(m, eos_id=None, block=8, prefix_cache_bytes=1 << 24 if path in ("snapshot", "start") else 0,
-                 max_slots=4, step_tokens=16)
+                 max_slots=4, step_tokens=16, speculative=spec)
     sch = Scheduler(eng)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n, _ in PROMPTS]

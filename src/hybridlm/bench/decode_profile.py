@@ -320,7 +320,8 @@ def format_tables(res: dict) -> str:
     kernels."""
     bw = res["read_gb_per_s"]
     lines = [f"CPU: {res['host']['cpu']}; {res['threads']} threads; read limit {bw:.1f} GB/s (float32 sum of "
-             f"{res['settings']['read_mb']} MB, same process and threads); {res['host']['cpu_kernels']}; torch {torch.__version__}", "",
+             f"{res['settings']['read_mb']} MB, same process and threads); {res['host']['cpu_kernels']}; "
+             f"torch {torch.__version__}", "",
              "```", res["lscpu"], "```", ""]
     if "check" in res:
         c = res["check"]

@@ -1,8 +1,9 @@
 """`hybridlm bench --suite quantize`: float vs int8 vs int4 weights (models/quantize.py) of one model, interleaved in
-one run: prefill tokens/s and greedy decode tokens/s at batch 1, plus a profile of one decode step (top ops by self
-time) per scheme, which says where a step's time goes. Default: a Llama in TinyLlama's shape (d 2048, 22 layers, 32
-heads / 4 KV heads, SwiGLU 5632, vocab 32000: 1.1B) and a Rodimus+ of the same width; the dtype of `--dtype auto`
-(float32 where the CPU has no bf16 units). The three models share every float tensor the quantized ones keep.
+one run: prefill tokens/s and greedy decode tokens/s at batch 1, plus a profile of one decode step per scheme
+(bench/decode_profile.py: each part's ms, native and other, and bytes), which says where a step's time goes.
+Default: a Llama in TinyLlama's shape (d 2048, 22 layers, 32 heads / 4 KV heads, SwiGLU 5632, vocab 32000: 1.1B)
+and a Rodimus+ of the same width; the dtype of `--dtype auto` (float32 where the CPU has no bf16 units). The three
+models share every float tensor the quantized ones keep.
 
     hybridlm bench --suite quantize [--quick] --out runs/bench/quantize.json
     hybridlm bench --suite quantize --presets llama --n-layers 4 --context 128 --steps 32
@@ -10,6 +11,7 @@ heads / 4 KV heads, SwiGLU 5632, vocab 32000: 1.1B) and a Rodimus+ of the same w
 import torch
 
 from . import measure as ms
+from .decode_profile import profile
 
 SCHEMES = ("float", "int8", "int4")
 
@@ -27,19 +29,6 @@ def variants(model, group_size: int) -> dict:
         m.tie_weights()
         out[scheme] = use_cpu_kernels_(quantize_(m.eval(), scheme, group_size))
     return out
-
-
-def profile_step(step, n: int = 3, top: int = 12) -> list[dict]:
-    """Top ops of `n` decode steps by self CPU time: [{"op", "ms_per_step", "share", "calls_per_step"}]."""
-    from torch.profiler import ProfilerActivity, profile
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
-            step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    return [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / n, "share": e.self_cpu_time_total / total,
-             "calls_per_step": e.count / n} for e in events[:top]]
 
 
 def quantize_suite(s: dict, log=print) -> dict:
@@ -91,8 +80,8 @@ def quantize_suite(s: dict, log=print) -> dict:
             log(f"{name:>10} {k:>5}: prefill {row['prefill_tokens_per_s']:8.1f} tok/s ({row['prefill_vs_float']:.2f}x)"
                 f", decode {row['decode_tokens_per_s']:7.2f} tok/s ({row['decode_vs_float']:.2f}x float)")
         for k, m in models.items():
-            step = ms.prefilled(m, s["context"], max_tokens=s["context"] + 8, step_fn=m.decode_step)[0]
-            prof = out["profiles"][f"{name} {k}"] = profile_step(step)
-            log(f"  one {k} decode step: " + ", ".join(f"{p['op']} {p['share']:.0%}" for p in prof[:5]))
+            prof = out["profiles"][f"{name} {k}"] = profile(m, s["context"], 3)
+            top = sorted(prof["parts"].items(), key=lambda kv: -kv[1]["ms"])[:5]
+            log(f"  one {k} decode step: " + ", ".join(f"{p} {v['ms'] / prof['instrumented_ms']:.0%}" for p, v in top))
         del models, model
     return out

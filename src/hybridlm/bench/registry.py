@@ -105,7 +105,7 @@ SUITES = {
                         time_limit=120.0, prefix_len=2048, context=4096, memory_budget_mb=1024.0, burst=16,
                         burst_min=64, burst_max=2048, dtype="auto", quantize="", url="", llama_server="",
                         llamacpp_src="", schema="", schema_tokenizer="", schema_steps=64, decode_steps=0,
-                        decode_only=False, dir=os.path.join("runs", "serve")),
+                        decode_only=False, speculative="", dir=os.path.join("runs", "serve")),
                    quick=dict(presets="mamba2", concurrency=(1, 2), params="", d_model=64, n_layers=2,
                               prompt_len=8, max_tokens=4, prefix_len=0, context=256, time_limit=30.0, burst=4,
                               burst_min=8, burst_max=64, schema_steps=4, decode_steps=2),
@@ -131,7 +131,19 @@ SUITES = {
                              decode_steps="also the decode figures, in process: ms per decode step of 1 stream, "
                                           "--burst streams, --burst streams of --burst-min to --burst-max tokens "
                                           "and of their mean; steps per timed call (0: skip)",
-                             decode_only="only the decode figures (no server, no HTTP load)")),
+                             decode_only="only the decode figures (no server, no HTTP load)",
+                             speculative="serve with --speculative ngram[:K]: each level also reports the drafts "
+                                         "accepted and the tokens per step (/metrics)")),
+    "speculative": Suite("batch-1 greedy decoding with and without speculative decoding on a prompt that repeats "
+                         "itself (a code file to rewrite): tokens/s, speed-up, tokens per check, check cost; forced "
+                         "acceptance rows beside prompt lookup", "speculative:speculative_suite",
+                         dict(models="llama,mamba2-attention:125M", prompt_tokens=1024, new_tokens=128, k=4,
+                              repeats=3, vocab=32000, dtype="auto"),
+                         quick=dict(models="llama:2M,mamba2-attention:2M", prompt_tokens=64, new_tokens=12, k=3,
+                                    repeats=1, vocab=256, dtype="float32"),
+                         help=dict(models="comma list: llama (TinyLlama's 1.1B shape), PRESET:PARAMS (random "
+                                          "weights), or a checkpoint directory (a trained model)",
+                                   k="drafts per check", vocab="vocabulary of the random-weight models")),
     "release": Suite("a released-size Rodimus+ checkpoint: convert, then decode float / int8 / int4 beside a "
                      "Transformer++ (CPU)", "rodimus_release:release_suite",
                      dict(dir=os.path.join("runs", "rodimus-release"), contexts=(128, 4096), steps=16,

@@ -329,14 +329,17 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     prefix_len: int = 2048, context: int = 4096, memory_budget_mb: float = 1024,
                     burst: int = 16, burst_min: int = 64, burst_max: int = 2048,
                     dtype: str = "auto", quantize: str | None = None, out: str = "serve-bench.json",
-                    decode_steps: int = 0, decode_only: bool = False, plot: bool = True, log=print) -> dict:
+                    decode_steps: int = 0, decode_only: bool = False, speculative: str = "", plot: bool = True,
+                    log=print) -> dict:
     """Start a server per preset, load it at each concurrency, measure; then, with `decode_steps`, the decode
-    figures in process (`decode_figures`; `decode_only`: those alone, no server). The results (the caller writes
-    them, with the registry's meta) and a PNG beside `out`."""
+    figures in process (`decode_figures`; `decode_only`: those alone, no server). `speculative`: serve with
+    --speculative (each level reports drafts accepted and tokens per step). The results (the caller writes them,
+    with the registry's meta) and a PNG beside `out`."""
     result = {"settings": {"params": params, "d_model": d_model, "n_layers": n_layers, "prompt_len": prompt_len,
                            "max_tokens": max_tokens, "prefix_len": prefix_len, "context": context, "dtype": dtype,
                            "quantize": quantize, "memory_budget_mb": memory_budget_mb, "burst": burst,
-                           "burst_min": burst_min, "burst_max": burst_max, "decode_steps": decode_steps},
+                           "burst_min": burst_min, "burst_max": burst_max, "decode_steps": decode_steps,
+                           "speculative": speculative},
               "presets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
@@ -347,7 +350,8 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                     burst_max=burst_max, steps=decode_steps, log=log, name=preset)}
                 continue
             args = ["--max-slots", str(max(concurrencies)), "--max-queue", "4096", "--dtype", dtype,
-                    "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else [])
+                    "--prefix-cache-mb", "2048"] + (["--quantize", quantize] if quantize else []) + \
+                (["--speculative", speculative] if speculative else [])
             if burst:
                 args += ["--max-slots", str(max(burst, *concurrencies))]
             server = ServerProcess(ckpt, args)
@@ -361,10 +365,17 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
                 asyncio.run(_load(server.url, 1, 2, prompt_len, 4, time_limit, 99))           # warm-up
                 for c in concurrencies:
                     n = requests_per_level or max(2 * c, 8)
+                    before = server.metrics()
                     lv = asyncio.run(_load(server.url, c, n, prompt_len, max_tokens, time_limit, c))
+                    spec = _spec_figures(before, server.metrics()) if speculative else ""
+                    if spec:
+                        lv.update(spec)
+                        spec = (f"  acceptance {spec['spec_acceptance']:.2f}, "
+                                f"{spec['spec_tokens_per_step']:.2f} tokens/step")
                     row["levels"].append(lv)
                     log(f"{preset:<18} c={c:<3} {lv['tokens_per_s']:>9.1f} tok/s  TTFT p50 {lv['ttft_p50_s']:.3f}s "
-                        f"p99 {lv['ttft_p99_s']:.3f}s  TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)")
+                        f"p99 {lv['ttft_p99_s']:.3f}s  TPOT p50 {lv['tpot_p50_s'] or 0:.4f}s  ({lv['requests']} req)"
+                        + spec)
                 if prefix_len:
                     row["prefix"] = asyncio.run(_prefix(server.url, prefix_len, 7))
                     log(f"{preset:<18} prefix {prefix_len}: TTFT cold {row['prefix']['ttft_cold_s']:.3f}s, "
@@ -383,6 +394,21 @@ def run_serve_bench(presets=PRESETS, concurrencies=(1, 4, 16, 64), *, params: st
     if plot and not decode_only:
         _plot(result, os.path.splitext(out)[0] + ".png")
     return result
+
+
+def _spec_figures(before: dict, after: dict) -> dict:
+    """Speculative decoding over one load level, from the /metrics counters read before and after it: drafts
+    accepted over drafts checked, and tokens added per row per check."""
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+    drafted, accepted = delta("spec_decode_num_draft_tokens_total"), delta("spec_decode_num_accepted_tokens_total")
+    checks = delta("spec_decode_num_drafts_total")
+    if not checks:
+        return {"spec_acceptance": 0.0, "spec_tokens_per_step": 1.0, "spec_checks": 0}
+    return {"spec_acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+            "spec_tokens_per_step": round(delta("spec_decode_num_emitted_tokens_total") /
+                                          delta("spec_decode_num_row_checks_total"), 3),
+            "spec_checks": int(checks)}
 
 
 def _plot(result: dict, path: str):
@@ -414,7 +440,7 @@ def serve_suite(s: dict, log=print) -> dict:
     prompt_len, max_tokens, requests, time_limit, prefix_len, context, memory_budget_mb, dtype, quantize, url (load
     a running server instead), llama_server (also compare with llama.cpp's server), schema / schema_tokenizer /
     schema_steps (the cost of constrained decoding instead: bench/structured.py), decode_steps / decode_only (the
-    in-process decode figures)."""
+    in-process decode figures), speculative."""
     from ..errors import ConfigError
     if min(s["concurrency"]) < 1 or s["max_tokens"] < 1 or s["prompt_len"] < 1:
         raise ConfigError("--concurrency, --max-tokens and --prompt-len must be >= 1")
@@ -440,7 +466,7 @@ def serve_suite(s: dict, log=print) -> dict:
                            context=s["context"], memory_budget_mb=s["memory_budget_mb"], burst=s["burst"],
                            burst_min=s["burst_min"], burst_max=s["burst_max"], dtype=s["dtype"],
                            quantize=s["quantize"] or None, out=s["out"], decode_steps=s["decode_steps"],
-                           decode_only=s["decode_only"], **load)
+                           decode_only=s["decode_only"], speculative=s["speculative"], **load)
 
 
 def compare_llama_server(s: dict, log=print) -> dict:

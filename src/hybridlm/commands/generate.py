@@ -6,7 +6,7 @@ from .common import add_quantize_args, add_tokenizer_arg
 
 
 def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8, top_k=None, top_p=None,
-                seed: int = 0, out=None, compile: bool = False, **constraint) -> str:
+                seed: int = 0, out=None, compile: bool = False, speculative=None, **constraint) -> str:
     """Write prompt + continuation to `out` (default stdout) as tokens arrive; returns the continuation.
     `constraint`: json_schema= / regex= / grammar= (CausalLM.stream's constrained decoding)."""
     import torch
@@ -14,7 +14,8 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, *, temperature=0.8
     ids = tok.encode(prompt) or [tok.eos_id]
     gen = torch.Generator().manual_seed(seed)
     steps = model.stream(torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         eos_token_id=tok.eos_id, generator=gen, compile=compile, tokenizer=tok, **constraint)
+                         eos_token_id=tok.eos_id, generator=gen, compile=compile, speculative=speculative,
+                         tokenizer=tok, **constraint)
     new, shown = [], 0
     for i, nxt in enumerate(steps):
         if i == 0:  # the prompt passed the model's checks: show it
@@ -54,16 +55,47 @@ def load_for_inference(args, device: str = "cpu"):
     return model, tok
 
 
+def add_speculative_args(p):
+    """--speculative / --draft-checkpoint (generate and serve)."""
+    p.add_argument("--speculative", default=None, metavar="ngram[:K]|draft[:K]",
+                   help="speculative decoding: check K drafted tokens per step in one forward (default K 4); ngram: "
+                        "prompt lookup, draft: a small model (--draft-checkpoint); the output is unchanged")
+    p.add_argument("--draft-checkpoint", default=None, metavar="RUN",
+                   help="the draft model of --speculative draft: a checkpoint with the same tokenizer")
+
+
+def load_speculative(args, device: str = "cpu"):
+    """The drafter --speculative / --draft-checkpoint ask for (None: off), its draft model loaded as the model is."""
+    import argparse
+    from ..errors import InputError
+    from ..models.speculative import parse_speculative
+    spec, run = args.speculative, args.draft_checkpoint
+    if spec is None:
+        if run:
+            raise InputError("--draft-checkpoint goes with --speculative draft[:K]")
+        return None
+    draft = None
+    if spec.partition(":")[0] == "draft":
+        if not run:
+            raise InputError("--speculative draft needs --draft-checkpoint RUN (a small model with the same tokenizer)")
+        draft = load_for_inference(argparse.Namespace(**{**vars(args), "checkpoint": run}), device)[0]
+    elif run:
+        raise InputError("--draft-checkpoint goes with --speculative draft[:K]")
+    return parse_speculative(spec, draft)
+
+
 def main(args) -> int:
     import torch
     model, tok = load_for_inference(args)   # no header: stdout is the text
+    speculative = load_speculative(args)
     prompt = args.prompt
     if args.chat:  # the tokenizer's chat template around one user turn, ending where the assistant speaks
         from ..data.tokenizer import apply_chat_template
         prompt = apply_chat_template(tok, [{"role": "user", "content": args.prompt}])
     torch.manual_seed(args.seed)
     stream_text(model, tok, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, compile=args.compile, **constraint_args(args))
+                top_p=args.top_p, seed=args.seed, compile=args.compile, speculative=speculative,
+                **constraint_args(args))
     return 0
 
 
@@ -94,6 +126,7 @@ def add_arguments(p):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    add_speculative_args(p)
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (a user turn)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="cast the weights to this dtype; auto (default): bfloat16 on CPUs with AMX-BF16 or "

@@ -5,6 +5,7 @@ import tempfile
 
 from ..dtypes import CHOICES as DTYPES
 from .common import add_quantize_args, add_tokenizer_arg
+from .generate import add_speculative_args
 
 API_KEY_ENV = "HYBRIDLM_API_KEY"
 
@@ -17,7 +18,7 @@ def build(args):
     from ..serve import Engine, Scheduler
     from ..serve.api import create_app
     from .common import human, out
-    from .generate import load_for_inference
+    from .generate import load_for_inference, load_speculative
     require_serve_extra()
     for flag in ("max_slots", "prefix_block", "max_queue"):
         if getattr(args, flag) < 1:
@@ -28,11 +29,12 @@ def build(args):
     with tempfile.TemporaryDirectory(prefix="hybridlm-serve-") as tmp:    # a converted checkpoint, while it loads
         model, tok = load_for_inference(argparse.Namespace(**{**vars(args), "checkpoint": hybridlm_checkpoint(
             args.checkpoint, tmp)}), str(device))
+    drafter = load_speculative(args, str(device))
     mb = 1 << 20
     with torch.no_grad():        # the engine's own calls run under inference_mode in its thread
         engine = Engine(model, eos_id=tok.eos_id, block=args.prefix_block,
                         prefix_cache_bytes=int(args.prefix_cache_mb * mb), max_slots=args.max_slots,
-                        memory_bytes=int(args.memory_mb * mb) if args.memory_mb else None)
+                        memory_bytes=int(args.memory_mb * mb) if args.memory_mb else None, speculative=drafter)
     if args.chat_template:
         tok.chat_template = read_template(args.chat_template)
     names = model_names(args.checkpoint, args.served_model_name)
@@ -47,6 +49,9 @@ def build(args):
         budget = f", memory budget {human(engine.memory_bytes)} ({fit} requests at the full context)"
     out(f"slots      {args.max_slots}{budget}"
         + f"; prefix cache {args.prefix_cache_mb} MiB in blocks of {args.prefix_block} tokens")
+    if drafter is not None:
+        what = "prompt lookup" if args.speculative.startswith("ngram") else f"draft model {args.draft_checkpoint}"
+        out(f"speculate  {what}, {drafter.k} drafts checked per step")
     scheduler = Scheduler(engine, max_queue=args.max_queue)
     key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = create_app(scheduler, tok, names, api_key=key, max_body_bytes=int(args.max_body_mb * mb))
@@ -154,6 +159,7 @@ def add_arguments(p):
                    help="cast the weights to this dtype; auto (default): bfloat16 on CPUs with AMX-BF16 or "
                         "AVX512-BF16 and on GPUs, else float32")
     add_quantize_args(p)
+    add_speculative_args(p)
     p.add_argument("--max-slots", type=int, default=16, help="requests decoded together at most (default 16)")
     p.add_argument("--memory-mb", type=float, default=None,
                    help="budget for the inference state of all requests in flight: a request is admitted when its "

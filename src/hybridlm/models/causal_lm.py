@@ -412,6 +412,11 @@ class CausalLM(nn.Module):
         `torch.compile` sees one graph. Generated tokens are real: a padded prompt's key mask just grows."""
         return self.lm_head(self._hidden(ids, self._context(ids, None, cache, None), cache)[:, -1])
 
+    def check_step(self, ids: Tensor, cache: InferenceCache) -> Tensor:
+        """`decode_step` for T tokens per row, ids [B, T] -> logits [B, T, V] at every position (speculative
+        decoding checks T - 1 drafts at once: models/speculative.py). No input checks, as decode_step."""
+        return self.lm_head(self._hidden(ids, self._context(ids, None, cache, None), cache))
+
     def compiled_decode_step(self):
         """`decode_step` under torch.compile (dynamic shapes: the cache grows every step). The first calls
         compile (seconds to tens of seconds on a CPU); later ones run the fused graph. One compiled function is
@@ -520,7 +525,8 @@ class CausalLM(nn.Module):
     def stream(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, attention_mask: Tensor | None = None, eos_token_id: int | None = None,
                generator: torch.Generator | None = None, compile: bool = False, static: bool | None = None,
-               json_schema=None, regex: str | None = None, grammar: str | None = None, tokenizer=None):
+               json_schema=None, regex: str | None = None, grammar: str | None = None, tokenizer=None,
+               speculative=None):
         """Yield the next token ids [B] one step at a time (prefill once, then one-token decode). The cache is
         sized for prompt + max_new_tokens up front, so decode never reallocates it; `compile` runs the decode
         step under torch.compile (see `compiled_decode_step`). `static` decodes with fixed shapes over the whole
@@ -529,7 +535,9 @@ class CausalLM(nn.Module):
         leave training as it was; HYBRIDLM_CPU_KERNELS=0 turns them off).
         `json_schema` (a dict or its text), `regex` or `grammar` (EBNF / GBNF) constrains every row's output
         (models/structured.py; needs the `tokenizer`): a row ends at its end-of-text token once the grammar is
-        complete."""
+        complete. `speculative` ("ngram[:K]", {"model": draft CausalLM, "k": K}, see models/speculative.py): each
+        step checks K drafted tokens in one forward and yields the accepted ones; the output distribution is
+        unchanged (greedy: the same tokens)."""
         from .generation import sample_next
         from .quantize import cpu_kernels_by_default_
         from .structured import constraints_for, mask_logits
@@ -543,6 +551,14 @@ class CausalLM(nn.Module):
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
             raise InputError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_seq_len {self.config.max_seq_len}")
+        if speculative is not None:
+            if held is not None:
+                raise ConfigError("speculative decoding does not combine with json_schema / regex / grammar yet")
+            yield from self._stream_speculative(input_ids, max_new_tokens, speculative, temperature=temperature,
+                                                top_k=top_k, top_p=top_p, attention_mask=attention_mask,
+                                                eos_token_id=eos_token_id, generator=generator,
+                                                compiled=compile or bool(static))
+            return
         cache = self.make_cache(input_ids.shape[0], max_tokens=input_ids.shape[1] + max_new_tokens)
         logits = self(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
         if static is None:   # CUDA graphs need fixed shapes; on a CPU the growing cache is faster (README)
@@ -569,15 +585,33 @@ class CausalLM(nn.Module):
                 return
             logits = step(nxt[:, None], cache)
 
+    def _stream_speculative(self, input_ids, max_new_tokens, speculative, *, eos_token_id, compiled, **kw):
+        """`stream` with speculative decoding (models/speculative.py): the tokens of each check, one at a time."""
+        from .speculative import decode
+        if compiled:
+            raise ConfigError("speculative decoding runs the eager forward: it does not combine with compile or "
+                              "static decoding")
+        if max_new_tokens == 0:
+            return
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for tokens in decode(self, input_ids, max_new_tokens, speculative, **kw):
+            for nxt in tokens:
+                if eos_token_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                    done |= nxt == eos_token_id
+                yield nxt
+                if eos_token_id is not None and bool(done.all()):
+                    return
+
     def generate(self, input_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, *, attention_mask: Tensor | None = None,
                  eos_token_id: int | None = None, generator: torch.Generator | None = None,
                  compile: bool = False, static: bool | None = None, json_schema=None, regex: str | None = None,
-                 grammar: str | None = None, tokenizer=None) -> Tensor:
+                 grammar: str | None = None, tokenizer=None, speculative=None) -> Tensor:
         """Prompt + new ids [B, T + n]. temperature 0 is greedy. json_schema / regex / grammar (with the
-        `tokenizer`): constrained decoding, as `stream`."""
+        `tokenizer`): constrained decoding; `speculative`: drafted tokens checked in one forward (see `stream`)."""
         new = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                attention_mask=attention_mask, eos_token_id=eos_token_id, generator=generator,
                                compile=compile, static=static, json_schema=json_schema, regex=regex,
-                               grammar=grammar, tokenizer=tokenizer))
+                               grammar=grammar, tokenizer=tokenizer, speculative=speculative))
         return torch.cat([input_ids] + [t[:, None] for t in new], dim=1) if new else input_ids

@@ -30,10 +30,12 @@ import torch
 from ..cache import InferenceCache, allocated_bytes
 from ..errors import InputError
 from ..models.generation import filter_logits, penalize
+from ..models.speculative import ModelDrafter, SpecStats, check_draft_model, parse_speculative
 from ..models.structured import mask_logits
 from .fields import check_sampling
 from .prefix_cache import PrefixCache, block_hashes
 from .slots import RowTable
+from .speculative import speculative_decode
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Request:
     passed_over: int = 0              # scheduler iterations its next chunk waited (its aging credit)
     keys: list = field(default_factory=list, repr=False)
     generator: object = None
+    draft: object = None              # speculative decoding: its prompt-lookup index or draft-model cache
+    draft_q: object = None            # the draft model's probabilities of its last drafts (sampled requests)
     aborted: bool = False             # set from any thread; the engine thread acts on it
     abort_reason: str = "abort"       # the finish reason it is retired with ("stop": the API met a stop string)
     # timings (time.perf_counter)
@@ -119,10 +123,13 @@ class Engine:
     memory_bytes: budget for all inference state (None: only max_slots limits): the requests in flight at their
     largest, the running batch while it is rebuilt, a prefill chunk's activations, and the prefix cache (which gives
     way to requests).
-    step_tokens: tokens run per scheduler iteration, decode rows and prefill chunks together (default 2 blocks)."""
+    step_tokens: tokens run per scheduler iteration, decode rows and prefill chunks together (default 2 blocks).
+    speculative: "ngram[:K]" or a `ModelDrafter` (models/speculative.py): each decode step checks K drafts per row in
+    one forward (serve/speculative.py); `spec_stats` counts checks, drafts and accepted tokens."""
 
     def __init__(self, model, *, eos_id: int | None = None, block: int = 256, prefix_cache_bytes: int = 0,
-                 max_slots: int = 16, memory_bytes: int | None = None, step_tokens: int | None = None):
+                 max_slots: int = 16, memory_bytes: int | None = None, step_tokens: int | None = None,
+                 speculative=None):
         if max_slots < 1:
             raise InputError(f"max_slots must be >= 1, got {max_slots}")
         if block < 1:
@@ -143,6 +150,10 @@ class Engine:
         # held by the scheduler's thread while it changes the state (prefill, batch, prefix cache); `memory()`
         # takes it, so a reader on another thread (the metrics) sees a consistent state
         self.lock = threading.RLock()
+        self.drafter = parse_speculative(speculative)
+        if isinstance(self.drafter, ModelDrafter):
+            check_draft_model(model, self.drafter.model)
+        self.spec_stats = SpecStats()
         self.layers = self._measure_state()
         self.fixed_bytes = sum(f for f, _ in self.layers)
         self.token_bytes = sum(t for _, t in self.layers)
@@ -261,6 +272,10 @@ class Engine:
             raise InputError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
                              f"model's context of {self.context} tokens")
         check_sampling(p)
+        if isinstance(self.drafter, ModelDrafter) and \
+                len(req.prompt) + p.max_tokens + self.drafter.k + 1 > self.drafter.model.config.max_seq_len:
+            raise InputError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
+                             f"draft model's context of {self.drafter.model.config.max_seq_len} tokens")
         need = self.peak_bytes([len(req.prompt) + p.max_tokens])
         if self.memory_bytes is not None and need > self.memory_bytes:
             raise InputError(f"the request needs {need} bytes of state, more than the memory budget of "
@@ -418,7 +433,10 @@ class Engine:
     @torch.inference_mode()
     def decode(self):
         """One new token for every running row (one forward pass over the batch; free rows run a dummy token at
-        position 0 and their output is dropped)."""
+        position 0 and their output is dropped); with speculative decoding, one check of every row's drafts
+        (serve/speculative.py), which may add several tokens to each row."""
+        if self.drafter is not None and speculative_decode(self):
+            return
         live = self.table.live()
         ids = torch.tensor([[r.output[-1] if r is not None else 0] for r in self.rows], dtype=torch.long,
                            device=self.device)
@@ -462,15 +480,27 @@ class Engine:
                 reqs[i].logprobs.append(entry)
         now = time.perf_counter()
         for r, t in zip(reqs, tokens):
-            r.output.append(t)
-            if r.first_token_at is None:
-                r.first_token_at = now
-            if r.constraint is not None and (not r.constraint.accept(t) or r.constraint.finished):
-                r.finish_reason = "stop"          # the grammar is complete (a rejected token cannot be sampled)
-            elif t == self.eos_id and not r.params.ignore_eos:
-                r.finish_reason = "stop"
-            elif len(r.output) >= r.params.max_tokens:
-                r.finish_reason = "length"
+            self._append(r, t, now)
+
+    def _append(self, r: Request, t: int, now: float):
+        """Add token t to r's output and note whether r is finished."""
+        r.output.append(t)
+        if r.first_token_at is None:
+            r.first_token_at = now
+        if r.constraint is not None and (not r.constraint.accept(t) or r.constraint.finished):
+            r.finish_reason = "stop"          # the grammar is complete (a rejected token cannot be sampled)
+        elif t == self.eos_id and not r.params.ignore_eos:
+            r.finish_reason = "stop"
+        elif len(r.output) >= r.params.max_tokens:
+            r.finish_reason = "length"
+
+    def append_token(self, r: Request, t: int, logits):
+        """A token checked by speculative decoding: its logprobs (from the raw logits [V] at its position) when asked
+        for, then `_append`."""
+        if r.params.logprobs is not None:
+            entry = _logprobs(torch.log_softmax(logits[None].float(), -1), [t], r.params.logprobs)[0]
+            r.logprobs.append(entry)
+        self._append(r, t, time.perf_counter())
 
     def _token_sets(self, reqs: list[Request]):
         """(seen [B, V] bool: prompt or output tokens, counts [B, V] float: output tokens) of the requests."""

@@ -101,6 +101,15 @@ class Scheduler:
             "prefix_cache_misses_total": ("Requests with full blocks and no cached prefix", eng.prefix.misses),
             "prefix_cache_hit_tokens_total": ("Prompt tokens resumed from the prefix cache", eng.prefix.hit_tokens),
             "prefix_cache_bytes": ("Bytes allocated by the prefix cache", mem["prefix_cache_bytes"]),
+            "spec_decode_num_drafts_total": ("Speculative checks (one forward over every row's drafts)",
+                                             eng.spec_stats.checks),
+            "spec_decode_num_draft_tokens_total": ("Draft tokens checked", eng.spec_stats.drafted),
+            "spec_decode_num_accepted_tokens_total": ("Draft tokens the model accepted", eng.spec_stats.accepted),
+            "spec_decode_num_row_checks_total": ("Rows checked (a check of 3 rows counts 3)", eng.spec_stats.rows),
+            "spec_decode_num_emitted_tokens_total": ("Tokens added by speculative checks", eng.spec_stats.emitted),
+            "spec_decode_acceptance_rate": ("Accepted over checked draft tokens", eng.spec_stats.acceptance),
+            "spec_decode_tokens_per_step": ("Tokens added per row per speculative check",
+                                            eng.spec_stats.tokens_per_check),
         }
 
     # ------------------------------------------------------------ the engine's thread
@@ -222,14 +231,16 @@ class Scheduler:
                 return True
             if not rows:
                 return False
+            before = [len(r.output) for r in rows]
             try:
                 eng.decode()
             except Exception as e:
                 eng.clear()
                 self._fail(rows, e, "decode")
                 return True
-        for r in rows:
-            self._emit(r, r.output[-1])
+        for r, b in zip(rows, before):
+            for t in r.output[b:]:          # one token, or several with speculative decoding
+                self._emit(r, t)
             if r.finished:
                 self._finish(r)
         if all(r.finished for r in rows):         # nothing left running: free the batch's state now

@@ -310,7 +310,8 @@ static void round_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float*
 #if defined(L512)
         const __m512 vi = _mm512_set1_ps(inv);
         for (; k + 16 <= K; k += 16) {
-            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xm + k), vi), _MM_FROUND_TO_NEAREST_INT);
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xm + k), vi),
+                                                  _MM_FROUND_TO_NEAREST_INT);
             _mm256_storeu_si256((__m256i*)(xq + m * K + k), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
         }
 #endif
@@ -492,16 +493,17 @@ static void q8_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t G,
             const int64_t k0 = b * 32;
             float mx = 0.f, s = 0.f;
             int8_t* q = xq + m * Kp + k0;
-#if defined(L512)                                  // a whole block in x: vector max, sum and rounding
+#if defined(L512)                                  // a whole block in x: vector max and rounding
             if (k0 + 32 <= K) {
                 const __m512 v0 = _mm512_loadu_ps(x + m * K + k0), v1 = _mm512_loadu_ps(x + m * K + k0 + 16);
                 mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-                s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+                for (int j = 0; j < 32; j++) s += x[m * K + k0 + j];     // in column order, as the scalar loop
                 const float db = mx / 127.f;
                 if (db > 0.f) {
                     const __m512 dv = _mm512_set1_ps(db);
                     for (int h = 0; h < 2; h++) {
-                        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(h ? v1 : v0, dv), _MM_FROUND_TO_NEAREST_INT);
+                        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(h ? v1 : v0, dv),
+                                                              _MM_FROUND_TO_NEAREST_INT);
                         _mm_storeu_si128((__m128i*)(q + 16 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
                     }
                 } else {
