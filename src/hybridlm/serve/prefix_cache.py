@@ -3,12 +3,12 @@
 A recurrent state cannot be cut at an arbitrary position, so (as vLLM's `mamba_cache_mode`) the state is saved at
 block boundaries: after prefilling tokens [0, k·block) the cache is kept under the hash of blocks 0..k-1 (a chain:
 block k's key hashes block k's tokens with block k-1's key). An entry stores only what its parent lacks
-(`slots.cut`): the K/V of its own block and the fixed-size states (recurrent states, conv tails, window rings), so
-the K/V of a long prompt is stored once, not once per block. A later prompt that starts with the same blocks
-resumes from its longest cached block (`slots.stitch` joins the chain) and prefills only the rest. Since prefill
-runs in chunks that end at block boundaries, the resumed computation is the sequence of operations of the uncached
-one. Entries are evicted least recently used first to stay under a byte budget; an evicted entry takes its
-descendants with it (they cannot be resumed without it).
+(`InferenceCache.cut`): the K/V of its own block and the fixed-size states (recurrent states, conv tails, window
+rings), so the K/V of a long prompt is stored once, not once per block. A later prompt that starts with the same
+blocks resumes from its longest cached block (`InferenceCache.stitch` joins the chain) and prefills only the rest.
+Since prefill runs in chunks that end at block boundaries, the resumed computation is the sequence of operations of
+the uncached one. Entries are evicted least recently used first to stay under a byte budget; an evicted entry takes
+its descendants with it (they cannot be resumed without it).
 """
 import hashlib
 from collections import OrderedDict
