@@ -86,7 +86,7 @@ def test_speculation_counts_in_metrics():
     assert g["spec_decode_num_drafts_total"][1] == st.checks > 0
     assert g["spec_decode_num_accepted_tokens_total"][1] == st.accepted
     assert 0 <= g["spec_decode_acceptance_rate"][1] <= 1 and g["spec_decode_tokens_per_step"][1] >= 1
-    assert "hybridlm_spec_decode_num_drafts_total" in sch.metrics.render(g)
+    assert "hybridlm:spec_decode_num_drafts_total" in sch.metrics.render(g)
 
 
 @pytest.mark.slow
