@@ -71,6 +71,23 @@ class MLA(nn.Module):
         """The normalised query latent [B, T, q_lora_rank] (also the lightning indexer's input), or None."""
         return self.q_norm(self.q_a(x)) if hasattr(self, "q_a") else None
 
+    def project(self, x: Tensor, ctx: SeqContext, q_latent: Tensor | None = None):
+        """x [B, T, d] -> the query's q_nope [B, T, H, nope] and roped q_rope [B, T, H, rope], the normalised KV latent
+        c [B, T, R] and the shared roped key k_rope [B, T, rope] (what the cache keeps; the vLLM plugin reads it too)."""
+        B, T, _ = x.shape
+        if hasattr(self, "q_a"):
+            q = self.q_b(q_latent if q_latent is not None else self.query_latent(x))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q.view(B, T, self.n_heads, self.nope + self.rope).split((self.nope, self.rope), dim=-1)
+        c, k_rope = self.kv_a(x).split((self.kv_lora_rank, self.rope), dim=-1)
+        c = self.kv_norm(c)
+        if self.rotate:
+            cos, sin = ctx.rope(self.rope, self.rope_base)
+            q_rope = apply_rope(q_rope, cos, sin, interleaved=self.rope_interleaved)
+            k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.rope_interleaved).squeeze(2)
+        return q_nope, q_rope, c, k_rope
+
     def forward(self, x: Tensor, *, ctx: SeqContext, cache=None, bias: Tensor | None = None,
                 q_latent: Tensor | None = None, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """`bias` [B|1, 1|H, T, S]: extra additive scores (-inf hides a key; the lightning indexer's top-k);
@@ -78,17 +95,7 @@ class MLA(nn.Module):
         averaged over heads [B, T, S] (float32, no gradient: the lightning indexer's training target)."""
         B, T, _ = x.shape
         H, R = self.n_heads, self.kv_lora_rank
-        if hasattr(self, "q_a"):
-            q = self.q_b(q_latent if q_latent is not None else self.query_latent(x))
-        else:
-            q = self.q_proj(x)
-        q_nope, q_rope = q.view(B, T, H, self.nope + self.rope).split((self.nope, self.rope), dim=-1)
-        c, k_rope = self.kv_a(x).split((R, self.rope), dim=-1)
-        c = self.kv_norm(c)
-        if self.rotate:
-            cos, sin = ctx.rope(self.rope, self.rope_base)
-            q_rope = apply_rope(q_rope, cos, sin, interleaved=self.rope_interleaved)
-            k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=self.rope_interleaved).squeeze(2)
+        q_nope, q_rope, c, k_rope = self.project(x, ctx, q_latent)
         if cache is not None:   # ck = [latent | roped key] of every token so far [B, S, R + rope]
             n = ctx.key_mask.shape[1] if ctx.cache_pos is not None else 0
             ck = cache.layer(self.layer_idx, LatentCache).update(c, k_rope, ctx.cache_pos, n)

@@ -226,17 +226,9 @@ class OwnAttentionLayer(Mixer):
                               prefix=f"{prefix}.attn")
 
     def _mla_qkv(self, x: Tensor, ctx: SeqContext):
-        from ..ops.rope import apply_rope
         m, N = self.own, x.shape[1]
-        H, R = m.n_heads, m.kv_lora_rank
-        q = m.q_b(m.query_latent(x)) if hasattr(m, "q_a") else m.q_proj(x)
-        q_nope, q_rope = q.view(1, N, H, m.nope + m.rope).split((m.nope, m.rope), dim=-1)
-        c, k_rope = m.kv_a(x).split((R, m.rope), dim=-1)
-        c = m.kv_norm(c)
-        if m.rotate:
-            cos, sin = ctx.rope(m.rope, m.rope_base)
-            q_rope = apply_rope(q_rope, cos, sin, interleaved=m.rope_interleaved)
-            k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, interleaved=m.rope_interleaved).squeeze(2)
+        H = m.n_heads
+        q_nope, q_rope, c, k_rope = m.project(x, ctx)
         k_nope, v = m.kv_b(c).view(1, N, H, m.nope + m.v_dim).split((m.nope, m.v_dim), dim=-1)
         k = torch.cat((k_nope, k_rope.unsqueeze(2).expand(1, N, H, m.rope)), -1)
         return torch.cat((q_nope, q_rope), -1)[0], k[0], v[0]
