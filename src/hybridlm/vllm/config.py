@@ -45,8 +45,9 @@ def num_layers(cfg: ModelConfig) -> int:
     return sum(len(it) if isinstance(it, tuple) else 1 for it in parse_layout(cfg.layout, LETTERS.keys()))
 
 
-def check_servable(cfg: ModelConfig, quantization: dict | None = None):
-    """A ConfigError naming the first letter or option of `cfg` the vLLM plugin cannot serve, and why, else nothing.
+def check_servable(cfg: ModelConfig, quantization: dict | None = None, dtype=None):
+    """A ConfigError naming the first letter or option of `cfg` the vLLM plugin cannot serve (at model dtype `dtype`,
+    None while it is not known), and why, else nothing.
     (Imports the plugin's layers, and so vLLM: it runs in vLLM's process, when vLLM reads config.json.)"""
     from .layers import LAYERS, NOT_SERVED, kind
     what = "the hybridlm vLLM plugin"
@@ -66,7 +67,7 @@ def check_servable(cfg: ModelConfig, quantization: dict | None = None):
                                   f"{NOT_SERVED.get(letter, 'no layer for it')}; it serves " + ", ".join(LAYERS))
     for i, letter in enumerate(flatten(parse_layout(cfg.layout, LETTERS.keys()))):
         c = cfg.for_layer(i)
-        why = kind(str(letter), c).refuse(c, str(letter))
+        why = kind(str(letter), c, dtype).refuse(c, str(letter), dtype)
         if why is not None:
             raise ConfigError(f"{what} cannot serve letter {letter} (layer {i}) here: {why}")
     default = ModelConfig()

@@ -3,7 +3,8 @@
 Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that layer's ModelConfig) and called as
 `forward(x [N, d], positions [N]) -> [N, d]` on the batch's tokens, flattened as vLLM runs them. A class says
 
-  refuse(cfg, letter)  why this layer cannot be served here (None: it can): checked at load, named;
+  refuse(cfg, letter, dtype)  why this class cannot serve this layer here (None: it can): this platform's kernels,
+                       the model dtype (None while vLLM reads config.json, before it is known), the shapes;
   state(cfg, letter, vllm_config)  (shapes, dtypes) of one request's recurrent state in vLLM's cache, or None;
   renames              {our leaf name: its parameter's}: the model's WeightsMapper;
   stacked              {our leaf name: cut(layer, tensor) -> [(its parameter, shard id, part)]}: our fused tensors
@@ -86,7 +87,7 @@ class Mixer(nn.Module):
     stacked: dict[str, tuple] = {}
 
     @classmethod
-    def refuse(cls, cfg: ModelConfig, letter: str) -> str | None:
+    def refuse(cls, cfg: ModelConfig, letter: str, dtype: torch.dtype | None = None) -> str | None:
         return None
 
     @classmethod
@@ -115,7 +116,7 @@ class AttentionLayer(Mixer):
                "qkv.bias": lambda mod, w: _qkv_shards(mod, w, "bias")}
 
     @classmethod
-    def refuse(cls, cfg, letter):
+    def refuse(cls, cfg, letter, dtype=None):
         if cfg.attn_output_gate and cfg.attn_shared_key:
             return "attn_output_gate with attn_shared_key"
         return _refuse_head(cfg.attn_head_dim, "the attention")
@@ -197,7 +198,7 @@ class OwnAttentionLayer(Mixer):
     renames = {"": "own."}      # our module, its names under `own`
 
     @classmethod
-    def refuse(cls, cfg, letter):
+    def refuse(cls, cfg, letter, dtype=None):
         if letter == "L":
             from ..models.mixers_deepseek import mla_sizes
             s = mla_sizes(cfg)
@@ -269,7 +270,7 @@ class Mamba2Layer(Mixer, MambaMixer2):
     stacked = {"conv1d.weight": lambda mod, w: [("conv1d.weight", None, w.unsqueeze(1))]}   # [C, K] -> [C, 1, K]
 
     @classmethod
-    def refuse(cls, cfg, letter):
+    def refuse(cls, cfg, letter, dtype=None):
         if cfg.wm_ssd_rope:
             return "wm_ssd_rope (Cheems' SSD, RoPE on C and B: vLLM's MambaMixer2 has no such option)"
         if cfg.ssd_norm != "gated":
@@ -354,7 +355,7 @@ class MLPLayer(Mixer):
     """M: gated (gate and up in one merged column-parallel matmul, then act(gate) * up) or plain."""
 
     @classmethod
-    def refuse(cls, cfg, letter):
+    def refuse(cls, cfg, letter, dtype=None):
         if cfg.mlp_gated and cfg.mlp_act not in ("silu", "gelu", "gelu_tanh"):
             return f"mlp_act={cfg.mlp_act!r} in a gated MLP (vLLM's are silu, gelu, gelu_tanh)"
         return None
@@ -390,19 +391,21 @@ class ChannelLayer(Mixer):
 
 
 # --- the table ----------------------------------------------------------------------------------------------
-LAYERS: dict[str, type[Mixer]] = {
-    "A": AttentionLayer, "W": AttentionLayer, "F": OwnAttentionLayer, "L": OwnAttentionLayer,
-    "S": Mamba2Layer, "C": ShortConvLayer,
-    "R": RecurrentLayer, "G": RecurrentLayer, "K": RecurrentLayer, "B": RecurrentLayer,
-    "M": MLPLayer, "E": ChannelLayer, "O": ChannelLayer,
+# letter -> the classes that can serve it, in order of preference: vLLM's own layer first where it has one, ours
+# (with vLLM's cache) after it; `kind` takes the first whose `refuse` passes here
+LAYERS: dict[str, tuple[type[Mixer], ...]] = {
+    "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (OwnAttentionLayer,),
+    "S": (Mamba2Layer,), "C": (ShortConvLayer,),
+    "R": (RecurrentLayer,), "G": (RecurrentLayer,), "K": (RecurrentLayer,), "B": (RecurrentLayer,),
+    "M": (MLPLayer,), "E": (ChannelLayer,), "O": (ChannelLayer,),
 }
 # why the letters outside the table are refused
 NOT_SERVED = {"I": "the lightning indexer's top-k key selection (DeepSeek-V3.2) is not a vLLM attention",
               "Z": "Zamba2's shared blocks read the embeddings beside the stream"}
 
 
-def kind(letter: str, cfg: ModelConfig) -> type[Mixer]:
-    """The class serving `letter` built from `cfg` (A with a dynamic mask is our attention)."""
-    if letter == "A" and _dyn_mask(cfg):
-        return OwnAttentionLayer
-    return LAYERS[letter]
+def kind(letter: str, cfg: ModelConfig, dtype: torch.dtype | None = None) -> type[Mixer]:
+    """The class serving `letter` built from `cfg` at model dtype `dtype` (None: not known yet): the first of
+    LAYERS[letter] that does not refuse it, else the last (whose refusal names why). A with a dynamic mask is ours."""
+    candidates = (OwnAttentionLayer,) if letter == "A" and _dyn_mask(cfg) else LAYERS[letter]
+    return next((c for c in candidates if c.refuse(cfg, letter, dtype) is None), candidates[-1])

@@ -41,7 +41,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.mixer = kind(letter, cfg)(cfg, letter, idx, f"{prefix}.mixer", vllm_config)
+        mixer = kind(letter, cfg, vllm_config.model_config.dtype)
+        self.mixer = mixer(cfg, letter, idx, f"{prefix}.mixer", vllm_config)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         return x + self.mixer(self.norm(x), positions)
@@ -54,7 +55,8 @@ class HopBlock(nn.Module):
     def __init__(self, cfgs: list[ModelConfig], letters: tuple, idx: int, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.norm1, self.norm2, self.norm3 = (make_norm(c.norm, c.d_model, c.norm_eps) for c in cfgs)
-        self.mixer, self.attn, self.ffn = (kind(x, c)(c, x, idx + j, f"{prefix}.{name}", vllm_config)
+        dtype = vllm_config.model_config.dtype
+        self.mixer, self.attn, self.ffn = (kind(x, c, dtype)(c, x, idx + j, f"{prefix}.{name}", vllm_config)
                                            for j, (x, c, name) in enumerate(zip(letters, cfgs,
                                                                                  ("mixer", "attn", "ffn"))))
 
@@ -71,9 +73,9 @@ def _model_config(vllm_config: VllmConfig) -> ModelConfig:
 
 def _largest_state(vllm_config: VllmConfig):
     """(shapes, dtypes) of the recurrent layer with the largest state: vLLM sizes every mamba page by it."""
-    cfg = _model_config(vllm_config)
+    cfg, dtype = _model_config(vllm_config), vllm_config.model_config.dtype
     found = [s for i, letter in enumerate(flatten(parse_layout(cfg.layout, LETTERS)))
-             if (s := kind(str(letter), c := cfg.for_layer(i)).state(c, str(letter), vllm_config)) is not None]
+             if (s := kind(str(letter), c := cfg.for_layer(i), dtype).state(c, str(letter), vllm_config)) is not None]
 
     def nbytes(item):
         shapes, dtypes = item
@@ -107,7 +109,7 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
         super().__init__()
         hf = vllm_config.model_config.hf_config
         cfg = _model_config(vllm_config)
-        check_servable(cfg, getattr(hf, "quantization_config", None))
+        check_servable(cfg, getattr(hf, "quantization_config", None), vllm_config.model_config.dtype)
         self.config = cfg
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, prefix="embed")
         self.embed_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.embed_norm else None
