@@ -136,3 +136,19 @@ def test_a_request_past_the_draft_models_context_is_refused():
     with pytest.raises(InputError, match="draft model's context"):
         eng.validate(Request(list(range(20)), SamplingParams(max_tokens=10)))
     eng.validate(Request(list(range(10)), SamplingParams(max_tokens=10)))
+
+
+def test_the_token_budget_counts_a_checked_row_as_k_plus_one(monkeypatch):
+    """A speculating row runs K + 1 positions a step: the prefill chunks beside it get what is left of step_tokens."""
+    m = tiny_layout("[RWM]")
+    plain, spec = (Engine(m, eos_id=None, block=8, max_slots=4, step_tokens=24, speculative=s)
+                   for s in (None, "ngram:4"))
+    assert (plain.row_tokens, spec.row_tokens) == (1, 5)
+    picked = []
+    for eng in (plain, spec):
+        sch = Scheduler(eng)
+        decoding = [Request([1, 2], SamplingParams(max_tokens=4)) for _ in range(2)]
+        monkeypatch.setattr(type(eng), "running", property(lambda self: decoding))
+        sch.prefilling.extend(Request(list(range(1, 30)), SamplingParams(max_tokens=4)) for _ in range(2))
+        picked.append(len(sch._pick_chunks()))
+    assert picked == [2, 1]          # 24 - 2 leaves room for two 8-token chunks; 24 - 2 * 5 for one

@@ -430,6 +430,11 @@ class Engine:
         room = self.batch.room
         return room is not None and self.batch.seen + room > 2 * cap + 64
 
+    @property
+    def row_tokens(self) -> int:
+        """Positions a decode step runs per row: 1, or K + 1 when speculating (the check of K drafts)."""
+        return 1 + (self.drafter.k if self.drafter is not None else 0)
+
     @torch.inference_mode()
     def decode(self):
         """One new token for every running row (one forward pass over the batch; free rows run a dummy token at

@@ -5,10 +5,11 @@ One iteration (`step`):
   2. `_admit`: waiting requests start, first come first served, while a slot is free and their state fits the
      memory budget
   3. `_prefill`: chunks of the requests being prefilled within a token budget per iteration shared with decode
-     (`engine.step_tokens` minus one token per running row, at least one chunk), as vLLM's chunked prefill; the
-     chunks with the fewest prompt tokens left go first, and a request passed over gains a block of credit per
-     iteration (aging), so a short prompt is not left behind a long one and a long one is not starved. First
-     chunks of fresh prompts run as left-padded forward passes, a prompt under way alone in its own cache
+     (`engine.step_tokens` minus `engine.row_tokens` per running row: 1, or K + 1 when speculating; at least one
+     chunk), as vLLM's chunked prefill; the chunks with the fewest prompt tokens left go first, and a request passed
+     over gains a block of credit per iteration (aging), so a short prompt is not left behind a long one and a long
+     one is not starved. First chunks of fresh prompts run as left-padded forward passes, a prompt under way alone in
+     its own cache
   4. `_decode`: the prefilled requests join the batch and every running row gets one token
 A fault in any of these fails exactly the requests it touched (finish reason "error", `error` set), frees their
 state, and the next iteration goes on. The engine runs in one thread (`start`); other threads only `submit` and
@@ -182,7 +183,7 @@ class Scheduler:
         """The prefill chunks of this iteration within the token budget left by the decode rows (at least one):
         fewest prompt tokens left first, less a block per iteration a request was passed over."""
         eng = self.engine
-        budget = eng.step_tokens - sum(not r.finished for r in eng.running)
+        budget = eng.step_tokens - eng.row_tokens * sum(not r.finished for r in eng.running)
         order = sorted(self.prefilling, key=lambda r: len(r.prompt) - r.prefilled - eng.block * r.passed_over)
         chosen = []
         for r in order:
