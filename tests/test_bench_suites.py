@@ -135,3 +135,18 @@ def test_decode_profile_parts_add_up_and_bytes_are_the_weights(tmp_path):
                              "--formats", "int8", "--steps", "1"], capture_output=True, text=True,
                             cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)))
     assert script.returncode == 0 and "| llama | int8 |" in script.stdout, script.stderr[-2000:]
+
+
+def test_empty_params_drops_a_suites_default_size():
+    """`--params ''` with --d-model: the serve suite's default 125M is dropped, the width given is kept."""
+    import argparse
+
+    from hybridlm.bench import registry
+    from hybridlm.commands import bench
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    s = registry.settings("serve", **registry.given(p.parse_args(["--suite", "serve", "--params", "", "--d-model",
+                                                                     "64"])))
+    assert (s["params"], s["d_model"]) == ("", 64)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--params", "lots"])

@@ -22,9 +22,12 @@ from ..bench.measure import write_results
 DEFAULT_OUT = os.path.join("runs", "bench", "results.json")
 
 
-def _count(text: str) -> int:
+def _count(text: str) -> int | str:
+    """--params: a count such as 10M; '' drops a suite's default size (its --d-model decides)."""
     from ..errors import ConfigError
     from ..models.sizing import parse_count
+    if not text.strip():
+        return ""
     try:
         return parse_count(text)
     except ConfigError as e:
