@@ -5,8 +5,10 @@ generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sen
 prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
 model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
 mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
-Gated DeltaNet G, KDA K and routed MoE O, MLA L with Mamba-1 B, inner-function attention F with the dynamic mask;
-tensor parallel 2 gives the tokens of 1.
+Gated DeltaNet G, KDA K and routed MoE O, a DeepSeek-V3-routed O, MLA L with Mamba-1 B, inner-function attention F
+with the dynamic mask; tensor parallel 2 gives the tokens of 1 (O sharded by vLLM's FusedMoE among them).
+O is served by layers.MoELayer (vLLM's FusedMoE, its CPU experts) in every case here; ChannelLayer (ours) takes the
+options FusedMoE cannot do (test_routed_moe_falls_back_to_ours).
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -24,6 +26,7 @@ from hybridlm.errors import ConfigError  # noqa: E402
 from hybridlm.checkpoint.files import save_step_checkpoint  # noqa: E402
 from hybridlm.train import save_checkpoint  # noqa: E402
 from hybridlm.vllm.config import check_servable  # noqa: E402
+from hybridlm.vllm.layers import ChannelLayer, MoELayer, kind  # noqa: E402
 
 V, NEW = 97, 8
 # vLLM's CPU attention refused a head dim of 16: heads of 64 throughout
@@ -77,13 +80,17 @@ def served(directory: str, ps: list[list[int]], rounds: int = 1, **extra) -> lis
 def model(cfg: ModelConfig) -> CausalLM:
     """A random model whose every layer moves the logits: at hybridlm's init the small output projections leave
     the tied embedding echoing the last token, which a wrong mixer would echo too. Matrices are redrawn at
-    1/sqrt(fan-in); vectors (norms, gates, decays, biases) keep their init."""
+    1/sqrt(fan-in); vectors (norms, gates, decays, biases) keep their init, but for O's correction bias (a zero
+    buffer at init), drawn so that it steers the choice of experts."""
     torch.manual_seed(0)
     m = CausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if p.dim() >= 2 and not name.startswith(("embed", "lm_head")):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
+        for name, b in m.named_buffers():
+            if name.endswith("router_bias"):
+                b.normal_(0.0, 0.2)
     return m
 
 
@@ -139,13 +146,18 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
     "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
     # Qwen3-Next's and Kimi-Linear's mixers in a layout of one's own: ours with vLLM's cache in float32 (vLLM's CPU
-    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) ours
+    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) on vLLM's FusedMoE
     "delta-moe": ModelConfig(layout="G O A O K O", gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32,
                              kda_heads=2, kda_head_dim=32, moe_experts=4, moe_topk=2, moe_shared=True,
                              moe_router="sigmoid", moe_router_bias=True, moe_hidden=64, **SIZES),
-    # the Qwen3-Next preset as a run (gated attention with a quarter of each head rotated, q/k norm; G; O with a
-    # gated shared expert), as the plugin serves it for the serve benchmark
+    # the Qwen3-Next preset as a run (gated attention with a quarter of each head rotated, q/k norm; G; O on vLLM's
+    # FusedMoE with a sigmoid-gated shared expert), as the plugin serves it for the serve benchmark
     "qwen3-next": presets.get("qwen3-next", n_layers=4, **SIZES),
+    # DeepSeek-V3's routing on vLLM's FusedMoE: sigmoid scores, correction bias, 4 groups of 4 experts of which the
+    # 2 best, routed scaling, renormalised top 3, a shared expert without gate
+    "deepseek-moe": ModelConfig(layout="A O S O", moe_experts=16, moe_topk=3, moe_router="sigmoid", moe_router_bias=True,
+                                moe_n_group=4, moe_topk_group=2, moe_scale=2.5, moe_shared=True, moe_hidden=32,
+                                moe_shared_hidden=96, **SIZES),
     # heads of 184 channels (the 125M preset's), which vLLM's CPU attention lacks: computed at 192, zero-padded
     "head-dim-184": ModelConfig(layout="A M S M", **{**SIZES, "head_dim": 184}),
     # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
@@ -179,7 +191,8 @@ def test_plugin_prefix_caching(tmp_path):
     assert served(run, ps, rounds=2, enable_prefix_caching=True) == [ours(m, ps)] * 2
 
 
-TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of generate)
+TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of generate); O on vLLM's FusedMoE, each
+    # expert's hidden dim sharded over the ranks (MoELayer), one all-reduce
     "mixed": ModelConfig(layout="A M S O R M G O", attn_shared_key=False, rodimus_d_state=16, gdn_k_heads=1,
                          gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32, moe_experts=4, moe_topk=2, moe_hidden=64, **SIZES),
     "rodimus++": PLUGIN["rodimus++"],
@@ -206,6 +219,20 @@ def test_tensor_parallel(case, tmp_path):
 def test_refused_at_load_with_the_letter_named(layout, letter, extra):
     with pytest.raises(ConfigError, match=f"cannot serve {letter}"):
         check_servable(ModelConfig(**{**dict(layout=layout, vocab_size=V, d_model=64, n_heads=1), **extra}))
+
+
+@pytest.mark.parametrize("extra, why", [
+    (dict(mlp_gated=False, mlp_act="relu2"), "plain relu2 experts"),       # Nemotron-H's experts
+    (dict(mlp_act="relu"), "gated relu experts"),
+    pytest.param(dict(d_model=80), "d_model=80", marks=pytest.mark.skipif(
+        not __import__("vllm.platforms").platforms.current_platform.is_cpu(), reason="a CPU experts' rule"))])
+def test_routed_moe_falls_back_to_ours(extra, why):
+    """O is vLLM's FusedMoE (MoELayer) where its experts compute the run's, else ours (ChannelLayer), at load."""
+    cfg = ModelConfig(**{**dict(layout="A O", vocab_size=V, d_model=128, n_heads=2, moe_experts=4), **extra})
+    assert kind("O", ModelConfig(layout="A O", vocab_size=V, d_model=128, n_heads=2, moe_experts=4)) is MoELayer
+    assert why in MoELayer.refuse(cfg, "O", torch.float32)
+    assert kind("O", cfg, torch.float32) is ChannelLayer
+    check_servable(cfg, dtype=torch.float32)        # served all the same
 
 
 @pytest.mark.slow

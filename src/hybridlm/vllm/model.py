@@ -163,7 +163,7 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
             for target, shard, tensor in cuts:
                 p = params[target]
                 loader = getattr(p, "weight_loader", default_weight_loader)
-                loader(p, tensor, shard) if shard is not None else loader(p, tensor)
+                loader(p, tensor, *(shard if isinstance(shard, tuple) else () if shard is None else (shard,)))
                 loaded.add(target)
         if self.config.tie_embeddings:
             loaded.add("lm_head.weight")
