@@ -27,6 +27,7 @@ from hybridlm.checkpoint.files import save_step_checkpoint  # noqa: E402
 from hybridlm.train import save_checkpoint  # noqa: E402
 from hybridlm.vllm.config import check_servable  # noqa: E402
 from hybridlm.vllm.layers import ChannelLayer, MoELayer, kind  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 
 V, NEW = 97, 8
 # vLLM's CPU attention refused a head dim of 16: heads of 64 throughout
@@ -196,6 +197,11 @@ TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of 
     "mixed": ModelConfig(layout="A M S O R M G O", attn_shared_key=False, rodimus_d_state=16, gdn_k_heads=1,
                          gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32, moe_experts=4, moe_topk=2, moe_hidden=64, **SIZES),
     "rodimus++": PLUGIN["rodimus++"],
+    # every routing option of O at once, the shared expert with its sigmoid gate: its partial sums join the routed
+    # experts' in FusedMoE's one all-reduce
+    "moe": ModelConfig(layout="A O S O", moe_experts=16, moe_topk=3, moe_router="sigmoid", moe_router_bias=True,
+                       moe_n_group=4, moe_topk_group=2, moe_scale=2.5, moe_shared=True, moe_shared_gate=True,
+                       moe_hidden=32, moe_shared_hidden=96, **SIZES),
 }
 
 
@@ -224,8 +230,8 @@ def test_refused_at_load_with_the_letter_named(layout, letter, extra):
 @pytest.mark.parametrize("extra, why", [
     (dict(mlp_gated=False, mlp_act="relu2"), "plain relu2 experts"),       # Nemotron-H's experts
     (dict(mlp_act="relu"), "gated relu experts"),
-    pytest.param(dict(d_model=80), "d_model=80", marks=pytest.mark.skipif(
-        not __import__("vllm.platforms").platforms.current_platform.is_cpu(), reason="a CPU experts' rule"))])
+    pytest.param(dict(d_model=80), "d_model=80", marks=pytest.mark.skipif(not current_platform.is_cpu(),
+                                                                           reason="a rule of vLLM's CPU experts"))])
 def test_routed_moe_falls_back_to_ours(extra, why):
     """O is vLLM's FusedMoE (MoELayer) where its experts compute the run's, else ours (ChannelLayer), at load."""
     cfg = ModelConfig(**{**dict(layout="A O", vocab_size=V, d_model=128, n_heads=2, moe_experts=4), **extra})
