@@ -21,11 +21,14 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
     C         ShortConvLayer   vLLM's ShortConv (LFM2's gated short convolution)
     R G K B   RecurrentLayer   ours, with (conv tail, state) in vLLM's cache (state.py); replicated
     M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
+    O         MoELayer         vLLM's FusedMoE (its grouped top-k router, its CPU experts: gated silu / gelu /
+                               gelu_tanh, d_model a multiple of 32), each expert's hidden dim and the shared expert
+                               sharded, one all-reduce; other experts: ChannelLayer
     E O       ChannelLayer     ours as it is (no state); replicated
 
-G, K, B, L and O are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
+G, K, B and L are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
 is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs, its CPU MLA only a
-512 + 64 latent); vLLM's GPU layers for them (and FusedMoE for O) are not wired in yet.
+512 + 64 latent); vLLM's GPU layers for them are not wired in yet.
 
 Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
 served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
@@ -410,22 +413,23 @@ def _experts(mod, w, leaf):
 
 
 class MoELayer(Mixer):
-    """O on vLLM's FusedMoE (as its deepseek_v2.py / qwen3_next.py build their sparse blocks): the router a replicated
-    linear the runner applies, routing by FusedMoE's grouped top-k (softmax or sigmoid scores, correction bias,
-    groups, renormalisation, routed scaling: ops.moe.route_topk's rules), the experts' hidden dim sharded over the
-    tensor-parallel ranks, the shared expert beside them; FusedMoE all-reduces routed + shared once.
+    """O on vLLM's FusedMoE (as its deepseek_v2.py / qwen3_next.py build their sparse blocks), x [N, d] -> [N, d]:
+    the router a replicated linear the runner applies, routing by FusedMoE's grouped top-k (softmax or sigmoid scores,
+    correction bias, groups, renormalisation, routed scaling: ops.moe.route_topk's rules), the experts' hidden dim
+    sharded over the tensor-parallel ranks, the shared expert beside them; FusedMoE all-reduces routed + shared once.
 
-    Our groups score by their two best biased scores, vLLM's by that only with a correction bias (else by their best):
-    grouped routing without our bias runs with a zero one. Groups of one expert choose nothing (top-k of the kept
-    experts is top-k of all): routed as one group."""
+    Where the rules differ: our groups score by their two best biased scores, vLLM's by that only with a correction
+    bias (else by their best), so grouped routing without our bias runs with a zero one; groups of one expert keep
+    the top-k anyway (routed as one group); our sigmoid weights are renormalised over their sum + 1e-20, which float32
+    does not resolve unless every chosen score is below ~1e-13."""
     stacked = {leaf: (lambda mod, w, leaf=leaf: _experts(mod, w, leaf)) for leaf in ("w_gate", "w_up", "w_down")}
     stacked["shared.w_in.weight"] = lambda mod, w: _gate_up(mod, w, "weight", "shared.w_in")
 
     @classmethod
     def refuse(cls, cfg, letter, dtype=None):
         if not cfg.mlp_gated or cfg.mlp_act not in ("silu", "gelu", "gelu_tanh"):
-            return (f"{'gated' if cfg.mlp_gated else 'plain'} {cfg.mlp_act} experts (FusedMoE's unquantized CPU "
-                    "experts compute gated silu, gelu and gelu_tanh)")
+            return (f"{'gated' if cfg.mlp_gated else 'plain'} {cfg.mlp_act} experts (served on FusedMoE: gated silu, "
+                    "gelu, gelu_tanh, the activations of vLLM's CPU experts)")
         if current_platform.is_cpu() and cfg.d_model % 32:
             return f"d_model={cfg.d_model} (FusedMoE's CPU experts want a multiple of 32)"
         return None
