@@ -147,7 +147,7 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
     "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
     # Qwen3-Next's and Kimi-Linear's mixers in a layout of one's own: ours with vLLM's cache in float32 (vLLM's CPU
-    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) on vLLM's FusedMoE
+    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) on FusedMoE
     "delta-moe": ModelConfig(layout="G O A O K O", gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32,
                              kda_heads=2, kda_head_dim=32, moe_experts=4, moe_topk=2, moe_shared=True,
                              moe_router="sigmoid", moe_router_bias=True, moe_hidden=64, **SIZES),
@@ -156,9 +156,9 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "qwen3-next": presets.get("qwen3-next", n_layers=4, **SIZES),
     # DeepSeek-V3's routing on vLLM's FusedMoE: sigmoid scores, correction bias, 4 groups of 4 experts of which the
     # 2 best, routed scaling, renormalised top 3, a shared expert without gate
-    "deepseek-moe": ModelConfig(layout="A O S O", moe_experts=16, moe_topk=3, moe_router="sigmoid", moe_router_bias=True,
-                                moe_n_group=4, moe_topk_group=2, moe_scale=2.5, moe_shared=True, moe_hidden=32,
-                                moe_shared_hidden=96, **SIZES),
+    "deepseek-moe": ModelConfig(layout="A O S O", moe_experts=16, moe_topk=3, moe_router="sigmoid",
+                                moe_router_bias=True, moe_n_group=4, moe_topk_group=2, moe_scale=2.5, moe_shared=True,
+                                moe_hidden=32, moe_shared_hidden=96, **SIZES),
     # heads of 184 channels (the 125M preset's), which vLLM's CPU attention lacks: computed at 192, zero-padded
     "head-dim-184": ModelConfig(layout="A M S M", **{**SIZES, "head_dim": 184}),
     # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
