@@ -8,7 +8,8 @@ mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE 
 Gated DeltaNet G, KDA K and routed MoE O, a DeepSeek-V3-routed O, MLA L with Mamba-1 B, inner-function attention F
 with the dynamic mask; tensor parallel 2 gives the tokens of 1 (O sharded by vLLM's FusedMoE among them).
 O is served by layers.MoELayer (vLLM's FusedMoE, its CPU experts) in every case here; ChannelLayer (ours) takes the
-options FusedMoE cannot do (test_routed_moe_falls_back_to_ours).
+options FusedMoE cannot do (test_routed_moe_falls_back_to_ours); the routing options no served case has are checked
+layer against layer, without an engine (test_moe_layer_equals_ours).
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -225,6 +226,70 @@ def test_tensor_parallel(case, tmp_path):
 def test_refused_at_load_with_the_letter_named(layout, letter, extra):
     with pytest.raises(ConfigError, match=f"cannot serve {letter}"):
         check_servable(ModelConfig(**{**dict(layout=layout, vocab_size=V, d_model=64, n_heads=1), **extra}))
+
+
+_LAYER = """
+import sys, torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import set_forward_context
+from hybridlm.vllm.model import HybridLMForCausalLM
+if __name__ == "__main__":
+    port, *runs = sys.argv[1:]
+    for i, run in enumerate(runs):
+        vc = EngineArgs(model=run, dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
+                        max_model_len=256).create_engine_config()
+        with set_current_vllm_config(vc):
+            if i == 0:
+                init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+                ensure_model_parallel_initialized(1, 1)
+            m = HybridLMForCausalLM(vllm_config=vc)
+            saved = torch.load(run + "/moe.pt")
+            m.load_weights(saved["weights"].items())
+            for mod in m.modules():         # as vLLM's loader does: the CPU experts prepack their weights
+                if hasattr(getattr(mod, "quant_method", None), "process_weights_after_loading"):
+                    mod.quant_method.process_weights_after_loading(mod)
+            x = saved["x"]
+            with torch.no_grad(), set_forward_context(None, vc):
+                for j, want in saved["want"].items():
+                    mixer = m.blocks[j].mixer
+                    err = (mixer(x, torch.arange(len(x))) - want).abs().max().item()
+                    print("ERR", type(mixer).__name__, err / want.abs().max().item(), flush=True)
+"""
+
+MOE = {   # O's options FusedMoE maps beyond the served cases: softmax with groups (a zero correction bias), groups
+    # of one expert, top-k weights not renormalised, gelu / gelu_tanh experts, a gated shared expert of its own width
+    "softmax-groups": dict(moe_n_group=4, moe_topk_group=2, moe_topk=3, moe_shared=True, moe_shared_gate=True,
+                           moe_shared_hidden=96, mlp_act="gelu"),
+    "groups-of-one": dict(moe_router="sigmoid", moe_router_bias=True, moe_n_group=16, moe_topk_group=5, moe_topk=4,
+                          moe_norm_topk=False, moe_scale=1.5, mlp_act="gelu_tanh"),
+}
+
+
+@pytest.mark.slow
+def test_moe_layer_equals_ours(tmp_path):
+    """MoELayer (vLLM's FusedMoE) gives our RoutedMoE's output on one batch of tokens, option by option (no engine:
+    the layers built under each run's vLLM config, in one process)."""
+    import socket
+    runs = []
+    for name, opts in MOE.items():
+        m = model(ModelConfig(layout="O M O", moe_experts=16, moe_hidden=48, **{**SIZES, **opts}))
+        run = str(tmp_path / name)
+        save_step_checkpoint(run, 1, m)
+        x = torch.randn(37, SIZES["d_model"], generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            want = {j: m.blocks[j].mixer(x[None])[0] for j in (0, 2)}
+        torch.save(dict(weights=m.state_dict(), x=x, want=want), run + "/moe.pt")
+        runs.append(run)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", _LAYER, str(port), *runs], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    errs = [x.split()[1:] for x in r.stdout.splitlines() if x.startswith("ERR ")]
+    assert r.returncode == 0 and len(errs) == 2 * len(MOE), r.stderr[-3000:]
+    assert all(k == "MoELayer" and float(e) < 1e-5 for k, e in errs), errs
 
 
 @pytest.mark.parametrize("extra, why", [
