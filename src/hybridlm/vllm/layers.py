@@ -24,7 +24,7 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
     O         MoELayer         vLLM's FusedMoE (its grouped top-k router, its CPU experts: gated silu / gelu /
                                gelu_tanh, d_model a multiple of 32), each expert's hidden dim and the shared expert
                                sharded, one all-reduce; other experts: ChannelLayer
-    E O       ChannelLayer     ours as it is (no state); replicated
+    E, O      ChannelLayer     ours as it is (no state; O where MoELayer refuses); replicated
 
 G, K, B and L are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
 is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs, its CPU MLA only a
@@ -459,7 +459,8 @@ class MoELayer(Mixer):
 
 
 class ChannelLayer(Mixer):
-    """E (CDMoE), O (routed MoE): our module as it is (no state; replicated under tensor parallelism)."""
+    """E (CDMoE), O (routed MoE, where MoELayer refuses): our module as it is (no state; replicated under tensor
+    parallelism)."""
     renames = {"": "own."}      # our module, its names under `own`
 
     def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
