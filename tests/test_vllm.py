@@ -5,8 +5,11 @@ generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sen
 prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
 model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
 mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
-Gated DeltaNet G, KDA K and routed MoE O, MLA L with Mamba-1 B, inner-function attention F with the dynamic mask;
-tensor parallel 2 gives the tokens of 1.
+Gated DeltaNet G, KDA K and routed MoE O, a DeepSeek-V3-routed O, MLA L with Mamba-1 B, inner-function attention F
+with the dynamic mask; tensor parallel 2 gives the tokens of 1 (O sharded by vLLM's FusedMoE among them).
+O is served by layers.MoELayer (vLLM's FusedMoE, its CPU experts) in every case here; ChannelLayer (ours) takes the
+options FusedMoE cannot do (test_routed_moe_falls_back_to_ours); the routing options no served case has are checked
+layer against layer, without an engine (test_moe_layer_equals_ours).
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -24,6 +27,8 @@ from hybridlm.errors import ConfigError  # noqa: E402
 from hybridlm.checkpoint.files import save_step_checkpoint  # noqa: E402
 from hybridlm.train import save_checkpoint  # noqa: E402
 from hybridlm.vllm.config import check_servable  # noqa: E402
+from hybridlm.vllm.layers import ChannelLayer, MoELayer, kind  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 
 V, NEW = 97, 8
 # vLLM's CPU attention refused a head dim of 16: heads of 64 throughout
@@ -77,13 +82,17 @@ def served(directory: str, ps: list[list[int]], rounds: int = 1, **extra) -> lis
 def model(cfg: ModelConfig) -> CausalLM:
     """A random model whose every layer moves the logits: at hybridlm's init the small output projections leave
     the tied embedding echoing the last token, which a wrong mixer would echo too. Matrices are redrawn at
-    1/sqrt(fan-in); vectors (norms, gates, decays, biases) keep their init."""
+    1/sqrt(fan-in); vectors (norms, gates, decays, biases) keep their init, but for O's correction bias (a zero
+    buffer at init), drawn so that it steers the choice of experts."""
     torch.manual_seed(0)
     m = CausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if p.dim() >= 2 and not name.startswith(("embed", "lm_head")):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
+        for name, b in m.named_buffers():
+            if name.endswith("router_bias"):
+                b.normal_(0.0, 0.2)
     return m
 
 
@@ -139,13 +148,18 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
     "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
     # Qwen3-Next's and Kimi-Linear's mixers in a layout of one's own: ours with vLLM's cache in float32 (vLLM's CPU
-    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) ours
+    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) on FusedMoE
     "delta-moe": ModelConfig(layout="G O A O K O", gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32,
                              kda_heads=2, kda_head_dim=32, moe_experts=4, moe_topk=2, moe_shared=True,
                              moe_router="sigmoid", moe_router_bias=True, moe_hidden=64, **SIZES),
-    # the Qwen3-Next preset as a run (gated attention with a quarter of each head rotated, q/k norm; G; O with a
-    # gated shared expert), as the plugin serves it for the serve benchmark
+    # the Qwen3-Next preset as a run (gated attention with a quarter of each head rotated, q/k norm; G; O on vLLM's
+    # FusedMoE with a sigmoid-gated shared expert), as the plugin serves it for the serve benchmark
     "qwen3-next": presets.get("qwen3-next", n_layers=4, **SIZES),
+    # DeepSeek-V3's routing on vLLM's FusedMoE: sigmoid scores, correction bias, 4 groups of 4 experts of which the
+    # 2 best, routed scaling, renormalised top 3, a shared expert without gate
+    "deepseek-moe": ModelConfig(layout="A O S O", moe_experts=16, moe_topk=3, moe_router="sigmoid",
+                                moe_router_bias=True, moe_n_group=4, moe_topk_group=2, moe_scale=2.5, moe_shared=True,
+                                moe_hidden=32, moe_shared_hidden=96, **SIZES),
     # heads of 184 channels (the 125M preset's), which vLLM's CPU attention lacks: computed at 192, zero-padded
     "head-dim-184": ModelConfig(layout="A M S M", **{**SIZES, "head_dim": 184}),
     # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
@@ -179,10 +193,16 @@ def test_plugin_prefix_caching(tmp_path):
     assert served(run, ps, rounds=2, enable_prefix_caching=True) == [ours(m, ps)] * 2
 
 
-TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of generate)
+TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of generate); O on vLLM's FusedMoE, each
+    # expert's hidden dim sharded over the ranks (MoELayer), one all-reduce
     "mixed": ModelConfig(layout="A M S O R M G O", attn_shared_key=False, rodimus_d_state=16, gdn_k_heads=1,
                          gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32, moe_experts=4, moe_topk=2, moe_hidden=64, **SIZES),
     "rodimus++": PLUGIN["rodimus++"],
+    # every routing option of O at once, the shared expert with its sigmoid gate: its partial sums join the routed
+    # experts' in FusedMoE's one all-reduce
+    "moe": ModelConfig(layout="A O S O", moe_experts=16, moe_topk=3, moe_router="sigmoid", moe_router_bias=True,
+                       moe_n_group=4, moe_topk_group=2, moe_scale=2.5, moe_shared=True, moe_shared_gate=True,
+                       moe_hidden=32, moe_shared_hidden=96, **SIZES),
 }
 
 
@@ -206,6 +226,84 @@ def test_tensor_parallel(case, tmp_path):
 def test_refused_at_load_with_the_letter_named(layout, letter, extra):
     with pytest.raises(ConfigError, match=f"cannot serve {letter}"):
         check_servable(ModelConfig(**{**dict(layout=layout, vocab_size=V, d_model=64, n_heads=1), **extra}))
+
+
+_LAYER = """
+import sys, torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import set_forward_context
+from hybridlm.vllm.model import HybridLMForCausalLM
+if __name__ == "__main__":
+    port, *runs = sys.argv[1:]
+    for i, run in enumerate(runs):
+        vc = EngineArgs(model=run, dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
+                        max_model_len=256).create_engine_config()
+        with set_current_vllm_config(vc):
+            if i == 0:
+                init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+                ensure_model_parallel_initialized(1, 1)
+            m = HybridLMForCausalLM(vllm_config=vc)
+            saved = torch.load(run + "/moe.pt")
+            m.load_weights(saved["weights"].items())
+            for mod in m.modules():         # as vLLM's loader does: the CPU experts prepack their weights
+                if hasattr(getattr(mod, "quant_method", None), "process_weights_after_loading"):
+                    mod.quant_method.process_weights_after_loading(mod)
+            x = saved["x"]
+            with torch.no_grad(), set_forward_context(None, vc):
+                for j, want in saved["want"].items():
+                    mixer = m.blocks[j].mixer
+                    err = (mixer(x, torch.arange(len(x))) - want).abs().max().item()
+                    print("ERR", type(mixer).__name__, err / want.abs().max().item(), flush=True)
+"""
+
+MOE = {   # O's options FusedMoE maps beyond the served cases: softmax with groups (a zero correction bias), groups
+    # of one expert, top-k weights not renormalised, gelu / gelu_tanh experts, a gated shared expert of its own width
+    "softmax-groups": dict(moe_n_group=4, moe_topk_group=2, moe_topk=3, moe_shared=True, moe_shared_gate=True,
+                           moe_shared_hidden=96, mlp_act="gelu"),
+    "groups-of-one": dict(moe_router="sigmoid", moe_router_bias=True, moe_n_group=16, moe_topk_group=5, moe_topk=4,
+                          moe_norm_topk=False, moe_scale=1.5, mlp_act="gelu_tanh"),
+}
+
+
+@pytest.mark.slow
+def test_moe_layer_equals_ours(tmp_path):
+    """MoELayer (vLLM's FusedMoE) gives our RoutedMoE's output on one batch of tokens, option by option (no engine:
+    the layers built under each run's vLLM config, in one process)."""
+    import socket
+    runs = []
+    for name, opts in MOE.items():
+        m = model(ModelConfig(layout="O M O", moe_experts=16, moe_hidden=48, **{**SIZES, **opts}))
+        run = str(tmp_path / name)
+        save_step_checkpoint(run, 1, m)
+        x = torch.randn(37, SIZES["d_model"], generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            want = {j: m.blocks[j].mixer(x[None])[0] for j in (0, 2)}
+        torch.save(dict(weights=m.state_dict(), x=x, want=want), run + "/moe.pt")
+        runs.append(run)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", _LAYER, str(port), *runs], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    errs = [x.split()[1:] for x in r.stdout.splitlines() if x.startswith("ERR ")]
+    assert r.returncode == 0 and len(errs) == 2 * len(MOE), r.stderr[-3000:]
+    assert all(k == "MoELayer" and float(e) < 1e-5 for k, e in errs), errs
+
+
+@pytest.mark.parametrize("extra, why", [
+    (dict(mlp_gated=False, mlp_act="relu2"), "plain relu2 experts"),       # Nemotron-H's experts
+    (dict(mlp_act="relu"), "gated relu experts"),
+    pytest.param(dict(d_model=80), "d_model=80", marks=pytest.mark.skipif(not current_platform.is_cpu(),
+                                                                           reason="a rule of vLLM's CPU experts"))])
+def test_routed_moe_falls_back_to_ours(extra, why):
+    """O is vLLM's FusedMoE (MoELayer) where its experts compute the run's, else ours (ChannelLayer), at load."""
+    cfg = ModelConfig(**{**dict(layout="A O", vocab_size=V, d_model=128, n_heads=2, moe_experts=4), **extra})
+    assert kind("O", ModelConfig(layout="A O", vocab_size=V, d_model=128, n_heads=2, moe_experts=4)) is MoELayer
+    assert why in MoELayer.refuse(cfg, "O", torch.float32)
+    assert kind("O", cfg, torch.float32) is ChannelLayer
+    check_servable(cfg, dtype=torch.float32)        # served all the same
 
 
 @pytest.mark.slow

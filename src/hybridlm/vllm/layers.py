@@ -8,7 +8,8 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
   state(cfg, letter, vllm_config)  (shapes, dtypes) of one request's recurrent state in vLLM's cache, or None;
   renames              {our leaf name: its parameter's}: the model's WeightsMapper;
   stacked              {our leaf name: cut(layer, tensor) -> [(its parameter, shard id, part)]}: our fused tensors
-                       cut into the shards of vLLM's stacked parameters (fused QKV, gate/up) or reshaped.
+                       cut into the shards of vLLM's stacked parameters (fused QKV, gate/up) or reshaped; a tuple
+                       for the shard id is the loader's further arguments (FusedMoE's name, shard id, expert id).
 
     A, W      AttentionLayer   vLLM's Attention (its backends; window as its sliding window; a shared key expanded to
                                the value heads), vLLM's get_rope, tensor-parallel QKV / output
@@ -20,11 +21,14 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
     C         ShortConvLayer   vLLM's ShortConv (LFM2's gated short convolution)
     R G K B   RecurrentLayer   ours, with (conv tail, state) in vLLM's cache (state.py); replicated
     M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
-    E O       ChannelLayer     ours as it is (no state); replicated
+    O         MoELayer         vLLM's FusedMoE (its grouped top-k router, its CPU experts: gated silu / gelu /
+                               gelu_tanh, d_model a multiple of 32), each expert's hidden dim and the shared expert
+                               sharded, one all-reduce; other experts: ChannelLayer
+    E, O      ChannelLayer     ours as it is (no state; O where MoELayer refuses); replicated
 
-G, K, B, L and O are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
+G, K, B and L are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
 is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs, its CPU MLA only a
-512 + 64 latent); vLLM's GPU layers for them (and FusedMoE for O) are not wired in yet.
+512 + 64 latent); vLLM's GPU layers for them are not wired in yet.
 
 Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
 served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
@@ -37,6 +41,7 @@ from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear)
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
@@ -346,9 +351,14 @@ class RecurrentLayer(Mixer):
 
 
 # --- channel mixers -----------------------------------------------------------------------------------------
-def _gate_up(mod, w, kind):
+def _gate_up(mod, w, kind, at="w_in"):
     gate, up = w.chunk(2)
-    return [(f"w_in.{kind}", 0, gate), (f"w_in.{kind}", 1, up)]
+    return [(f"{at}.{kind}", 0, gate), (f"{at}.{kind}", 1, up)]
+
+
+def _act_and_mul(act: str) -> nn.Module:
+    """vLLM's act(gate) * up on [N, 2h] = [gate | up] (silu, gelu, gelu_tanh)."""
+    return SiluAndMul() if act == "silu" else GeluAndMul(approximate="tanh" if act == "gelu_tanh" else "none")
 
 
 class MLPLayer(Mixer):
@@ -366,8 +376,7 @@ class MLPLayer(Mixer):
         self.gated = cfg.mlp_gated
         if self.gated:
             self.w_in = MergedColumnParallelLinear(d, [h, h], bias=cfg.mlp_bias, prefix=f"{prefix}.w_in")
-            self.act = SiluAndMul() if cfg.mlp_act == "silu" else \
-                GeluAndMul(approximate="tanh" if cfg.mlp_act == "gelu_tanh" else "none")
+            self.act = _act_and_mul(cfg.mlp_act)
             self.stacked = {f"w_in.{n}": (lambda mod, w, n=n: _gate_up(mod, w, n)) for n in ("weight", "bias")}
         else:
             self.w_in = ColumnParallelLinear(d, h, bias=cfg.mlp_bias, prefix=f"{prefix}.w_in")
@@ -378,8 +387,80 @@ class MLPLayer(Mixer):
         return self.w_out(self.act(self.w_in(x)[0]))[0]
 
 
+class SharedExpert(nn.Module):
+    """O's shared expert as vLLM's Qwen2MoeMLP: down(act(gate(x)) * up(x)), times sigmoid(gate_1(x)) with
+    moe_shared_gate (Qwen3-Next); sharded like M, its down projection's partial sums left to FusedMoE's all-reduce
+    (one reduce for routed + shared). The gate is the layer's `shared_gate` (replicated: each rank scales its partial
+    sum by the same factor)."""
+
+    def __init__(self, d: int, h: int, act: str, gate: nn.Module | None, prefix: str):
+        super().__init__()
+        self.w_in = MergedColumnParallelLinear(d, [h, h], bias=False, prefix=f"{prefix}.w_in")
+        self.act = _act_and_mul(act)
+        self.w_out = RowParallelLinear(h, d, bias=False, reduce_results=False, prefix=f"{prefix}.w_out")
+        self.gate = gate
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.w_out(self.act(self.w_in(x)[0]))[0]
+        return y if self.gate is None else torch.sigmoid(self.gate(x)[0]) * y
+
+
+def _experts(mod, w, leaf):
+    """Our stacked w_gate / w_up [E, d, f], w_down [E, f, d] (x @ w[e]) -> each expert's [out, in] matrix through
+    FusedMoE's loader, (checkpoint name, shard id w1 / w3 / w2, expert id) as make_expert_params_mapping names them."""
+    return [(param + "weight", (name + "weight", shard, e), w[e].t()) for param, name, e, shard in mod.mapping
+            if name.split(".")[-2] == leaf]
+
+
+class MoELayer(Mixer):
+    """O on vLLM's FusedMoE (as its deepseek_v2.py / qwen3_next.py build their sparse blocks), x [N, d] -> [N, d]:
+    the router a replicated linear the runner applies, routing by FusedMoE's grouped top-k (softmax or sigmoid scores,
+    correction bias, groups, renormalisation, routed scaling: ops.moe.route_topk's rules), the experts' hidden dim
+    sharded over the tensor-parallel ranks, the shared expert beside them; FusedMoE all-reduces routed + shared once.
+
+    Where the rules differ: our groups score by their two best biased scores, vLLM's by that only with a correction
+    bias (else by their best), so grouped routing without our bias runs with a zero one; groups of one expert keep
+    the top-k anyway (routed as one group); our sigmoid weights are renormalised over their sum + 1e-20, which float32
+    does not resolve unless every chosen score is below ~1e-13."""
+    stacked = {leaf: (lambda mod, w, leaf=leaf: _experts(mod, w, leaf)) for leaf in ("w_gate", "w_up", "w_down")}
+    stacked["shared.w_in.weight"] = lambda mod, w: _gate_up(mod, w, "weight", "shared.w_in")
+
+    @classmethod
+    def refuse(cls, cfg, letter, dtype=None):
+        if not cfg.mlp_gated or cfg.mlp_act not in ("silu", "gelu", "gelu_tanh"):
+            return (f"{'gated' if cfg.mlp_gated else 'plain'} {cfg.mlp_act} experts (served on FusedMoE: gated silu, "
+                    "gelu, gelu_tanh, the activations of vLLM's CPU experts)")
+        if current_platform.is_cpu() and cfg.d_model % 32:
+            return f"d_model={cfg.d_model} (FusedMoE's CPU experts want a multiple of 32)"
+        return None
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        d, E, h = cfg.d_model, cfg.moe_experts, cfg.moe_hidden or cfg.mlp_hidden_size
+        groups = cfg.moe_n_group if E // cfg.moe_n_group > 1 else 1
+        self.router = ReplicatedLinear(d, E, bias=False, prefix=f"{prefix}.router")
+        bias = cfg.moe_router_bias or groups > 1
+        # DeepSeek-V3's e_score_correction_bias (ours when the run has one, else zero), float32 as vLLM keeps it
+        self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32) if bias else None)
+        self.shared_gate = (ReplicatedLinear(d, 1, bias=False, prefix=f"{prefix}.shared_gate")
+                            if cfg.moe_shared and cfg.moe_shared_gate else None)
+        self.shared = (SharedExpert(d, cfg.moe_shared_hidden or h, cfg.mlp_act, self.shared_gate, f"{prefix}.shared")
+                       if cfg.moe_shared else None)
+        self.experts = FusedMoEFactory(
+            num_experts=E, top_k=cfg.moe_topk, hidden_size=d, intermediate_size=h, gate=self.router,
+            shared_experts=self.shared, renormalize=cfg.moe_norm_topk, use_grouped_topk=True,
+            num_expert_group=groups, topk_group=cfg.moe_topk_group if groups > 1 else 1,
+            scoring_func=cfg.moe_router, routed_scaling_factor=cfg.moe_scale, e_score_correction_bias=self.router_bias,
+            activation=cfg.mlp_act, prefix=f"{prefix}.experts")
+        self.mapping = RoutedExperts.make_expert_params_mapping(self, "w_gate", "w_down", "w_up", E)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.experts(hidden_states=x, router_logits=x)      # the runner applies the router to x
+
+
 class ChannelLayer(Mixer):
-    """E (CDMoE), O (routed MoE): our module as it is (no state; replicated under tensor parallelism)."""
+    """E (CDMoE), O (routed MoE, where MoELayer refuses): our module as it is (no state; replicated under tensor
+    parallelism)."""
     renames = {"": "own."}      # our module, its names under `own`
 
     def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
@@ -397,7 +478,7 @@ LAYERS: dict[str, tuple[type[Mixer], ...]] = {
     "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (OwnAttentionLayer,),
     "S": (Mamba2Layer,), "C": (ShortConvLayer,),
     "R": (RecurrentLayer,), "G": (RecurrentLayer,), "K": (RecurrentLayer,), "B": (RecurrentLayer,),
-    "M": (MLPLayer,), "E": (ChannelLayer,), "O": (ChannelLayer,),
+    "M": (MLPLayer,), "E": (ChannelLayer,), "O": (MoELayer, ChannelLayer),
 }
 # why the letters outside the table are refused
 NOT_SERVED = {"I": "the lightning indexer's top-k key selection (DeepSeek-V3.2) is not a vLLM attention",

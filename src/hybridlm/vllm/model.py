@@ -8,8 +8,9 @@ shapes here, ours with vLLM's cache otherwise; anything else is refused at load,
 Module and parameter names follow hybridlm's CausalLM (`embed`, `blocks.i.norm`, `blocks.i.mixer`, ...), so a run's
 weights load by name through one WeightsMapper (the renames each mixer kind declares: our own layers under `own.`,
 MambaMixer2's `conv1d` / `A`) and each kind's cuts of our fused tensors into vLLM's stacked parameters (fused QKV,
-gate/up, the conv kernel's [C, K] as [C, 1, K]). vLLM gives continuous batching, chunked prefill, prefix caching (its
-mamba "align" mode) and tensor parallelism (A, W, S, C, M shard by heads / channels; the others are replicated).
+gate/up, the conv kernel's [C, K] as [C, 1, K], our stacked experts one expert at a time into FusedMoE's). vLLM
+gives continuous batching, chunked prefill, prefix caching (its mamba "align" mode) and tensor parallelism (A, W, S,
+C, M, O shard by heads / channels; the others are replicated).
 """
 import json
 import os
@@ -163,7 +164,7 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
             for target, shard, tensor in cuts:
                 p = params[target]
                 loader = getattr(p, "weight_loader", default_weight_loader)
-                loader(p, tensor, shard) if shard is not None else loader(p, tensor)
+                loader(p, tensor, *(shard if isinstance(shard, tuple) else () if shard is None else (shard,)))
                 loaded.add(target)
         if self.config.tie_embeddings:
             loaded.add("lm_head.weight")
