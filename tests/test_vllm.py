@@ -121,6 +121,12 @@ def test_native_qwen3_next_served_in_bf16(tmp_path):
                    check=True, capture_output=True)
     ps = prompts()
     (got,) = served(out, ps, dtype="bfloat16")
+    assert_bf16_agrees(m, ps, got)
+
+
+def assert_bf16_agrees(m: CausalLM, ps: list[list[int]], got: list[list[int]]):
+    """The bf16 rule: every token vLLM picked is, under our float32 model `m` fed vLLM's own sequence, within a
+    quarter of the spread between the best and the median logit of the best."""
     for p, toks in zip(ps, got):
         assert len(toks) == NEW
         with torch.no_grad():
@@ -139,12 +145,13 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
     "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
     # Qwen3-Next's and Kimi-Linear's mixers in a layout of one's own: ours with vLLM's cache in float32 (vLLM's CPU
-    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) ours
+    # Gated DeltaNet is bf16-only with heads of 64 or 128, its KDA Triton-only); O (sigmoid router with a bias, shared
+    # expert) ours
     "delta-moe": ModelConfig(layout="G O A O K O", gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32,
                              kda_heads=2, kda_head_dim=32, moe_experts=4, moe_topk=2, moe_shared=True,
                              moe_router="sigmoid", moe_router_bias=True, moe_hidden=64, **SIZES),
     # the Qwen3-Next preset as a run (gated attention with a quarter of each head rotated, q/k norm; G; O with a
-    # gated shared expert), as the plugin serves it for the serve benchmark
+    # gated shared expert), as the plugin serves it for the serve benchmark (in float32: G ours; bf16: vLLM's below)
     "qwen3-next": presets.get("qwen3-next", n_layers=4, **SIZES),
     # heads of 184 channels (the 125M preset's), which vLLM's CPU attention lacks: computed at 192, zero-padded
     "head-dim-184": ModelConfig(layout="A M S M", **{**SIZES, "head_dim": 184}),
@@ -166,6 +173,41 @@ def test_plugin_serves_run(case, tmp_path):
     save_step_checkpoint(run, 1, m)         # a run directory as training leaves it: weights in step-000001/
     ps = prompts()
     assert served(run, ps) == [ours(m, ps)]
+
+
+@pytest.mark.slow
+def test_plugin_gdn_on_vllms_layer_in_bf16(tmp_path):
+    """The Qwen3-Next preset as a run, in bf16: G on vLLM's own Gated DeltaNet (its CPU kernels: heads of 64 x 64, 4
+    conv taps), beside vLLM's attention and our MoE; checked by the bf16 rule of the native Qwen3-Next export."""
+    m = model(PLUGIN["qwen3-next"])
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m)
+    ps = prompts()
+    (got,) = served(run, ps, dtype="bfloat16")
+    assert_bf16_agrees(m, ps, got)
+
+
+def test_gdn_served_by_vllms_layer_where_its_kernel_runs():
+    """G is vLLM's Gated DeltaNet in bf16 at the head dims its CPU kernel has, ours (state in vLLM's cache) in float32
+    or at other head dims / conv widths."""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+    from vllm.platforms import current_platform
+
+    from hybridlm.vllm.layers import GatedDeltaNetLayer, RecurrentLayer, kind
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU kernel's limits")
+    q3n = PLUGIN["qwen3-next"]          # heads of 64 x 64
+    assert kind("G", q3n, torch.bfloat16) is GatedDeltaNetLayer
+    assert kind("G", q3n, None) is GatedDeltaNetLayer           # config.json's check, before the dtype is known
+    assert kind("G", ModelConfig(**{**SIZES, "gdn_k_dim": 128}), torch.bfloat16) is GatedDeltaNetLayer
+    assert kind("G", q3n, torch.float32) is RecurrentLayer
+    assert kind("G", q3n, torch.float16) is RecurrentLayer
+    assert kind("G", PLUGIN["delta-moe"], torch.bfloat16) is RecurrentLayer                # 32 x 32
+    assert kind("G", ModelConfig(**{**SIZES, "gdn_v_dim": 128}), torch.bfloat16) is RecurrentLayer   # 64 x 128
+    assert kind("G", ModelConfig(**{**SIZES, "head_dim": 96}), torch.bfloat16) is RecurrentLayer
+    packed = torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
+    assert kind("G", ModelConfig(**{**SIZES, "d_conv": 3}), torch.bfloat16) is (
+        RecurrentLayer if packed else GatedDeltaNetLayer)
 
 
 @pytest.mark.slow
