@@ -175,11 +175,19 @@ def test_plugin_serves_run(case, tmp_path):
     assert served(run, ps) == [ours(m, ps)]
 
 
+BF16 = {   # case -> config: served in bf16 through the plugin, G on vLLM's own Gated DeltaNet (its CPU kernels: heads
+    # of 64 x 64, 4 conv taps)
+    "qwen3-next": PLUGIN["qwen3-next"],     # beside vLLM's attention and our MoE
+    # three kinds of recurrent state in one cache: vLLM's GDN, MambaMixer2's and ours (R), pages sized by the largest
+    "gdn-ssd-rodimus": ModelConfig(layout="G M S M R M A M", attn_shared_key=False, rodimus_d_state=16, **SIZES),
+}
+
+
 @pytest.mark.slow
-def test_plugin_gdn_on_vllms_layer_in_bf16(tmp_path):
-    """The Qwen3-Next preset as a run, in bf16: G on vLLM's own Gated DeltaNet (its CPU kernels: heads of 64 x 64, 4
-    conv taps), beside vLLM's attention and our MoE; checked by the bf16 rule of the native Qwen3-Next export."""
-    m = model(PLUGIN["qwen3-next"])
+@pytest.mark.parametrize("case", BF16)
+def test_plugin_gdn_on_vllms_layer_in_bf16(case, tmp_path):
+    """Checked by the bf16 rule of the native Qwen3-Next export."""
+    m = model(BF16[case])
     run = str(tmp_path / "run")
     save_step_checkpoint(run, 1, m)
     ps = prompts()

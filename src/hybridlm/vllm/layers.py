@@ -355,7 +355,7 @@ class GatedDeltaNetLayer(Mixer, QwenGatedDeltaNetAttention):
                 return (f"heads of {dk} key x {dv} value channels (vLLM's CPU chunked delta rule takes 64 x 64 or "
                         "128 x 128)")
             if cfg.d_conv != 4 and _cpu_packed_conv():
-                return f"d_conv={cfg.d_conv} (vLLM's CPU conv kernel, packed weights, has 4 taps only)"
+                return f"d_conv={cfg.d_conv} (vLLM's CPU conv kernel, on weights packed at load, takes 4 taps only)"
         return None
 
     @classmethod
