@@ -195,12 +195,13 @@ def test_plugin_gdn_on_vllms_layer_in_bf16(case, tmp_path):
     assert_bf16_agrees(m, ps, got)
 
 
-def test_gdn_served_by_vllms_layer_where_its_kernel_runs():
+def test_gdn_served_by_vllms_layer_where_its_kernel_runs(monkeypatch):
     """G is vLLM's Gated DeltaNet in bf16 at the head dims its CPU kernel has, ours (state in vLLM's cache) in float32
-    or at other head dims / conv widths."""
+    or at other head dims / conv widths, or with fewer key heads than tensor-parallel ranks."""
     from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
     from vllm.platforms import current_platform
 
+    from hybridlm.vllm import layers
     from hybridlm.vllm.layers import GatedDeltaNetLayer, RecurrentLayer, kind
     if not current_platform.is_cpu():
         pytest.skip("the CPU kernel's limits")
@@ -216,6 +217,9 @@ def test_gdn_served_by_vllms_layer_where_its_kernel_runs():
     packed = torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
     assert kind("G", ModelConfig(**{**SIZES, "d_conv": 3}), torch.bfloat16) is (
         RecurrentLayer if packed else GatedDeltaNetLayer)
+    monkeypatch.setattr(layers, "_tp_size", lambda: 2)          # vLLM's shards whole key heads
+    assert kind("G", q3n, torch.bfloat16) is RecurrentLayer    # 1 key head
+    assert kind("G", ModelConfig(**{**SIZES, "gdn_v_heads": 4}), torch.bfloat16) is GatedDeltaNetLayer
 
 
 @pytest.mark.slow
@@ -246,6 +250,17 @@ def test_tensor_parallel(case, tmp_path):
     want = ours(m, ps)
     assert served(run, ps, tensor_parallel_size=2, distributed_executor_backend="mp") == [want]
     assert served(run, ps) == [want]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gdn_on_vllms_layer_in_bf16(tmp_path):
+    """vLLM's Gated DeltaNet sharded over 2 ranks, a key-head group (its value heads) each, in bf16 (the bf16 rule)."""
+    m = model(ModelConfig(layout="G M A M G M", attn_shared_key=False, gdn_k_heads=2, gdn_v_heads=4, **SIZES))
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m)
+    ps = prompts()
+    (got,) = served(run, ps, dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert_bf16_agrees(m, ps, got)
 
 
 @pytest.mark.parametrize("layout, letter, extra", [
