@@ -6,7 +6,8 @@ prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H 
 model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
 mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
 Gated DeltaNet G, KDA K and routed MoE O, MLA L with Mamba-1 B, inner-function attention F with the dynamic mask;
-tensor parallel 2 gives the tokens of 1.
+tensor parallel 2 gives the tokens of 1. Where vLLM's kernel demands bf16 (its CPU Gated DeltaNet: the Qwen3Next
+export, G on vLLM's layer through the plugin, also under tensor parallelism) the tokens meet a stated bf16 rule.
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
