@@ -176,11 +176,14 @@ def test_plugin_serves_run(case, tmp_path):
     assert served(run, ps) == [ours(m, ps)]
 
 
-BF16 = {   # case -> config: served in bf16 through the plugin, G on vLLM's own Gated DeltaNet (its CPU kernels: heads
-    # of 64 x 64, 4 conv taps)
-    "qwen3-next": PLUGIN["qwen3-next"],     # beside vLLM's attention and our MoE
+BF16 = {   # case -> (config, engine options): served in bf16 through the plugin, G on vLLM's own Gated DeltaNet (its
+    # CPU kernels: heads of 64 x 64, 4 conv taps)
+    "qwen3-next": (PLUGIN["qwen3-next"], {}),     # beside vLLM's attention and our MoE
     # three kinds of recurrent state in one cache: vLLM's GDN, MambaMixer2's and ours (R), pages sized by the largest
-    "gdn-ssd-rodimus": ModelConfig(layout="G M S M R M A M", attn_shared_key=False, rodimus_d_state=16, **SIZES),
+    "gdn-ssd-rodimus": (ModelConfig(layout="G M S M R M A M", attn_shared_key=False, rodimus_d_state=16, **SIZES), {}),
+    # vLLM's GDN sharded over 2 ranks, a key-head group (its value heads) each
+    "tp2": (ModelConfig(layout="G M A M G M", attn_shared_key=False, gdn_k_heads=2, gdn_v_heads=4, **SIZES),
+            dict(tensor_parallel_size=2, distributed_executor_backend="mp")),
 }
 
 
@@ -188,11 +191,12 @@ BF16 = {   # case -> config: served in bf16 through the plugin, G on vLLM's own 
 @pytest.mark.parametrize("case", BF16)
 def test_plugin_gdn_on_vllms_layer_in_bf16(case, tmp_path):
     """Checked by the bf16 rule of the native Qwen3-Next export."""
-    m = model(BF16[case])
+    cfg, extra = BF16[case]
+    m = model(cfg)
     run = str(tmp_path / "run")
     save_step_checkpoint(run, 1, m)
     ps = prompts()
-    (got,) = served(run, ps, dtype="bfloat16")
+    (got,) = served(run, ps, dtype="bfloat16", **extra)
     assert_bf16_agrees(m, ps, got)
 
 
@@ -251,17 +255,6 @@ def test_tensor_parallel(case, tmp_path):
     want = ours(m, ps)
     assert served(run, ps, tensor_parallel_size=2, distributed_executor_backend="mp") == [want]
     assert served(run, ps) == [want]
-
-
-@pytest.mark.slow
-def test_tensor_parallel_gdn_on_vllms_layer_in_bf16(tmp_path):
-    """vLLM's Gated DeltaNet sharded over 2 ranks, a key-head group (its value heads) each, in bf16 (the bf16 rule)."""
-    m = model(ModelConfig(layout="G M A M G M", attn_shared_key=False, gdn_k_heads=2, gdn_v_heads=4, **SIZES))
-    run = str(tmp_path / "run")
-    save_step_checkpoint(run, 1, m)
-    ps = prompts()
-    (got,) = served(run, ps, dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="mp")
-    assert_bf16_agrees(m, ps, got)
 
 
 @pytest.mark.parametrize("layout, letter, extra", [
