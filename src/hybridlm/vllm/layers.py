@@ -36,15 +36,14 @@ beyond its largest the letter is refused at load.
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from vllm.config import VllmConfig
-from vllm.config import get_current_vllm_config_or_none
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear)
-from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 from vllm.model_executor.layers.mamba.short_conv import ShortConv
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -344,7 +343,7 @@ class GatedDeltaNetLayer(Mixer, QwenGatedDeltaNetAttention):
 
     @classmethod
     def refuse(cls, cfg, letter, dtype=None):
-        hk, hv, dk, dv = gdn_sizes(cfg)
+        hk, _, dk, dv = gdn_sizes(cfg)
         tp = _tp_size()
         if hk % tp:
             return f"{hk} key heads over {tp} ranks (vLLM's Gated DeltaNet shards whole key heads)"

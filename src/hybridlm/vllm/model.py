@@ -78,9 +78,9 @@ def _largest_state(vllm_config: VllmConfig):
     are chosen as the model's layers will be (under `vllm_config`: its tensor-parallel size is a reason to refuse)."""
     cfg, dtype = _model_config(vllm_config), vllm_config.model_config.dtype
     with nullcontext() if get_current_vllm_config_or_none() else set_current_vllm_config(vllm_config):
-        found = [s for i, letter in enumerate(flatten(parse_layout(cfg.layout, LETTERS)))
-                 if (s := kind(str(letter), c := cfg.for_layer(i), dtype).state(c, str(letter), vllm_config))
-                 is not None]
+        states = [kind(str(x), c := cfg.for_layer(i), dtype).state(c, str(x), vllm_config)
+                  for i, x in enumerate(flatten(parse_layout(cfg.layout, LETTERS)))]
+    found = [s for s in states if s is not None]
 
     def nbytes(item):
         shapes, dtypes = item
