@@ -337,7 +337,9 @@ class GatedDeltaNetLayer(Mixer, QwenGatedDeltaNetAttention):
     """G: vLLM's Gated DeltaNet, Qwen3-Next's layer, sized from our config. Our G is Qwen3-Next's tensor for tensor
     (hf/convert_qwen3_next.py): in_proj_qkvz / in_proj_ba grouped per key head load whole into vLLM's one-shard
     projections (a rank keeps whole key-head groups), the conv kernel [C, K] as conv1d's [C, 1, K], the gated norm's
-    weight as norm.weight; A_log, dt_bias and out_proj by name."""
+    weight as norm.weight; A_log, dt_bias and out_proj by name. Every G option has its equivalent there (heads, head
+    dims, conv taps, norm eps; gdn_chunk_size is speed only), so only its kernels' limits refuse (its q/k l2 norm adds
+    1e-5, ours 1e-6: far below bf16's rounding)."""
     renames = {"conv.weight": "conv1d.weight", "norm_weight": "norm.weight"}
     stacked = {"conv1d.weight": lambda mod, w: [("conv1d.weight", None, w.unsqueeze(1))]}   # [C, K] -> [C, 1, K]
 
