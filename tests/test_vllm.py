@@ -6,7 +6,9 @@ prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H 
 model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
 mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
 Gated DeltaNet G, KDA K and routed MoE O, a DeepSeek-V3-routed O, MLA L with Mamba-1 B, inner-function attention F
-with the dynamic mask; tensor parallel 2 gives the tokens of 1 (O sharded by vLLM's FusedMoE among them).
+with the dynamic mask; tensor parallel 2 gives the tokens of 1 (O sharded by vLLM's FusedMoE among them). Where
+vLLM's kernel demands bf16 (its CPU Gated DeltaNet: the Qwen3Next export, G on vLLM's layer through the plugin, also
+under tensor parallelism) the tokens meet a stated bf16 rule.
 O is served by layers.MoELayer (vLLM's FusedMoE, its CPU experts) in every case here; ChannelLayer (ours) takes the
 options FusedMoE cannot do (test_routed_moe_falls_back_to_ours); the routing options no served case has are checked
 layer against layer, without an engine (test_moe_layer_equals_ours).
@@ -130,6 +132,12 @@ def test_native_qwen3_next_served_in_bf16(tmp_path):
                    check=True, capture_output=True)
     ps = prompts()
     (got,) = served(out, ps, dtype="bfloat16")
+    assert_bf16_agrees(m, ps, got)
+
+
+def assert_bf16_agrees(m: CausalLM, ps: list[list[int]], got: list[list[int]]):
+    """The bf16 rule: every token vLLM picked is, under our float32 model `m` fed vLLM's own sequence, within a
+    quarter of the spread between the best and the median logit of the best."""
     for p, toks in zip(ps, got):
         assert len(toks) == NEW
         with torch.no_grad():
@@ -148,12 +156,14 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "short-conv": ModelConfig(layout="C M A M C M", conv_bias=True, **SIZES),
     "cdmoe": ModelConfig(layout="S E A E", wm_cdmoe_experts=16, wm_cdmoe_topk=4, **SIZES),
     # Qwen3-Next's and Kimi-Linear's mixers in a layout of one's own: ours with vLLM's cache in float32 (vLLM's CPU
-    # Gated DeltaNet is bf16-only, its KDA Triton-only); O (sigmoid router with a bias, shared expert) on FusedMoE
+    # Gated DeltaNet is bf16-only with heads of 64 or 128, its KDA Triton-only); O (sigmoid router with a bias, shared
+    # expert) on FusedMoE
     "delta-moe": ModelConfig(layout="G O A O K O", gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32,
                              kda_heads=2, kda_head_dim=32, moe_experts=4, moe_topk=2, moe_shared=True,
                              moe_router="sigmoid", moe_router_bias=True, moe_hidden=64, **SIZES),
     # the Qwen3-Next preset as a run (gated attention with a quarter of each head rotated, q/k norm; G; O on vLLM's
-    # FusedMoE with a sigmoid-gated shared expert), as the plugin serves it for the serve benchmark
+    # FusedMoE with a sigmoid-gated shared expert), as the plugin serves it for the serve benchmark (in float32: G
+    # ours; bf16: vLLM's, below)
     "qwen3-next": presets.get("qwen3-next", n_layers=4, **SIZES),
     # DeepSeek-V3's routing on vLLM's FusedMoE: sigmoid scores, correction bias, 4 groups of 4 experts of which the
     # 2 best, routed scaling, renormalised top 3, a shared expert without gate
@@ -180,6 +190,57 @@ def test_plugin_serves_run(case, tmp_path):
     save_step_checkpoint(run, 1, m)         # a run directory as training leaves it: weights in step-000001/
     ps = prompts()
     assert served(run, ps) == [ours(m, ps)]
+
+
+BF16 = {   # case -> (config, engine options): served in bf16 through the plugin, G on vLLM's own Gated DeltaNet (its
+    # CPU kernels: heads of 64 x 64, 4 conv taps)
+    "qwen3-next": (PLUGIN["qwen3-next"], {}),     # beside vLLM's attention and our MoE
+    # three kinds of recurrent state in one cache: vLLM's GDN, MambaMixer2's and ours (R), pages sized by the largest
+    "gdn-ssd-rodimus": (ModelConfig(layout="G M S M R M A M", attn_shared_key=False, rodimus_d_state=16, **SIZES), {}),
+    # vLLM's GDN sharded over 2 ranks, a key-head group (its value heads) each
+    "tp2": (ModelConfig(layout="G M A M G M", attn_shared_key=False, gdn_k_heads=2, gdn_v_heads=4, **SIZES),
+            dict(tensor_parallel_size=2, distributed_executor_backend="mp")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BF16)
+def test_plugin_gdn_on_vllms_layer_in_bf16(case, tmp_path):
+    """Checked by the bf16 rule of the native Qwen3-Next export."""
+    cfg, extra = BF16[case]
+    m = model(cfg)
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m)
+    ps = prompts()
+    (got,) = served(run, ps, dtype="bfloat16", **extra)
+    assert_bf16_agrees(m, ps, got)
+
+
+def test_gdn_served_by_vllms_layer_where_its_kernel_runs(monkeypatch):
+    """G is vLLM's Gated DeltaNet in bf16 at the head dims its CPU kernel has, ours (state in vLLM's cache) in float32
+    or at other head dims / conv widths, or with fewer key heads than tensor-parallel ranks."""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+    from vllm.platforms import current_platform
+
+    from hybridlm.vllm import layers
+    from hybridlm.vllm.layers import GatedDeltaNetLayer, RecurrentLayer, kind
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU kernel's limits")
+    q3n = PLUGIN["qwen3-next"]          # heads of 64 x 64
+    assert kind("G", q3n, torch.bfloat16) is GatedDeltaNetLayer
+    assert kind("G", q3n, None) is GatedDeltaNetLayer           # config.json's check, before the dtype is known
+    assert kind("G", ModelConfig(**{**SIZES, "gdn_k_dim": 128}), torch.bfloat16) is GatedDeltaNetLayer
+    assert kind("G", q3n, torch.float32) is RecurrentLayer
+    assert kind("G", q3n, torch.float16) is RecurrentLayer
+    assert kind("G", PLUGIN["delta-moe"], torch.bfloat16) is RecurrentLayer                # 32 x 32
+    assert kind("G", ModelConfig(**{**SIZES, "gdn_v_dim": 128}), torch.bfloat16) is RecurrentLayer   # 64 x 128
+    assert kind("G", ModelConfig(**{**SIZES, "head_dim": 96}), torch.bfloat16) is RecurrentLayer
+    packed = torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
+    assert kind("G", ModelConfig(**{**SIZES, "d_conv": 3}), torch.bfloat16) is (
+        RecurrentLayer if packed else GatedDeltaNetLayer)
+    monkeypatch.setattr(layers, "_tp_size", lambda: 2)          # vLLM's shards whole key heads
+    assert kind("G", q3n, torch.bfloat16) is RecurrentLayer    # 1 key head
+    assert kind("G", ModelConfig(**{**SIZES, "gdn_v_heads": 4}), torch.bfloat16) is GatedDeltaNetLayer
 
 
 @pytest.mark.slow

@@ -19,6 +19,9 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
                                KV cache; replicated under tensor parallelism
     S         Mamba2Layer      vLLM's MambaMixer2 (its SSD kernels and state)
     C         ShortConvLayer   vLLM's ShortConv (LFM2's gated short convolution)
+    G         GatedDeltaNetLayer  vLLM's Gated DeltaNet (Qwen3-Next's: its conv and delta-rule kernels, its state),
+                               sharded by key-head groups; where its kernel cannot run the layer (CPU: bf16 only,
+                               key = value head dim of 64 or 128, a conv of 4 taps), RecurrentLayer
     R G K B   RecurrentLayer   ours, with (conv tail, state) in vLLM's cache (state.py); replicated
     M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
     O         MoELayer         vLLM's FusedMoE (its grouped top-k router, its CPU experts: gated silu / gelu /
@@ -26,9 +29,10 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
                                sharded, one all-reduce; other experts: ChannelLayer
     E, O      ChannelLayer     ours as it is (no state; O where MoELayer refuses); replicated
 
-G, K, B and L are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
-is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs, its CPU MLA only a
-512 + 64 latent); vLLM's GPU layers for them are not wired in yet.
+K, B and L are ours on every platform: vLLM's CPU build cannot run its own (its KDA is Triton-only, its Mamba-1
+scan not built for CPUs, its CPU MLA only a 512 + 64 latent); vLLM's GPU layers for them are not wired in yet. G is
+vLLM's in bf16 at the head dims its CPU kernel has, ours otherwise (a float32 run); O is vLLM's FusedMoE where its
+experts run.
 
 Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
 served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
@@ -37,13 +41,14 @@ beyond its largest the letter is refused at load.
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear)
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 from vllm.model_executor.layers.mamba.short_conv import ShortConv
@@ -54,6 +59,7 @@ from ..context import SeqContext
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norm import make_norm
 from ..models.config import ModelConfig
+from ..models.mixers_delta import gdn_sizes
 from ..models.registry import LETTERS
 from .state import RecurrentState, state_shapes
 
@@ -333,6 +339,67 @@ class ShortConvLayer(Mixer, ShortConv):
         return out
 
 
+class GatedDeltaNetLayer(Mixer, QwenGatedDeltaNetAttention):
+    """G: vLLM's Gated DeltaNet, Qwen3-Next's layer, sized from our config. Our G is Qwen3-Next's tensor for tensor
+    (hf/convert_qwen3_next.py): in_proj_qkvz / in_proj_ba grouped per key head load whole into vLLM's one-shard
+    projections (a rank keeps whole key-head groups), the conv kernel [C, K] as conv1d's [C, 1, K], the gated norm's
+    weight as norm.weight; A_log, dt_bias and out_proj by name. Every G option has its equivalent there (heads, head
+    dims, conv taps, norm eps; gdn_chunk_size is speed only), so only its kernels' limits refuse (its q/k l2 norm adds
+    1e-5, ours 1e-6: far below bf16's rounding)."""
+    renames = {"conv.weight": "conv1d.weight", "norm_weight": "norm.weight"}
+    stacked = {"conv1d.weight": lambda mod, w: [("conv1d.weight", None, w.unsqueeze(1))]}   # [C, K] -> [C, 1, K]
+
+    @classmethod
+    def refuse(cls, cfg, letter, dtype=None):
+        hk, _, dk, dv = gdn_sizes(cfg)
+        tp = _tp_size()
+        if hk % tp:
+            return f"{hk} key heads over {tp} ranks (vLLM's Gated DeltaNet shards whole key heads)"
+        if current_platform.is_cpu():     # vLLM's CPU kernels (ops/cpu/gdn_attention.py and the C++ ops it calls)
+            if dtype is not None and dtype != torch.bfloat16:
+                return f"model dtype {dtype} (vLLM's CPU Gated DeltaNet runs in bfloat16 only)"
+            if dk != dv or dk not in (64, 128):
+                return (f"heads of {dk} key x {dv} value channels (vLLM's CPU chunked delta rule takes 64 x 64 or "
+                        "128 x 128)")
+            if cfg.d_conv != 4 and _cpu_packed_conv():
+                return f"d_conv={cfg.d_conv} (vLLM's CPU conv kernel, on weights packed at load, takes 4 taps only)"
+        return None
+
+    @classmethod
+    def state(cls, cfg, letter, vllm_config):
+        hk, hv, dk, dv = gdn_sizes(cfg)
+        cache = vllm_config.cache_config
+        return (MambaStateShapeCalculator.gated_delta_net_state_shape(
+            vllm_config.parallel_config.tensor_parallel_size, hk, hv, dk, dv, cfg.d_conv,
+            vllm_config.num_speculative_tokens),
+            MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+                vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype))
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        from types import SimpleNamespace
+        hk, hv, dk, dv = gdn_sizes(cfg)
+        config = SimpleNamespace(hidden_size=cfg.d_model, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
+                                 linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                                 linear_value_head_dim=dv, linear_conv_kernel_dim=cfg.d_conv)
+        QwenGatedDeltaNetAttention.__init__(self, config, vllm_config, prefix=prefix, gqa_interleaved_layout=True)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return QwenGatedDeltaNetAttention.forward(self, x)
+
+
+def _tp_size() -> int:
+    """Tensor-parallel ranks of the model being built (1 while no vLLM config is current: config.json's check)."""
+    config = get_current_vllm_config_or_none()
+    return config.parallel_config.tensor_parallel_size if config is not None else 1
+
+
+def _cpu_packed_conv() -> bool:
+    """Whether vLLM's CPU Gated DeltaNet runs its C++ conv on weights packed at load, which packs 4 taps only
+    (layers/utils.py's dispatch_cpu_unquantized_gemm; AVX-512 BF16, or ARM with bf16)."""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+    return torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
+
+
 class RecurrentLayer(Mixer):
     """R, G, K, B: our layer (its parameters under `own.`), its state in vLLM's cache (state.py)."""
     renames = {"": "own."}      # our module, its names under `own`
@@ -477,7 +544,7 @@ class ChannelLayer(Mixer):
 LAYERS: dict[str, tuple[type[Mixer], ...]] = {
     "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (OwnAttentionLayer,),
     "S": (Mamba2Layer,), "C": (ShortConvLayer,),
-    "R": (RecurrentLayer,), "G": (RecurrentLayer,), "K": (RecurrentLayer,), "B": (RecurrentLayer,),
+    "R": (RecurrentLayer,), "G": (GatedDeltaNetLayer, RecurrentLayer), "K": (RecurrentLayer,), "B": (RecurrentLayer,),
     "M": (MLPLayer,), "E": (ChannelLayer,), "O": (MoELayer, ChannelLayer),
 }
 # why the letters outside the table are refused

@@ -10,15 +10,16 @@ weights load by name through one WeightsMapper (the renames each mixer kind decl
 MambaMixer2's `conv1d` / `A`) and each kind's cuts of our fused tensors into vLLM's stacked parameters (fused QKV,
 gate/up, the conv kernel's [C, K] as [C, 1, K], our stacked experts one expert at a time into FusedMoE's). vLLM
 gives continuous batching, chunked prefill, prefix caching (its mamba "align" mode) and tensor parallelism (A, W, S,
-C, M, O shard by heads / channels; the others are replicated).
+C, M, O and vLLM's G shard by heads / channels; the others are replicated).
 """
 import json
 import os
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator, get_temporal_copy_spec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -73,10 +74,13 @@ def _model_config(vllm_config: VllmConfig) -> ModelConfig:
 
 
 def _largest_state(vllm_config: VllmConfig):
-    """(shapes, dtypes) of the recurrent layer with the largest state: vLLM sizes every mamba page by it."""
+    """(shapes, dtypes) of the recurrent layer with the largest state: vLLM sizes every mamba page by it. The kinds
+    are chosen as the model's layers will be (under `vllm_config`: its tensor-parallel size is a reason to refuse)."""
     cfg, dtype = _model_config(vllm_config), vllm_config.model_config.dtype
-    found = [s for i, letter in enumerate(flatten(parse_layout(cfg.layout, LETTERS)))
-             if (s := kind(str(letter), c := cfg.for_layer(i), dtype).state(c, str(letter), vllm_config)) is not None]
+    with nullcontext() if get_current_vllm_config_or_none() else set_current_vllm_config(vllm_config):
+        states = [kind(str(x), c := cfg.for_layer(i), dtype).state(c, str(x), vllm_config)
+                  for i, x in enumerate(flatten(parse_layout(cfg.layout, LETTERS)))]
+    found = [s for s in states if s is not None]
 
     def nbytes(item):
         shapes, dtypes = item
@@ -101,9 +105,11 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):
-        """Per kind of state: vLLM's for MambaMixer2's and ShortConv's, a whole-snapshot copy for our (conv, state)."""
+        """Per kind of state: vLLM's for MambaMixer2's, ShortConv's and Gated DeltaNet's, a whole-snapshot copy for
+        our (conv, state)."""
         ours = {MambaAttentionBackendEnum[BACKEND]: (get_temporal_copy_spec, get_temporal_copy_spec),
-                MambaAttentionBackendEnum.SHORT_CONV: MambaStateCopyFuncCalculator.short_conv_state_copy_func()}
+                MambaAttentionBackendEnum.SHORT_CONV: MambaStateCopyFuncCalculator.short_conv_state_copy_func(),
+                MambaAttentionBackendEnum.GDN_ATTN: MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()}
         return {t: ours.get(t, cls.get_mamba_state_copy_func()) for t in mamba_types}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):

@@ -87,7 +87,7 @@ def _shapes(letter: str, cfg_json: str) -> tuple[tuple[int, ...], tuple[int, ...
     with torch.device("cpu"):
         torch.manual_seed(0)
         mixer = LETTERS[letter].build(cfg, 0).float().eval()
-        x = torch.zeros(1, 2, cfg.d_model)
+        x = torch.zeros(1, 2, cfg.d_model, dtype=torch.float32)    # vLLM's model dtype is torch's default here
         with torch.no_grad():
             _, slot = run(mixer, x, torch.arange(2)[None], None, None)
     if slot.conv is None or slot.state is None:
