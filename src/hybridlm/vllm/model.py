@@ -9,7 +9,8 @@ Module and parameter names follow hybridlm's CausalLM (`embed`, `blocks.i.norm`,
 weights load by name through one WeightsMapper (the renames each mixer kind declares: our own layers under `own.`,
 MambaMixer2's `conv1d` / `A`) and each kind's cuts of our fused tensors into vLLM's stacked parameters (fused QKV,
 gate/up, the conv kernel's [C, K] as [C, 1, K]). vLLM gives continuous batching, chunked prefill, prefix caching (its
-mamba "align" mode) and tensor parallelism (A, W, S, C, M shard by heads / channels; the others are replicated).
+mamba "align" mode) and tensor parallelism (A, W, S, C, M, and K and B on vLLM's
+layers, shard by heads / channels; the others are replicated).
 """
 import json
 import os
@@ -100,9 +101,12 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):
-        """Per kind of state: vLLM's for MambaMixer2's and ShortConv's, a whole-snapshot copy for our (conv, state)."""
+        """Per kind of state: vLLM's for its layers' (MambaMixer2, ShortConv, MambaMixer, KDA), a whole-snapshot copy
+        for our (conv, state)."""
         ours = {MambaAttentionBackendEnum[BACKEND]: (get_temporal_copy_spec, get_temporal_copy_spec),
-                MambaAttentionBackendEnum.SHORT_CONV: MambaStateCopyFuncCalculator.short_conv_state_copy_func()}
+                MambaAttentionBackendEnum.SHORT_CONV: MambaStateCopyFuncCalculator.short_conv_state_copy_func(),
+                MambaAttentionBackendEnum.MAMBA1: MambaStateCopyFuncCalculator.mamba1_state_copy_func(),
+                MambaAttentionBackendEnum.GDN_ATTN: MambaStateCopyFuncCalculator.kda_state_copy_func()}
         return {t: ours.get(t, cls.get_mamba_state_copy_func()) for t in mamba_types}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
