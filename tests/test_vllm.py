@@ -197,7 +197,7 @@ def test_plugin_prefix_caching(tmp_path):
 
 VLLM_LAYERS = {   # letter -> (plugin case, the kernels vLLM's layer for it calls)
     "K": ("delta-moe", ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "gather_initial_states")),
-    "B": ("mla-mamba1", ("selective_scan_fn",)),
+    "B": ("mla-mamba1", ("selective_scan_fn", "selective_state_update")),
 }
 
 

@@ -2,7 +2,8 @@
 
 vLLM's KimiGatedDeltaNetAttention calls Triton kernels (chunk_kda_with_fused_gate for prefills,
 fused_recurrent_kda_packed_decode for decodes, gather_initial_states for the carried states) and MambaMixer a CUDA op
-(selective_scan_fn, its prefill); their convolutions and Mamba-1's decode step (selective_state_update) have CPU
+(selective_scan_fn, its prefill); its CPU build's Mamba decode step (selective_state_update) takes Mamba-2's
+[slots, heads, dim, state] states only (IndexError on Mamba-1's [slots, dim, state]). The convolutions have CPU
 implementations in vLLM and stay vLLM's. `patch()` replaces the names the layers' modules look up with the forms below,
 each written to the kernel's contract (shapes, state layout [slot, H, V, K] for KDA and [slot, d, n] for Mamba-1,
 in-place state updates at the slots given, null slot 0 skipped) from hybridlm's own references (ops/delta_rule.py,
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from hybridlm.ops.delta_rule import delta_rule, delta_rule_step
 from hybridlm.ops.norm import l2_norm
-from hybridlm.ops.selective_scan import selective_scan_chunked
+from hybridlm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
 CALLS: Counter = Counter()
 
@@ -107,18 +108,43 @@ def selective_scan_fn(u, ssm_states, delta, A, B, C, D=None, z=None, delta_bias=
     return out
 
 
+def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, state_batch_indices=None,
+                           dst_state_batch_indices=None, null_block_id=0, out=None, **kwargs):
+    """Mamba-1's decode step: x, dt, z [b, d]; B, C [b, n]; states [slots, d, n] read at state_batch_indices and
+    written at dst_state_batch_indices (null slots skipped); y · silu(z) into out [b, d]."""
+    CALLS["selective_state_update"] += 1
+    dt = dt.float() + (dt_bias.float() if dt_bias is not None else 0)
+    dt = F.softplus(dt) if dt_softplus else dt
+    src, dst = state_batch_indices.long().view(-1), dst_state_batch_indices.long().view(-1)
+    live = src != null_block_id
+    y, h = selective_scan_step(x[live], dt[live], A, B[live], C[live], state[src[live]].float(), D)
+    if z is not None:
+        y = y * F.silu(z[live].float())
+    out[live] = y.to(out.dtype)
+    state[dst[live]] = h.to(state.dtype)
+
+
 def patch() -> None:
     """Swap the kernels above into vLLM's KDA and Mamba-1 layer modules, and let vLLM's layers past their refusal on
     the CPU platform (their other checks stand)."""
     from vllm.model_executor.layers.mamba import mamba_mixer
     from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn
-    from vllm.models.kimi_k3.nvidia.ops.third_party import kda
 
     from hybridlm.vllm import layers
-    kda.chunk_kda_with_fused_gate = chunk_kda_with_fused_gate          # imported by name inside the layer's _forward
-    kda.fused_recurrent_kda_packed_decode = fused_recurrent_kda_packed_decode
     kimi_gdn_linear_attn.gather_initial_states = gather_initial_states
     mamba_mixer.selective_scan_fn = selective_scan_fn
+    mamba_mixer.selective_state_update = selective_state_update
+    # the KDA kernels' module is imported when vLLM builds its first KDA layer, not here: it pulls in llvmlite, one of
+    # whose objects breaks the scan of every module vLLM's CPU worker makes at start-up (its Triton overrides)
+    kda_layer = kimi_gdn_linear_attn.KimiGatedDeltaNetAttention
+    init = kda_layer.__init__
+
+    def init_with_reference_kernels(self, *args, **kwargs):
+        from vllm.models.kimi_k3.nvidia.ops.third_party import kda    # imported by name inside the layer's _forward
+        kda.chunk_kda_with_fused_gate = chunk_kda_with_fused_gate
+        kda.fused_recurrent_kda_packed_decode = fused_recurrent_kda_packed_decode
+        init(self, *args, **kwargs)
+    kda_layer.__init__ = init_with_reference_kernels
 
     for cls in (layers.KimiDeltaLayer, layers.Mamba1Layer):
         refuse = cls.refuse.__func__

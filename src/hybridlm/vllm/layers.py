@@ -19,7 +19,7 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
     S         Mamba2Layer      vLLM's MambaMixer2 (its SSD kernels and state)
     C         ShortConvLayer   vLLM's ShortConv (LFM2's gated short convolution)
     K         KimiDeltaLayer   vLLM's Kimi Delta Attention (kimi_linear.py's; Triton kernels: not on its CPU build)
-    B         Mamba1Layer      vLLM's MambaMixer (Mamba-1; its prefill scan a CUDA op: not on its CPU build)
+    B         Mamba1Layer      vLLM's MambaMixer (Mamba-1; its scan a CUDA op, its CPU decode step Mamba-2's only)
     R G K B   RecurrentLayer   ours, with (conv tail, state) in vLLM's cache (state.py); replicated
     M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
     E O       ChannelLayer     ours as it is (no state); replicated
@@ -398,8 +398,8 @@ class Mamba1Layer(Mixer, MambaMixer):
     @classmethod
     def refuse(cls, cfg, letter, dtype=None):
         if current_platform.is_cpu():
-            return ("vLLM's Mamba-1 selective scan (its prefill) is a CUDA op its CPU build lacks "
-                    "(torch.ops._C.selective_scan_fwd)")
+            return ("vLLM's Mamba-1 kernels are not in its CPU build: its selective scan (prefill) is a CUDA op "
+                    "(torch.ops._C.selective_scan_fwd), its CPU decode step takes Mamba-2's states only")
         return None
 
     @classmethod
