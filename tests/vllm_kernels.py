@@ -127,24 +127,23 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
 def patch() -> None:
     """Swap the kernels above into vLLM's KDA and Mamba-1 layer modules, and let vLLM's layers past their refusal on
     the CPU platform (their other checks stand)."""
+    from vllm.platforms import current_platform
+    # the in-process engine's worker start scans every loaded module for Triton kernels to override with CPU ones,
+    # and an object of llvmlite's (pulled in by vLLM's kimi_k3 package, where its KDA kernels live) breaks the scan
+    # (`vars()` of it is no dict): scan once, now, before anything imports it
+    current_platform.register_triton_kernel_overrides()
+    type(current_platform).register_triton_kernel_overrides = classmethod(lambda cls: None)
+
     from vllm.model_executor.layers.mamba import mamba_mixer
     from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn
+    from vllm.models.kimi_k3.nvidia.ops.third_party import kda
 
     from hybridlm.vllm import layers
+    kda.chunk_kda_with_fused_gate = chunk_kda_with_fused_gate          # imported by name inside the layer's _forward
+    kda.fused_recurrent_kda_packed_decode = fused_recurrent_kda_packed_decode
     kimi_gdn_linear_attn.gather_initial_states = gather_initial_states
     mamba_mixer.selective_scan_fn = selective_scan_fn
     mamba_mixer.selective_state_update = selective_state_update
-    # the KDA kernels' module is imported when vLLM builds its first KDA layer, not here: it pulls in llvmlite, one of
-    # whose objects breaks the scan of every module vLLM's CPU worker makes at start-up (its Triton overrides)
-    kda_layer = kimi_gdn_linear_attn.KimiGatedDeltaNetAttention
-    init = kda_layer.__init__
-
-    def init_with_reference_kernels(self, *args, **kwargs):
-        from vllm.models.kimi_k3.nvidia.ops.third_party import kda    # imported by name inside the layer's _forward
-        kda.chunk_kda_with_fused_gate = chunk_kda_with_fused_gate
-        kda.fused_recurrent_kda_packed_decode = fused_recurrent_kda_packed_decode
-        init(self, *args, **kwargs)
-    kda_layer.__init__ = init_with_reference_kernels
 
     for cls in (layers.KimiDeltaLayer, layers.Mamba1Layer):
         refuse = cls.refuse.__func__
