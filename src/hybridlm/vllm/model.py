@@ -9,8 +9,8 @@ Module and parameter names follow hybridlm's CausalLM (`embed`, `blocks.i.norm`,
 weights load by name through one WeightsMapper (the renames each mixer kind declares: our own layers under `own.`,
 MambaMixer2's `conv1d` / `A`) and each kind's cuts of our fused tensors into vLLM's stacked parameters (fused QKV,
 gate/up, the conv kernel's [C, K] as [C, 1, K]). vLLM gives continuous batching, chunked prefill, prefix caching (its
-mamba "align" mode) and tensor parallelism (A, W, S, C, M, and K and B on vLLM's
-layers, shard by heads / channels; the others are replicated).
+mamba "align" mode) and tensor parallelism (A, W, S, C, M, and K and B on vLLM's layers, shard by heads / channels;
+the others are replicated).
 """
 import json
 import os
