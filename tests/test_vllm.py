@@ -6,7 +6,9 @@ prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H 
 model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
 mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
 Gated DeltaNet G, KDA K and routed MoE O, MLA L with Mamba-1 B, inner-function attention F with the dynamic mask;
-tensor parallel 2 gives the tokens of 1.
+tensor parallel 2 gives the tokens of 1. K and B also on vLLM's own layers (KimiGatedDeltaNetAttention, MambaMixer), and a
+KimiLinear export on vLLM's kimi_linear, with torch kernels standing in for the GPU ones vLLM's CPU build lacks
+(vllm_kernels.py).
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -222,7 +224,7 @@ def test_native_kimi_linear_with_reference_kernels(tmp_path, monkeypatch):
     the released names, the released config fields our export writes beside transformers'), the KDA kernels swapped as
     above. Not served by the CPU build as it is: see docs/serving.md. No MLA layer here: vLLM's Kimi MLA fails on this
     CPU in process_weights_after_loading ("kv_b_proj weight (0,)"), and a dense first MLP is saved by transformers
-    under block_sparse_moe.*, which vLLM's loader does not read (KeyError); both are left to their own tests."""
+    under block_sparse_moe.*, which vLLM's loader does not read (KeyError): docs/serving.md's table."""
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")        # on by default: a CUDA GEMM + all-reduce (cutlass)
     m = model(presets.get("kimi-linear", n_layers=3, layout="KO KO KO", vocab_size=V, d_model=128, max_seq_len=256))
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
