@@ -12,6 +12,8 @@ under tensor parallelism) the tokens meet a stated bf16 rule.
 O is served by layers.MoELayer (vLLM's FusedMoE, its CPU experts) in every case here; ChannelLayer (ours) takes the
 options FusedMoE cannot do (test_routed_moe_falls_back_to_ours); the routing options no served case has are checked
 layer against layer, without an engine (test_moe_layer_equals_ours).
+K and B also on vLLM's own layers (KimiGatedDeltaNetAttention, MambaMixer), and a KimiLinear export on vLLM's
+kimi_linear, with torch kernels standing in for the GPU ones vLLM's CPU build lacks (vllm_kernels.py).
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -65,19 +67,35 @@ def ours(model: CausalLM, ps: list[list[int]]) -> list[list[int]]:
     return [model.generate(torch.tensor([p]), NEW, temperature=0)[0, len(p):].tolist() for p in ps]
 
 
-def served(directory: str, ps: list[list[int]], rounds: int = 1, **extra) -> list[list[list[int]]]:
+# the engine in the script's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM's GPU kernels swapped for torch
+# references first (vllm_kernels.py), each kernel's call count printed after the run
+_PATCHED = "import vllm_kernels\nvllm_kernels.patch()\n" + _SERVE + """
+    print("CALLS " + json.dumps(vllm_kernels.CALLS))
+"""
+
+
+def served(directory: str, ps: list[list[int]], rounds: int = 1, kernels: tuple[str, ...] = (),
+           **extra) -> list[list[list[int]]]:
     """vLLM's greedy tokens for the batch `ps`, sent `rounds` times to one engine: a list per round. Tensor
     parallelism on vLLM's CPU build runs a process per rank, each bound to its own core (VLLM_CPU_OMP_THREADS_BIND:
-    unbound, it refuses to start on a machine with fewer cores than it wants per rank)."""
+    unbound, it refuses to start on a machine with fewer cores than it wants per rank). `kernels`: run with
+    vllm_kernels.py's reference kernels patched in, each of these called at least once."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    if kernels:
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   PYTHONPATH=os.pathsep.join((os.path.dirname(__file__), env.get("PYTHONPATH", ""))))
     tp = extra.get("tensor_parallel_size", 1)
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    r = subprocess.run([sys.executable, "-c", _SERVE, json.dumps([directory, ps, NEW, rounds, extra])], env=env,
+    r = subprocess.run([sys.executable, "-c", _PATCHED if kernels else _SERVE,
+                        json.dumps([directory, ps, NEW, rounds, extra])], env=env,
                        capture_output=True, text=True, timeout=900)
     lines = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
     causes = [x for x in r.stderr.splitlines() if "Error" in x or "error" in x][:12]    # the engine's root cause
     assert r.returncode == 0 and len(lines) == rounds, "\n".join(causes) + "\n" + r.stderr[-3000:]
+    if kernels:     # vLLM's layers ran: their kernels were called
+        calls = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("CALLS "))[len("CALLS "):])
+        assert all(calls.get(k) for k in kernels), calls
     return [json.loads(x[len("TOKENS "):]) for x in lines]
 
 
@@ -252,6 +270,68 @@ def test_plugin_prefix_caching(tmp_path):
     save_step_checkpoint(run, 1, m)
     ps = prompts()
     assert served(run, ps, rounds=2, enable_prefix_caching=True) == [ours(m, ps)] * 2
+
+
+VLLM_LAYERS = {   # letter -> (plugin case, the kernels vLLM's layer for it calls)
+    "K": ("delta-moe", ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "gather_initial_states")),
+    "B": ("mla-mamba1", ("selective_scan_fn", "selective_state_update")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("letter", VLLM_LAYERS)
+def test_vllm_layer_with_reference_kernels(letter, tmp_path):
+    """K on vLLM's KimiGatedDeltaNetAttention, B on vLLM's MambaMixer (the layers a GPU gets): on this CPU their GPU
+    kernels are swapped for torch references and the class choice is let past the platform (vllm_kernels.py), so
+    vLLM's layer code runs as on a GPU: our weights cut into its parameters, its convolutions (vLLM's CPU ones), norms,
+    state shapes, slots and metadata. Greedy tokens equal generate's. vLLM's GPU kernels themselves stay untested."""
+    case, kernels = VLLM_LAYERS[letter]
+    m = model(PLUGIN[case])
+    run = str(tmp_path / "run")
+    save_step_checkpoint(run, 1, m)
+    ps = prompts()
+    assert served(run, ps, kernels=kernels) == [ours(m, ps)]
+
+
+@pytest.mark.slow
+def test_native_kimi_linear_with_reference_kernels(tmp_path, monkeypatch):
+    """A KimiLinear export served by vLLM's own kimi_linear model (its KDA layers, FusedMoE, its weight loader reading
+    the released names, the released config fields our export writes beside transformers'), the KDA kernels swapped as
+    above. Not served by the CPU build as it is: see docs/serving.md. No MLA layer here: vLLM's Kimi MLA fails on this
+    CPU in process_weights_after_loading ("kv_b_proj weight (0,)"), and a dense first MLP is saved by transformers
+    under block_sparse_moe.*, which vLLM's loader does not read (KeyError): docs/serving.md's table."""
+    monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")        # on by default: a CUDA GEMM + all-reduce (cutlass)
+    m = model(presets.get("kimi-linear", n_layers=3, layout="KO KO KO", vocab_size=V, d_model=128, max_seq_len=256))
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    save_checkpoint(run, m)
+    subprocess.run([sys.executable, "-m", "hybridlm", "convert", "--to-hf", run, "--as-native", "--out", out],
+                   check=True, capture_output=True)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["linear_attn_config"]["kda_layers"] == [1, 2, 3]
+    ps = prompts()
+    # prefix caching off: vLLM's CPU build turns it off for any MLA-configured model after KimiLinear's mamba block
+    # size was set for it, and then refuses its own config
+    assert served(out, ps, kernels=VLLM_LAYERS["K"][1], enable_prefix_caching=False) == [ours(m, ps)]
+
+
+@pytest.mark.parametrize("letter, vllms", [("K", "KimiDeltaLayer"), ("B", "Mamba1Layer")])
+def test_kind_of_k_and_b(letter, vllms, monkeypatch):
+    """Ours with vLLM's cache on vLLM's CPU build (its kernels are not there), vLLM's layer elsewhere unless an option
+    of ours has no equivalent in it."""
+    from types import SimpleNamespace
+
+    from hybridlm.vllm import layers
+    cfg = PLUGIN["delta-moe" if letter == "K" else "mla-mamba1"]
+    vllm_layer = getattr(layers, vllms)
+    assert layers.kind(letter, cfg, torch.float32) is layers.RecurrentLayer
+    assert "CPU build" in vllm_layer.refuse(cfg, letter, torch.float32)
+    monkeypatch.setattr(layers, "current_platform", SimpleNamespace(is_cpu=lambda: False))
+    assert layers.kind(letter, cfg, torch.float32) is vllm_layer
+    if letter == "K":
+        for extra, why in ((dict(kda_rank=16), "kda_rank=16"), (dict(kda_head_dim=512), "kda_head_dim=512")):
+            c = ModelConfig(**{**cfg.to_dict(), **extra})
+            assert layers.kind(letter, c, torch.float32) is layers.RecurrentLayer
+            assert why in vllm_layer.refuse(c, letter)
 
 
 TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of generate); O on vLLM's FusedMoE, each

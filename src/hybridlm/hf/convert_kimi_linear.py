@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
+from ..models.mixers_kda import KIMI_LINEAR_NAMES
 from .common import (TWINS, Tensors, decoder_layers, head_tensors, hf_get, hf_tied, register, require, require_silu,
                      routed_experts, stacked_experts)
 
@@ -70,9 +71,7 @@ def kimi_config(hf) -> dict:
 
 _MLA = {"q_a_proj": "q_a", "q_a_layernorm": "q_norm", "q_b_proj": "q_b", "q_proj": "q_proj",
         "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "kv_b", "o_proj": "out"}
-_KDA = {"f_a_proj.weight": "f_a.weight", "f_b_proj.weight": "f_b.weight", "dt_bias": "dt_bias",
-        "b_proj.weight": "b_proj.weight", "g_a_proj.weight": "g_a.weight", "g_b_proj.weight": "g_b.weight",
-        "o_norm.weight": "norm_weight", "o_proj.weight": "o_proj.weight"}
+_KDA = {theirs: ours for ours, theirs in KIMI_LINEAR_NAMES.items()}
 _FORGET = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")   # under forget_gate. in the loaded model
 
 

@@ -16,19 +16,16 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..models.layout import fold_layout
+from ..models.mixers_mamba1 import MAMBA_NAMES, MAMBA_NAMES_OPTIONAL
 from .common import (TWINS, Tensors, copy_renamed, decoder_layers, fused_attention, head_tensors, hf_get, hf_tied,
                      register, require, require_silu, routed_experts, stacked_experts)
 
-# ours (under blocks.{i}.mixer.) -> theirs (under the transformers mixer); conv1d.weight is reshaped separately
-_MIXER = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
-          "dt_proj.bias": "dt_proj.bias", "A_log": "A_log", "D": "D", "out_proj.weight": "out_proj.weight"}
-_MIXER_OPTIONAL = {"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias", "conv.bias": "conv1d.bias",
-                   "dt_norm": "dt_layernorm.weight", "b_norm": "b_layernorm.weight", "c_norm": "c_layernorm.weight"}
-
 
 def _mixer(out: dict, prefix: str, s: Tensors, has_norm_weights: bool):
-    copy_renamed(out, prefix, s, _MIXER)
-    opt = _MIXER_OPTIONAL if has_norm_weights else {k: v for k, v in _MIXER_OPTIONAL.items() if "norm" not in k}
+    """Ours under `prefix` from transformers' mixer `s` (models/mixers_mamba1.py's names; the conv reshaped)."""
+    copy_renamed(out, prefix, s, MAMBA_NAMES)
+    opt = MAMBA_NAMES_OPTIONAL if has_norm_weights else \
+        {k: v for k, v in MAMBA_NAMES_OPTIONAL.items() if "norm" not in k}
     copy_renamed(out, prefix, s, opt, optional=True)
     out[prefix + "conv.weight"] = s["conv1d.weight"].squeeze(1)           # [C, 1, K] -> [C, K]
 

@@ -289,12 +289,22 @@ def _kimi_linear(cfg, layers, tokens):
     heads, dim, _ = kda_sizes(cfg)
     h = cfg.moe_hidden or cfg.mlp_hidden_size
     shared = (cfg.moe_shared_hidden or h) / h if cfg.moe_shared else 0
+    # also the released config.json's fields, which vLLM's kimi_linear reads instead of transformers' layer types:
+    # KDA and MLA layers numbered from 1, NoPE MLA, and the MLPs dense for the first k layers, routed after (the only
+    # MLP pattern it has: written where ours is one)
+    mlps = [c for _, c in layers]
+    k = next((i for i, c in enumerate(mlps) if c == "O"), len(mlps))
+    released = dict(linear_attn_config={"kda_layers": [i + 1 for i, (m, _) in enumerate(layers) if m == "K"],
+                                        "full_attn_layers": [i + 1 for i, (m, _) in enumerate(layers) if m == "L"],
+                                        "num_heads": heads, "head_dim": dim, "short_conv_kernel_size": cfg.d_conv},
+                    mla_use_nope=True, **(dict(first_k_dense_replace=k, moe_layer_freq=1)
+                                          if all(c == "O" for c in mlps[k:]) else {}))
     return KimiLinearConfig(
         **_common(cfg, len(layers)), **_mla(cfg), layer_types=["linear_attention" if m == "K" else "full_attention"
                                                                for m, _ in layers],
         mlp_layer_types=["sparse" if c == "O" else "dense" for _, c in layers], moe_intermediate_size=h,
         num_local_experts=cfg.moe_experts, n_shared_experts=int(shared) if shared == int(shared) else shared,
-        linear_num_heads=heads, linear_head_dim=dim, linear_conv_kernel_dim=cfg.d_conv, **_moe_router(cfg))
+        linear_num_heads=heads, linear_head_dim=dim, linear_conv_kernel_dim=cfg.d_conv, **_moe_router(cfg), **released)
 
 
 def _lfm2(cfg, layers, tokens):

@@ -1,6 +1,13 @@
 """The `K` letter: Kimi Delta Attention (layers/kda.py), the linear-attention layer of Kimi-Linear."""
 from .registry import need
 
+# our KimiDeltaAttention's parameters -> Kimi-Linear's names (transformers' kimi_linear and vLLM's use the same ones);
+# q/k/v, the conv and A_log are fused or shaped differently on each side: hf/convert_kimi_linear.py and the vLLM plugin
+# cut those themselves
+KIMI_LINEAR_NAMES = {"f_a.weight": "f_a_proj.weight", "f_b.weight": "f_b_proj.weight", "dt_bias": "dt_bias",
+                     "b_proj.weight": "b_proj.weight", "g_a.weight": "g_a_proj.weight", "g_b.weight": "g_b_proj.weight",
+                     "norm_weight": "o_norm.weight", "o_proj.weight": "o_proj.weight"}
+
 
 def kda_sizes(cfg) -> tuple[int, int, int]:
     """(heads, head dim, gate rank) a config resolves to."""

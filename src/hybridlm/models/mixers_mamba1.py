@@ -5,6 +5,13 @@
 """
 from .registry import need
 
+# our Mamba1's parameters -> transformers' MambaMixer names (Mamba, Falcon-Mamba, Jamba; vLLM's MambaMixer keeps them,
+# reading A_log as A = -exp(A_log)); the conv kernel [C, K] is theirs [C, 1, K], reshaped by each converter
+MAMBA_NAMES = {"in_proj.weight": "in_proj.weight", "x_proj.weight": "x_proj.weight", "dt_proj.weight": "dt_proj.weight",
+               "dt_proj.bias": "dt_proj.bias", "A_log": "A_log", "D": "D", "out_proj.weight": "out_proj.weight"}
+MAMBA_NAMES_OPTIONAL = {"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias", "conv.bias": "conv1d.bias",
+                        "dt_norm": "dt_layernorm.weight", "b_norm": "b_layernorm.weight", "c_norm": "c_layernorm.weight"}
+
 
 def _validate_mamba1(cfg):
     need(cfg.mamba1_d_state >= 1, f"mamba1_d_state must be >= 1, got {cfg.mamba1_d_state}")

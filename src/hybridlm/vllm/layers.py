@@ -22,6 +22,8 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
     G         GatedDeltaNetLayer  vLLM's Gated DeltaNet (Qwen3-Next's: its conv and delta-rule kernels, its state),
                                sharded by key-head groups; where its kernel cannot run the layer (CPU: bf16 only,
                                key = value head dim of 64 or 128, a conv of 4 taps), RecurrentLayer
+    K         KimiDeltaLayer   vLLM's Kimi Delta Attention (kimi_linear.py's; Triton kernels: not on its CPU build)
+    B         Mamba1Layer      vLLM's MambaMixer (Mamba-1; its scan a CUDA op, its CPU decode step Mamba-2's only)
     R G K B   RecurrentLayer   ours, with (conv tail, state) in vLLM's cache (state.py); replicated
     M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
     O         MoELayer         vLLM's FusedMoE (its grouped top-k router, its CPU experts: gated silu / gelu /
@@ -29,15 +31,16 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
                                sharded, one all-reduce; other experts: ChannelLayer
     E, O      ChannelLayer     ours as it is (no state; O where MoELayer refuses); replicated
 
-K, B and L are ours on every platform: vLLM's CPU build cannot run its own (its KDA is Triton-only, its Mamba-1
-scan not built for CPUs, its CPU MLA only a 512 + 64 latent); vLLM's GPU layers for them are not wired in yet. G is
-vLLM's in bf16 at the head dims its CPU kernel has, ours otherwise (a float32 run); O is vLLM's FusedMoE where its
-experts run.
+K and B are vLLM's layers where its kernels run (GPUs), ours on its CPU build (its KDA is Triton-only, its Mamba-1
+scan not built for CPUs). G is vLLM's in bf16 at the head dims its CPU kernel has, ours otherwise (a float32 run); O
+is vLLM's FusedMoE where its experts run. L is ours on every platform (vLLM's CPU MLA takes only a 512 + 64 latent).
 
 Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
 served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
 beyond its largest the letter is refused at load.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -48,7 +51,9 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear)
+from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_mixer import MambaMixer
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 from vllm.model_executor.layers.mamba.short_conv import ShortConv
@@ -60,6 +65,8 @@ from ..layers.mlp import ACTIVATIONS
 from ..layers.norm import make_norm
 from ..models.config import ModelConfig
 from ..models.mixers_delta import gdn_sizes
+from ..models.mixers_kda import KIMI_LINEAR_NAMES, kda_sizes
+from ..models.mixers_mamba1 import MAMBA_NAMES, MAMBA_NAMES_OPTIONAL
 from ..models.registry import LETTERS
 from .state import RecurrentState, state_shapes
 
@@ -347,7 +354,7 @@ class GatedDeltaNetLayer(Mixer, QwenGatedDeltaNetAttention):
     dims, conv taps, norm eps; gdn_chunk_size is speed only), so only its kernels' limits refuse (its q/k l2 norm adds
     1e-5, ours 1e-6: far below bf16's rounding)."""
     renames = {"conv.weight": "conv1d.weight", "norm_weight": "norm.weight"}
-    stacked = {"conv1d.weight": lambda mod, w: [("conv1d.weight", None, w.unsqueeze(1))]}   # [C, K] -> [C, 1, K]
+    stacked = {"conv1d.weight": _conv_kernel}
 
     @classmethod
     def refuse(cls, cfg, letter, dtype=None):
@@ -398,6 +405,97 @@ def _cpu_packed_conv() -> bool:
     (layers/utils.py's dispatch_cpu_unquantized_gemm; AVX-512 BF16, or ARM with bf16)."""
     from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
     return torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
+
+
+def _conv_kernel(mod, w, shards: int = 1):
+    """Our depthwise conv kernel [C, K] -> vLLM's [C, 1, K], whole or (KDA) as its q / k / v shards."""
+    if shards == 1:
+        return [("conv1d.weight", None, w.unsqueeze(1))]
+    return [("conv1d.weight", i, p) for i, p in enumerate(w.chunk(shards))]
+
+
+class KimiDeltaLayer(Mixer, KimiGatedDeltaNetAttention):
+    """K: vLLM's Kimi Delta Attention (kimi_linear.py's layer) sized from our config. Its fused input projection
+    holds [q; k; v; β; f_a] (our qkv, b_proj and f_a), its conv the q / k / v shards; the other names are Kimi-Linear's
+    (KIMI_LINEAR_NAMES, as our hf export). Its output norm takes our norm_eps (vLLM's default is 1e-5)."""
+    renames = {ours: theirs for ours, theirs in KIMI_LINEAR_NAMES.items() if ours != theirs}
+    stacked = {"qkv.weight": lambda mod, w: [("in_proj_qkvgfab.weight", i, p) for i, p in enumerate(w.chunk(3))],
+               "b_proj.weight": lambda mod, w: [("in_proj_qkvgfab.weight", 3, w)],
+               "f_a_proj.weight": lambda mod, w: [("in_proj_qkvgfab.weight", 4, w)],
+               "conv.weight": lambda mod, w: _conv_kernel(mod, w, 3)}
+
+    @classmethod
+    def refuse(cls, cfg, letter, dtype=None):
+        if current_platform.is_cpu():
+            return ("vLLM's KDA kernels are Triton / CUDA only (chunk_kda_with_fused_gate, "
+                    "fused_recurrent_kda_packed_decode, gather_initial_states: none in its CPU build)")
+        heads, dim, rank = kda_sizes(cfg)
+        if rank != dim:
+            return f"kda_rank={rank} (vLLM's KDA has gate projections of rank head_dim = {dim})"
+        if dim > 256:
+            return f"kda_head_dim={dim} (vLLM's KDA kernels take head dims up to 256)"
+        return None
+
+    @classmethod
+    def state(cls, cfg, letter, vllm_config):
+        heads, dim, _ = kda_sizes(cfg)
+        return (MambaStateShapeCalculator.kda_state_shape(
+            vllm_config.parallel_config.tensor_parallel_size, heads, dim, conv_kernel_size=cfg.d_conv,
+            num_spec=vllm_config.num_speculative_tokens),
+            MambaStateDtypeCalculator.kda_state_dtype(vllm_config.model_config.dtype,
+                                                      vllm_config.cache_config.mamba_cache_dtype))
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        from types import SimpleNamespace
+        heads, dim, _ = kda_sizes(cfg)
+        kimi = SimpleNamespace(hidden_size=cfg.d_model, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
+                               linear_attn_config={"num_heads": heads, "head_dim": dim,
+                                                   "short_conv_kernel_size": cfg.d_conv})
+        KimiGatedDeltaNetAttention.__init__(self, kimi, vllm_config, prefix)
+        self.o_norm.eps = cfg.norm_eps
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return KimiGatedDeltaNetAttention.forward(self, x, positions)
+
+
+class Mamba1Layer(Mixer, MambaMixer):
+    """B: vLLM's MambaMixer (Mamba-1, as mamba.py / jamba.py build it) sized from our config; transformers' names
+    (MAMBA_NAMES, as our hf export) with A_log read as A."""
+    renames = {**{ours: theirs for ours, theirs in {**MAMBA_NAMES, **MAMBA_NAMES_OPTIONAL}.items() if ours != theirs},
+               "A_log": "A"}
+    stacked = {"conv.weight": _conv_kernel}
+
+    @classmethod
+    def refuse(cls, cfg, letter, dtype=None):
+        if current_platform.is_cpu():
+            return ("vLLM's Mamba-1 kernels are not in its CPU build: its selective scan (prefill) is a CUDA op "
+                    "(torch.ops._C.selective_scan_fwd), its CPU decode step takes Mamba-2's states only")
+        return None
+
+    @classmethod
+    def state(cls, cfg, letter, vllm_config):
+        cache = vllm_config.cache_config
+        return (MambaStateShapeCalculator.mamba1_state_shape(
+            vllm_config.parallel_config.tensor_parallel_size, cfg.mamba1_expand * cfg.d_model, cfg.mamba1_d_state,
+            cfg.d_conv),
+            MambaStateDtypeCalculator.mamba1_state_dtype(vllm_config.model_config.dtype, cache.mamba_cache_dtype,
+                                                         cache.mamba_ssm_cache_dtype))
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        norm = cfg.mamba1_bcdt_norm
+        MambaMixer.__init__(self, hidden_size=cfg.d_model, ssm_state_size=cfg.mamba1_d_state,
+                            conv_kernel_size=cfg.d_conv, intermediate_size=cfg.mamba1_expand * cfg.d_model,
+                            time_step_rank=cfg.mamba1_dt_rank or math.ceil(cfg.d_model / 16),
+                            use_conv_bias=cfg.mamba1_conv_bias, use_bias=cfg.mamba1_bias,
+                            use_rms_norm=norm != "none", rms_norm_has_weight=norm == "weight",
+                            rms_norm_eps=cfg.mamba1_norm_eps if cfg.mamba1_norm_eps is not None else cfg.norm_eps,
+                            model_config=vllm_config.model_config, cache_config=vllm_config.cache_config,
+                            prefix=prefix)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        MambaMixer.forward(self, x, out)        # writes into `out` (behind vLLM's custom op)
+        return out
 
 
 class RecurrentLayer(Mixer):
@@ -544,7 +642,8 @@ class ChannelLayer(Mixer):
 LAYERS: dict[str, tuple[type[Mixer], ...]] = {
     "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (OwnAttentionLayer,),
     "S": (Mamba2Layer,), "C": (ShortConvLayer,),
-    "R": (RecurrentLayer,), "G": (GatedDeltaNetLayer, RecurrentLayer), "K": (RecurrentLayer,), "B": (RecurrentLayer,),
+    "R": (RecurrentLayer,), "G": (GatedDeltaNetLayer, RecurrentLayer), "K": (KimiDeltaLayer, RecurrentLayer),
+    "B": (Mamba1Layer, RecurrentLayer),
     "M": (MLPLayer,), "E": (ChannelLayer,), "O": (MoELayer, ChannelLayer),
 }
 # why the letters outside the table are refused

@@ -10,7 +10,7 @@ weights load by name through one WeightsMapper (the renames each mixer kind decl
 MambaMixer2's `conv1d` / `A`) and each kind's cuts of our fused tensors into vLLM's stacked parameters (fused QKV,
 gate/up, the conv kernel's [C, K] as [C, 1, K], our stacked experts one expert at a time into FusedMoE's). vLLM
 gives continuous batching, chunked prefill, prefix caching (its mamba "align" mode) and tensor parallelism (A, W, S,
-C, M, O and vLLM's G shard by heads / channels; the others are replicated).
+C, M, O and, on vLLM's layers, G, K and B shard by heads / channels; the others are replicated).
 """
 import json
 import os
@@ -105,10 +105,11 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):
-        """Per kind of state: vLLM's for MambaMixer2's, ShortConv's and Gated DeltaNet's, a whole-snapshot copy for
-        our (conv, state)."""
+        """Per kind of state: vLLM's for its layers' (MambaMixer2, ShortConv, MambaMixer, Gated DeltaNet and KDA: one
+        kind, the same copies), a whole-snapshot copy for our (conv, state)."""
         ours = {MambaAttentionBackendEnum[BACKEND]: (get_temporal_copy_spec, get_temporal_copy_spec),
                 MambaAttentionBackendEnum.SHORT_CONV: MambaStateCopyFuncCalculator.short_conv_state_copy_func(),
+                MambaAttentionBackendEnum.MAMBA1: MambaStateCopyFuncCalculator.mamba1_state_copy_func(),
                 MambaAttentionBackendEnum.GDN_ATTN: MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()}
         return {t: ours.get(t, cls.get_mamba_state_copy_func()) for t in mamba_types}
 
