@@ -282,10 +282,17 @@ class OwnAttentionLayer(Mixer):
 # --- recurrent ----------------------------------------------------------------------------------------------
 
 
+def _conv_kernel(mod, w, shards: int = 1):
+    """Our depthwise conv kernel [C, K] -> vLLM's [C, 1, K], whole or (KDA) as its q / k / v shards."""
+    if shards == 1:
+        return [("conv1d.weight", None, w.unsqueeze(1))]
+    return [("conv1d.weight", i, p) for i, p in enumerate(w.chunk(shards))]
+
+
 class Mamba2Layer(Mixer, MambaMixer2):
     """S: vLLM's MambaMixer2 sized from our config."""
     renames = {"conv.weight": "conv1d.weight", "conv.bias": "conv1d.bias", "A_log": "A", "norm_weight": "norm.weight"}
-    stacked = {"conv1d.weight": lambda mod, w: [("conv1d.weight", None, w.unsqueeze(1))]}   # [C, K] -> [C, 1, K]
+    stacked = {"conv1d.weight": _conv_kernel}
 
     @classmethod
     def refuse(cls, cfg, letter, dtype=None):
@@ -405,13 +412,6 @@ def _cpu_packed_conv() -> bool:
     (layers/utils.py's dispatch_cpu_unquantized_gemm; AVX-512 BF16, or ARM with bf16)."""
     from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
     return torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
-
-
-def _conv_kernel(mod, w, shards: int = 1):
-    """Our depthwise conv kernel [C, K] -> vLLM's [C, 1, K], whole or (KDA) as its q / k / v shards."""
-    if shards == 1:
-        return [("conv1d.weight", None, w.unsqueeze(1))]
-    return [("conv1d.weight", i, p) for i, p in enumerate(w.chunk(shards))]
 
 
 class KimiDeltaLayer(Mixer, KimiGatedDeltaNetAttention):
