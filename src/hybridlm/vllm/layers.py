@@ -430,6 +430,8 @@ class KimiDeltaLayer(Mixer, KimiGatedDeltaNetAttention):
             return ("vLLM's KDA kernels are Triton / CUDA only (chunk_kda_with_fused_gate, "
                     "fused_recurrent_kda_packed_decode, gather_initial_states: none in its CPU build)")
         heads, dim, rank = kda_sizes(cfg)
+        if heads % _tp_size():
+            return f"{heads} heads over {_tp_size()} ranks (vLLM's KDA shards whole heads)"
         if rank != dim:
             return f"kda_rank={rank} (vLLM's KDA has gate projections of rank head_dim = {dim})"
         if dim > 256:
@@ -470,6 +472,8 @@ class Mamba1Layer(Mixer, MambaMixer):
         if current_platform.is_cpu():
             return ("vLLM's Mamba-1 kernels are not in its CPU build: its selective scan (prefill) is a CUDA op "
                     "(torch.ops._C.selective_scan_fwd), its CPU decode step takes Mamba-2's states only")
+        if (cfg.mamba1_expand * cfg.d_model) % _tp_size():
+            return f"{cfg.mamba1_expand * cfg.d_model} channels over {_tp_size()} ranks (vLLM's MambaMixer shards them)"
         return None
 
     @classmethod
