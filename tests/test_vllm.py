@@ -2,11 +2,11 @@
 
 Greedy tokens of `vllm.LLM(..., dtype="float32", enforce_eager=True, skip_tokenizer_init=True)` equal `hybridlm
 generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sent together, two of which share a long
-prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
-model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
-mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
-Gated DeltaNet G, KDA K and routed MoE O, MLA L with Mamba-1 B, inner-function attention F with the dynamic mask;
-tensor parallel 2 gives the tokens of 1.
+prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H, Nemotron-H and DeepSeek-V3 shapes:
+vLLM's own model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset,
+a layout mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped
+one with Gated DeltaNet G, KDA K and routed MoE O, MLA L on vLLM's MLA, MLA L (ours) with Mamba-1 B, inner-function
+attention F with the dynamic mask; tensor parallel 2 gives the tokens of 1.
 vLLM starts an engine process per model (about a minute each on two busy cores): each model runs in a subprocess.
 """
 import json
@@ -194,6 +194,7 @@ TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of 
     "mixed": ModelConfig(layout="A M S O R M G O", attn_shared_key=False, rodimus_d_state=16, gdn_k_heads=1,
                          gdn_v_heads=2, gdn_k_dim=32, gdn_v_dim=32, moe_experts=4, moe_topk=2, moe_hidden=64, **SIZES),
     "rodimus++": PLUGIN["rodimus++"],
+    "mla": PLUGIN["mla-vllm"],          # vLLM's MLA: a head per rank
 }
 
 
