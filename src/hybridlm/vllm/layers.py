@@ -311,7 +311,15 @@ class MLALayer(Mixer):
             return (f"this layout has {', '.join(beside)} beside L, and vLLM sizes a model's whole KV cache as MLA "
                     "or not (use_mla): on its CPU build MLA's blocks (16 tokens) and attention's (multiples of 32) "
                     "then share no size")
-        if not current_platform.is_cpu():
+        # the dtypes of the MLA backend vLLM picks here: its CPU MLA any float, its AMX MLA (CPUs with AMX tiles)
+        # bfloat16, its GPU ones float16 / bfloat16
+        cpu = current_platform.is_cpu()
+        amx = cpu and torch.cpu._is_amx_tile_supported()
+        dtypes = (torch.bfloat16,) if amx else (torch.float16, torch.bfloat16) + ((torch.float32,) if cpu else ())
+        if dtype is not None and dtype not in dtypes:
+            return (f"vLLM's MLA backend here ({'AMX' if amx else 'GPU'}) computes "
+                    f"{' / '.join(str(t).removeprefix('torch.') for t in dtypes)} only, not {dtype}")
+        if not cpu:
             return None
         s = mla_sizes(cfg)
         if (s["kv_lora_rank"], s["rope_dim"]) != (512, 64):
@@ -321,8 +329,6 @@ class MLALayer(Mixer):
         if recurrent:
             return (f"vLLM's CPU MLA takes blocks of 16 tokens only, and beside recurrent state ({', '.join(recurrent)})"
                     " vLLM aligns MLA's blocks to 128")
-        if torch.cpu._is_amx_tile_supported() and dtype is not None and dtype != torch.bfloat16:
-            return f"vLLM picks its AMX MLA on this CPU, which computes bfloat16 only (model dtype {dtype})"
         return None
 
     def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):

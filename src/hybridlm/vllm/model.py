@@ -112,9 +112,10 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
         cfg = _model_config(vllm_config)
         dtype = vllm_config.model_config.dtype
         check_servable(cfg, getattr(hf, "quantization_config", None), dtype)
-        if (getattr(hf, "kv_lora_rank", None) is not None) != bool(mla_fields(cfg, dtype)):   # (vLLM's AMX MLA)
-            raise ConfigError(f"the hybridlm vLLM plugin put L on vLLM's MLA when vLLM read config.json, but at "
-                              f"dtype {dtype}: {MLALayer.refuse(cfg, 'L', dtype)}")
+        if (getattr(hf, "kv_lora_rank", None) is not None) != bool(mla_fields(cfg, dtype)):
+            # vLLM turned MLA on for the model (use_mla) before it knew the dtype; now L cannot stay on it
+            raise ConfigError(f"the hybridlm vLLM plugin cannot serve letter L at dtype {dtype} here: "
+                              f"{MLALayer.refuse(cfg, 'L', dtype)}; serve with --dtype bfloat16")
         self.config = cfg
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, prefix="embed")
         self.embed_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.embed_norm else None
