@@ -55,7 +55,7 @@ from ..models.config import ModelConfig
 from ..models.registry import LETTERS
 from .state import RecurrentState, state_shapes
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")       # under vLLM's logger, whose handler prints it
 
 
 # --- head dims ----------------------------------------------------------------------------------------------
