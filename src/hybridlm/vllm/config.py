@@ -49,9 +49,9 @@ class HybridLMVLLMConfig(PretrainedConfig):
 
 def mla_fields(cfg: ModelConfig, dtype=None) -> dict:
     """DeepSeek's config names of the MLA sizes when the layout's L layers run on vLLM's MLA (layers.MLALayer) at
-    model dtype `dtype` (None: not known yet), else {}. vLLM turns MLA on for a whole model (ModelConfig.use_mla: the latent cache, one kv head of kv_lora_rank +
-    qk_rope_head_dim, the MLA backends) when its model_type is one of DeepSeek's and it has a kv_lora_rank; the
-    plugin's ArchConvertor reads the second for model_type "hybridlm"."""
+    model dtype `dtype` (None: not known yet), else {}. vLLM turns MLA on for a whole model (ModelConfig.use_mla: the
+    latent cache, one kv head of kv_lora_rank + qk_rope_head_dim, the MLA backends) when its model_type is one of
+    DeepSeek's and it has a kv_lora_rank; the plugin's ArchConvertor reads the second for model_type "hybridlm"."""
     from ..models.mixers_deepseek import mla_sizes
     from .layers import MLALayer, kind
     layers = [i for i, x in enumerate(flatten(parse_layout(cfg.layout, LETTERS.keys()))) if str(x) == "L"]

