@@ -2,13 +2,14 @@
 
 Greedy tokens of `vllm.LLM(..., dtype="float32", enforce_eager=True, skip_tokenizer_init=True)` equal `hybridlm
 generate`'s (CausalLM.generate, temperature 0) for every prompt of one batch sent together, two of which share a long
-prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H and Nemotron-H shapes: vLLM's own
-model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset, a layout
-mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped one with
-Gated DeltaNet G, KDA K and routed MoE O, a DeepSeek-V3-routed O, MLA L with Mamba-1 B, inner-function attention F
-with the dynamic mask; tensor parallel 2 gives the tokens of 1 (O sharded by vLLM's FusedMoE among them). Where
-vLLM's kernel demands bf16 (its CPU Gated DeltaNet: the Qwen3Next export, G on vLLM's layer through the plugin, also
-under tensor parallelism) the tokens meet a stated bf16 rule.
+prefix: on `convert --to-hf --as-native` exports (Llama, Mamba-2, Granite-4.0-H, Nemotron-H and DeepSeek-V3 shapes:
+vLLM's own model classes) and through the plugin on run directories, for every letter it serves: the rodimus++ preset,
+a layout mixing A, S, R and M, one with LFM2's gated short convolution C, one with CDMoE E, a Qwen3-Next-/Kimi-shaped
+one with Gated DeltaNet G, KDA K and routed MoE O, a DeepSeek-V3-routed O, MLA L on vLLM's MLA, MLA L (ours) with
+Mamba-1 B, inner-function attention F with the dynamic mask; tensor parallel 2 gives the tokens of 1 (O sharded by
+vLLM's FusedMoE, L on vLLM's MLA among them). Where vLLM's kernel demands bf16 (its CPU Gated DeltaNet: the
+Qwen3Next export, G on vLLM's layer through the plugin, also under tensor parallelism) the tokens meet a stated bf16
+rule.
 O is served by layers.MoELayer (vLLM's FusedMoE, its CPU experts) in every case here; ChannelLayer (ours) takes the
 options FusedMoE cannot do (test_routed_moe_falls_back_to_ours); the routing options no served case has are checked
 layer against layer, without an engine (test_moe_layer_equals_ours).
@@ -116,12 +117,22 @@ def model(cfg: ModelConfig) -> CausalLM:
     return m
 
 
+# MLA at the one latent size vLLM's CPU MLA decode kernel computes (512 + a rope key of 64), small otherwise
+MLA_CPU = dict(mla_kv_lora_rank=512, mla_rope_dim=64, mla_q_lora_rank=64, mla_qk_nope_dim=32)
+# and a latent it does not compute: L stays on our attention (expanded keys: qk 48 + 16 = 64, v 64)
+MLA_64 = dict(mla_kv_lora_rank=64, mla_q_lora_rank=48, mla_qk_nope_dim=48, mla_rope_dim=16, mla_v_dim=64)
+
 NATIVE = {   # case -> (preset, sizes)
     "llama": ("llama", dict(n_layers=2)),
     "mamba2": ("mamba2", dict(n_layers=2, ssd_ngroups=2)),
     "granite-4.0-h": ("granite-hybrid", dict(n_layers=3)),
     "nemotron-h": ("nemotron-h", dict(n_layers=4)),
+    "deepseek-v3": ("deepseek-mla", dict(n_layers=2, **MLA_CPU)),
 }
+# case -> vLLM's arguments it needs here. DeepseekV3: vLLM's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates
+# a [tokens, heads, dim] query of more than one head wrongly, which vLLM's MLA wrapper hands it: vLLM's rope in
+# PyTorch instead
+NATIVE_ARGS = {"deepseek-v3": dict(compilation_config={"custom_ops": ["-rotary_embedding"]})}
 
 
 @pytest.mark.slow
@@ -134,7 +145,7 @@ def test_native_export_served_by_vllm(case, tmp_path):
     subprocess.run([sys.executable, "-m", "hybridlm", "convert", "--to-hf", run, "--as-native", "--out", out],
                    check=True, capture_output=True)
     ps = prompts()
-    assert served(out, ps) == [ours(m, ps)]
+    assert served(out, ps, **NATIVE_ARGS.get(case, {})) == [ours(m, ps)]
 
 
 @pytest.mark.slow
@@ -190,9 +201,10 @@ PLUGIN = {   # case -> config: served through hybridlm.vllm from the run directo
                                 moe_hidden=32, moe_shared_hidden=96, **SIZES),
     # heads of 184 channels (the 125M preset's), which vLLM's CPU attention lacks: computed at 192, zero-padded
     "head-dim-184": ModelConfig(layout="A M S M", **{**SIZES, "head_dim": 184}),
-    # MLA (expanded keys in vLLM's attention: qk 48 + 16 = 64, v 64) and Mamba-1
-    "mla-mamba1": ModelConfig(layout="L M B M", mla_kv_lora_rank=64, mla_q_lora_rank=48, mla_qk_nope_dim=48,
-                              mla_rope_dim=16, mla_v_dim=64, **SIZES),
+    # MLA on vLLM's own (its latent cache: 512 + 64, the one size vLLM's CPU MLA decode kernel computes)
+    "mla-vllm": ModelConfig(layout="L M L M", **MLA_CPU, **SIZES),
+    # MLA at a latent vLLM's CPU MLA does not compute, so ours (expanded keys in vLLM's attention) and Mamba-1
+    "mla-mamba1": ModelConfig(layout="L M B M", **MLA_64, **SIZES),
     # inner-function attention and the "dt" dynamic mask on F and A (its bias as one more key channel: heads of 65
     # channels, computed at 80)
     "inner-function": ModelConfig(layout="F M S M A M", wm_dyn_mask="dt", wm_inner_values=8, wm_inner_topk=2,
@@ -344,6 +356,7 @@ TP = {   # case -> config: tensor_parallel_size 2 gives the tokens of 1 (and of 
     "moe": ModelConfig(layout="A O S O", moe_experts=16, moe_topk=3, moe_router="sigmoid", moe_router_bias=True,
                        moe_n_group=4, moe_topk_group=2, moe_scale=2.5, moe_shared=True, moe_shared_gate=True,
                        moe_hidden=32, moe_shared_hidden=96, **SIZES),
+    "mla": PLUGIN["mla-vllm"],          # vLLM's MLA: a head per rank
 }
 
 
@@ -445,6 +458,29 @@ def test_routed_moe_falls_back_to_ours(extra, why):
     assert why in MoELayer.refuse(cfg, "O", torch.float32)
     assert kind("O", cfg, torch.float32) is ChannelLayer
     check_servable(cfg, dtype=torch.float32)        # served all the same
+
+
+@pytest.mark.parametrize("layout, sizes, why", [
+    ("L M L M", MLA_CPU, None), ("L M O M", {**MLA_CPU, "moe_experts": 4, "moe_topk": 2}, None),
+    ("L M L M", MLA_64, r"only a latent of 512 \+ a rope key of 64 \(this L: 64 \+ 16\)"),
+    ("L M A M", MLA_CPU, "has A beside L"), ("[RWM] L M", MLA_CPU, "has W beside L"),
+    ("L M S M", MLA_CPU, r"beside recurrent state \(S\)"), ("L M B M", MLA_CPU, r"recurrent state \(B\)")])
+def test_mla_on_vllms_own_or_ours(layout, sizes, why):
+    """kind("L") takes vLLM's MLA where its CPU backend runs the layout (and the config turns vLLM's use_mla on:
+    a latent of 576 per token), ours otherwise, with the reason."""
+    import re
+
+    from hybridlm.vllm.config import ArchConvertor, HybridLMVLLMConfig
+    from hybridlm.vllm.layers import MLALayer, OwnAttentionLayer, kind
+    cfg = ModelConfig(layout=layout, rodimus_d_state=16, **{**SIZES, **sizes})
+    refusal = MLALayer.refuse(cfg, "L")
+    assert kind("L", cfg) is (MLALayer if why is None else OwnAttentionLayer)
+    assert refusal is None if why is None else re.search(why, refusal), refusal
+    hf = HybridLMVLLMConfig(hybridlm=cfg.to_dict())
+    arch = ArchConvertor(hf, hf)
+    assert arch.is_deepseek_mla() == (why is None)
+    if why is None:
+        assert arch.get_head_size() == 512 + 64
 
 
 @pytest.mark.slow

