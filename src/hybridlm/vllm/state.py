@@ -84,7 +84,7 @@ def run(mixer: nn.Module, x: Tensor, positions: Tensor, conv: Tensor | None,
 @lru_cache(maxsize=64)
 def _shapes(letter: str, cfg_json: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     cfg = ModelConfig.from_dict(json.loads(cfg_json))
-    with torch.device("cpu"):
+    with torch.device("cpu"), torch.random.fork_rng(devices=[]):      # vLLM's process keeps its own random state
         torch.manual_seed(0)
         mixer = LETTERS[letter].build(cfg, 0).float().eval()
         x = torch.zeros(1, 2, cfg.d_model, dtype=torch.float32)    # vLLM's model dtype is torch's default here
