@@ -325,7 +325,8 @@ class MLALayer(Mixer):
         from ..models.layout import flatten, parse_layout
         from ..models.mixers_deepseek import mla_sizes
         letters = {str(x) for x in flatten(parse_layout(cfg.layout, LETTERS.keys()))}
-        beside = sorted(letters & set("AWF"))
+        beside = sorted(x for x in letters if LETTERS[x].attention and x != "L")          # other attention
+        recurrent = sorted(x for x in letters if LETTERS[x].token and not LETTERS[x].attention)
         if beside:
             return (f"this layout has {', '.join(beside)} beside L, and vLLM sizes a model's whole KV cache as MLA "
                     "or not (use_mla): on its CPU build MLA's blocks (16 tokens) and attention's (multiples of 32) "
@@ -344,7 +345,6 @@ class MLALayer(Mixer):
         if (s["kv_lora_rank"], s["rope_dim"]) != (512, 64):
             return (f"vLLM's CPU MLA decode kernel computes only a latent of 512 + a rope key of 64 "
                     f"(this L: {s['kv_lora_rank']} + {s['rope_dim']})")
-        recurrent = sorted(letters & set("SCRGKB"))
         if recurrent:
             return (f"vLLM's CPU MLA takes blocks of 16 tokens only, and beside recurrent state "
                     f"({', '.join(recurrent)}) vLLM aligns MLA's blocks to 128")
