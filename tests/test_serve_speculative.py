@@ -152,3 +152,17 @@ def test_the_token_budget_counts_a_checked_row_as_k_plus_one(monkeypatch):
         sch.prefilling.extend(Request(list(range(1, 30)), SamplingParams(max_tokens=4)) for _ in range(2))
         picked.append(len(sch._pick_chunks()))
     assert picked == [2, 1]          # 24 - 2 leaves room for two 8-token chunks; 24 - 2 * 5 for one
+
+
+def test_the_memory_budget_counts_the_draft_models_cache():
+    """A draft model's cache per request (its state at the request's length + K + 1) is part of the request's peak,
+    as measured on a real cache of the draft model."""
+    m, d = tiny_layout("SM AM"), tiny_layout("AM", seed=1)
+    plain = Engine(m, eos_id=None, block=8)
+    spec = Engine(m, eos_id=None, block=8, speculative=ModelDrafter(d, 3))
+    with torch.inference_mode():
+        cache = d.make_cache(1)
+        d(torch.zeros(1, 40 + 4, dtype=torch.long), cache=cache, logits_to_keep=1)
+    real = sum(s.nbytes for s in cache.layers if s is not None)
+    assert spec.draft_bytes(40) == real > 0 and plain.draft_bytes(40) == 0
+    assert spec.peak_bytes([40, 12]) - plain.peak_bytes([40, 12]) == spec.draft_bytes(40) + spec.draft_bytes(12)

@@ -154,7 +154,9 @@ class Engine:
         if isinstance(self.drafter, ModelDrafter):
             check_draft_model(model, self.drafter.model)
         self.spec_stats = SpecStats()
-        self.layers = self._measure_state()
+        self.layers = self._measure_state(model)
+        # a draft model keeps a cache of its own per request (models/speculative.py's DraftRunner)
+        self.draft_layers = self._measure_state(self.drafter.model) if isinstance(self.drafter, ModelDrafter) else []
         self.fixed_bytes = sum(f for f, _ in self.layers)
         self.token_bytes = sum(t for _, t in self.layers)
         # a prefill forward's transient bytes per token, from the model's sizes: the residual stream and a norm's
@@ -180,20 +182,25 @@ class Engine:
 
     # ---------------------------------------------------------------- memory
     @torch.inference_mode()
-    def _measure_state(self) -> list[tuple[int, int]]:
-        """(fixed bytes, bytes per token) of every layer's state of one request: recurrent states, conv tails and
-        window rings are fixed, attention K/V (and MLA latents) grow by the token. Measured on the real model (1
-        and 2 tokens)."""
+    def _measure_state(self, model) -> list[tuple[int, int]]:
+        """(fixed bytes, bytes per token) of every layer's state of one request of `model`: recurrent states, conv
+        tails and window rings are fixed, attention K/V (and MLA latents) grow by the token. Measured on the real
+        model (1 and 2 tokens)."""
         sizes = []
         for n in (1, 2):
-            cache = self.model.make_cache(1)
-            self.model(torch.zeros(1, n, dtype=torch.long, device=self.device), cache=cache, logits_to_keep=1)
+            cache = model.make_cache(1)
+            model(torch.zeros(1, n, dtype=torch.long, device=self.device), cache=cache, logits_to_keep=1)
             sizes.append([s.nbytes if s is not None else 0 for s in cache.layers])
         return [(a - (b - a), b - a) for a, b in zip(*sizes)]
 
     def slot_bytes(self, tokens: int) -> int:
         """Bytes of inference state of one request at `tokens` tokens."""
         return self.fixed_bytes + self.token_bytes * tokens
+
+    def draft_bytes(self, tokens: int) -> int:
+        """Bytes of a draft model's cache of one request of `tokens` tokens (0 without a draft model): it runs K + 1
+        positions past the request's tokens at a check."""
+        return sum(f + t * (tokens + self.row_tokens) for f, t in self.draft_layers)
 
     def prefill_tokens(self) -> int:
         """Tokens one prefill forward runs at most (padding included: `plan_prefill` keeps a group within it)."""
@@ -210,15 +217,16 @@ class Engine:
         prefill caches (a request's at most its length; a group of fresh prompts runs in one cache padded to its
         longest first chunk before each row is taken out), the batch of one row each (dense [rows, cap] buffers
         with cap the longest length: each row holds its own tokens within it), during a rebuild or a growth of the
-        time axis the old batch (`batch_now`, the bytes it holds) beside the new one layer at a time, and the
-        activations of one prefill forward."""
+        time axis the old batch (`batch_now`, the bytes it holds) beside the new one layer at a time, the
+        activations of one prefill forward, and each request's draft-model cache when one drafts."""
         if not lengths:
             return batch_now
         cap, rows = max(lengths), len(lengths)
         batch = rows * self.slot_bytes(cap)
         layer = rows * max(f + t * cap for f, t in self.layers)
         prefill = sum(self.slot_bytes(n) for n in lengths) + rows * self.slot_bytes(min(cap, self.block))
-        return prefill + max(batch, batch_now) + layer + self.activation_bytes(self.prefill_tokens(), cap)
+        drafts = sum(self.draft_bytes(n) for n in lengths)
+        return prefill + max(batch, batch_now) + layer + drafts + self.activation_bytes(self.prefill_tokens(), cap)
 
     def in_flight(self) -> list[Request]:
         return self.running + list(self.staged.values())
