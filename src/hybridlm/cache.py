@@ -111,6 +111,10 @@ class _Rows:
 class KVCache(_Rows):
     """Key/value buffers [B, cap, H, D] (head-major storage) grown with amortised doubling (no per-token
     reallocation). Row b's tokens are at columns [0, lengths[b])."""
+    # how a sequence cut into consecutive chunks (context parallelism) joins up: a chunk attends to the keys of
+    # every earlier one ("keys"; "latent" and "indexer" the same with their own update), or starts from the
+    # state the previous chunk ended with ("carry")
+    chunk_join = "keys"
 
     def __init__(self, capacity: int = 0):
         self.k: Tensor | None = None
@@ -270,6 +274,7 @@ class WindowKVCache(_Rows):
     """Sliding-window attention (`W`): keys/values of the last `window` tokens in ring buffers
     [B, window, H, D] allocated once, so the cache never grows with the context. Row b's token t lies in slot
     t % window."""
+    chunk_join = "keys"
 
     def __init__(self, window: int):
         self.window = window
@@ -414,6 +419,7 @@ class LatentCache(KVCache):
     """MLA (`L`): only the normalised KV latent [B, S, kv_lora_rank] and the shared roped key [B, S, rope_dim],
     side by side in one buffer (the absorbed decode reads it as one key head without a copy), so a token costs
     (kv_lora_rank + rope_dim) × element size bytes per row."""
+    chunk_join = "latent"
 
     def update(self, latent: Tensor, k_rope: Tensor, at: Tensor | None = None, n: int = 0) -> Tensor:
         """Append latent [B, T, R] and k_rope [B, T, rope]; return [latent | k_rope] of all tokens [B, S, R+rope].
@@ -428,6 +434,7 @@ class IndexerCache:
     """Lightning-indexer layer (`I`): the indexer's own keys [B, S, D] plus the slot of the attention it masks
     (`main`, handed out by `layer()` so the wrapped attention reads its cache as usual). Row operations apply to
     both."""
+    chunk_join = "indexer"
 
     def __init__(self):
         self.main = None
@@ -528,6 +535,7 @@ class RecurrentCache:
     """Fixed-size state of a recurrent mixer: the short-conv tail [B, K-1, C] and the float32 state.
     Once `static` (static decoding), assigning a same-shaped new conv/state copies it into the existing tensor,
     so the buffers a captured graph reads and writes keep their addresses while mixers keep rebinding."""
+    chunk_join = "carry"
     conv: Tensor | None = None
     state: Tensor | None = None
     static: bool = False

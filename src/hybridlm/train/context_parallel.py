@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..cache import IndexerCache, InferenceCache, KVCache, LatentCache, RecurrentCache, WindowKVCache
+from ..cache import InferenceCache
 from ..errors import ConfigError, InputError
 
 
@@ -213,6 +213,9 @@ class _GatherIndexer(_Gather):
         return self.cp.gather(k)[0]
 
 
+_SLOTS = {"carry": _Relay, "keys": _Gather, "latent": _GatherLatent, "indexer": _GatherIndexer}   # by chunk_join
+
+
 class ContextParallelCache(InferenceCache):
     """The cache a rank's chunk runs with: slots that talk to the neighbouring ranks, positions from `offset`."""
 
@@ -230,16 +233,11 @@ class ContextParallelCache(InferenceCache):
         return self.layers[idx]
 
     def slot_for(self, kind, idx: int):
-        """The slot standing in for a cache of `kind`'s type."""
-        if isinstance(kind, RecurrentCache):
-            return _Relay(self)
-        if type(kind) in (KVCache, WindowKVCache):
-            return _Gather(self)
-        if type(kind) is LatentCache:
-            return _GatherLatent(self)
-        if type(kind) is IndexerCache:
-            return _GatherIndexer(self)
-        raise ConfigError(f"context parallelism does not support layer {idx} ({type(kind).__name__} state)")
+        """The slot standing in for a cache like `kind`, by how its chunks join (its `chunk_join`)."""
+        slot = _SLOTS.get(getattr(kind, "chunk_join", None))
+        if slot is None:
+            raise ConfigError(f"context parallelism does not support layer {idx} ({type(kind).__name__} state)")
+        return slot(self)
 
     def recv(self) -> tuple[Tensor | None, Tensor | None]:
         if self.rank == 0:
